@@ -1,0 +1,1 @@
+"""cgp: coarse-grain batch-parallel CPU trainer for Caffe networks."""

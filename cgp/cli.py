@@ -1,0 +1,118 @@
+"""The command line: `python -m cgp train ...` and friends. Parses options, builds the
+objects and prints results; user mistakes end in one message and exit status 2."""
+import argparse
+import os
+import sys
+import time
+
+import psutil
+
+from cgp.errors import CgpError
+
+EPILOG = "Models: mnist (LeNet), cifar10 (cifar10_quick), cifar10_full; or --solver FILE."
+
+
+def add_run_options(p):
+    """Options that change how a run executes, never what it computes."""
+    p.add_argument("--threads", type=int, default=1,
+                   help="worker threads (default 1); results are identical for any value")
+    p.add_argument("--chunks", type=int, default=16,
+                   help="fixed pieces each batch is cut into (default 16). Results depend on "
+                        "this, never on --threads; at most this many threads do useful work")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
+    p.add_argument("--no-download", action="store_true",
+                   help="never download a missing data set")
+
+
+def add_train(sub):
+    p = sub.add_parser("train", help="train a network from a solver prototxt", epilog=EPILOG)
+    p.add_argument("model", nargs="?", help="short name of a bundled model (mnist, cifar10, ...)")
+    p.add_argument("--solver", help="solver prototxt (Caffe's format)")
+    add_run_options(p)
+    p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
+    p.add_argument("--iters", type=int, default=None, help="overrides the solver's max_iter")
+    p.add_argument("--weights", help="initialise from a .caffemodel (copied by layer name)")
+    p.add_argument("--snapshot", help="resume from a .solverstate")
+    p.add_argument("--snapshot-prefix", default=None,
+                   help="where snapshots go (overrides the solver's snapshot_prefix)")
+    p.set_defaults(run=cmd_train)
+
+
+def solver_file(args):
+    from cgp.models import solver_path
+    if args.solver and args.model:
+        raise CgpError("give a model name or --solver, not both")
+    if args.solver:
+        return args.solver
+    if args.model:
+        return str(solver_path(args.model))
+    raise CgpError("name a model (mnist, cifar10, cifar10_full) or give --solver FILE")
+
+
+def physical_cores():
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def check_threads(threads, log):
+    cores = physical_cores()
+    if threads > cores:
+        log(f"Warning: --threads {threads} exceeds the {cores} physical cores of this "
+            "machine; results stay identical, speed will not improve")
+
+
+def cmd_train(args, log=print):
+    from cgp.prototxt import read_solver
+    from cgp.train import RunConfig, Trainer
+
+    path = solver_file(args)
+    sp = read_solver(path)
+    config = RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
+                       data_dir=args.data_dir, download=not args.no_download,
+                       max_iter=args.iters, snapshot_prefix=args.snapshot_prefix)
+    check_threads(args.threads, log)
+    started = time.perf_counter()
+    trainer = Trainer(sp, path, config, log=log)
+    try:
+        net = trainer.net
+        log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
+            f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
+            f"thread(s), seed {trainer.seed}")
+        log(f"cgp: {trainer.memory_line}")
+        if args.weights:
+            trainer.load_weights(args.weights)
+        if args.snapshot:
+            trainer.restore(args.snapshot)
+            log(f"Resuming from {args.snapshot} at iteration {trainer.iter}")
+        results = trainer.solve()
+    finally:
+        trainer.close()
+    elapsed = time.perf_counter() - started
+    summary = ", ".join(f"{k} = {v:.4f}" for k, v in results.items())
+    log(f"cgp: trained to iteration {trainer.iter} in {elapsed:.1f} s"
+        + (f"; test {summary}" if summary else ""))
+    if getattr(trainer, "weights_path", None):
+        log(f"cgp: weights written to {trainer.weights_path}")
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="cgp", description="Coarse-grain batch-parallel CPU trainer for Caffe networks: "
+        "results are bitwise identical for any thread count.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train(sub)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except CgpError as e:
+        print(f"cgp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cgp: interrupted", file=sys.stderr)
+        return 130

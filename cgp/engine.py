@@ -1,0 +1,116 @@
+"""The coarse-grain batch-parallel engine: one iteration of a Net over a fixed set of
+chunks on a pool of threads.
+
+The batch is cut into `chunks` pieces by batch size and chunk count alone. Each chunk
+runs forward and backward single-threaded through nogil Numba kernels and writes its
+own private gradient buffer; the communicator then sums the buffers in a fixed order.
+Which thread runs which chunk never matters, so results are bitwise the same for any
+thread count. The engine knows nothing about solvers.
+"""
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from cgp.errors import CgpError
+from cgp.layers import Chunk
+from cgp.net import Workspace
+
+
+def chunk_bounds(batch, chunks):
+    """[(first, n), ...]: `chunks` near-equal contiguous pieces of a batch (fewer if the
+    batch is smaller). The larger pieces come first."""
+    chunks = max(1, min(chunks, batch))
+    cuts = [c * batch // chunks for c in range(chunks + 1)]
+    return [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:])]
+
+
+class Pool:
+    """`threads` workers that share a list of tasks; task i runs as fn(worker, i).
+    With one thread everything runs inline in the caller: plain sequential execution."""
+
+    def __init__(self, threads):
+        if threads < 1:
+            raise CgpError(f"--threads must be at least 1, got {threads}")
+        self.threads = threads
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="cgp") if threads > 1 else None
+
+    def run(self, fn, tasks):
+        if self._executor is None or tasks == 1:
+            for i in range(tasks):
+                fn(0, i)
+            return
+        counter = itertools.count()
+        lock = threading.Lock()
+
+        def worker(w):
+            while True:
+                with lock:
+                    i = next(counter)
+                if i >= tasks:
+                    return
+                fn(w, i)
+
+        futures = [self._executor.submit(worker, w) for w in range(min(self.threads, tasks))]
+        for f in futures:
+            f.result()  # re-raises a worker's exception here
+
+    def close(self):
+        if self._executor is not None:
+            self._executor.shutdown()
+
+
+class Engine:
+    """Runs forward (and backward) of one net over the chunks of each batch."""
+
+    def __init__(self, net, chunks, pool, comm, backward=True):
+        self.net, self.pool, self.comm = net, pool, comm
+        self.bounds = chunk_bounds(net.batch_size, chunks)
+        n_max = max(n for _, n in self.bounds)
+        self.workspaces = [Workspace(net, n_max, with_diff=backward) for _ in range(pool.threads)]
+        self.params = net.param_views(net.params)
+        self.backward = backward
+        if backward:
+            self.chunk_grads = np.zeros((len(self.bounds), net.n_params), np.float32)
+            self.chunk_grad_views = [net.param_views(g) for g in self.chunk_grads]
+        # The batch values reported: loss tops and unread scalar outputs (accuracy, ...).
+        tracked = dict(net.scalar_outputs())
+        for blob in net.loss_weights:
+            tracked.setdefault(blob, net.blob_names[blob])
+        self.tracked = list(tracked.items())
+        self.shares = np.zeros((len(self.bounds), len(self.tracked)), np.float64)
+        self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
+
+    @property
+    def gradient_bytes(self):
+        return self.chunk_grads.nbytes if self.backward else 0
+
+    def run(self, batch, iteration, seed):
+        """batch: source blob id -> whole-batch array. Returns ({output name: value},
+        loss, gradient or None). The gradient is the fixed-order sum over chunks."""
+        net = self.net
+        by_name = {self.source_names[b]: a for b, a in batch.items()}
+
+        def work(worker, c):
+            first, n = self.bounds[c]
+            chunk = Chunk(n=n, first=first, batch=net.batch_size, iteration=iteration,
+                          seed=seed, batch_tops=by_name)
+            ws = self.workspaces[worker]
+            data = net.forward(ws, chunk, batch, self.params)
+            for j, (blob, _) in enumerate(self.tracked):
+                self.shares[c, j] = data[blob]
+            if self.backward:
+                self.chunk_grads[c].fill(0)
+                net.backward(ws, chunk, data, self.params, self.chunk_grad_views[c])
+
+        self.pool.run(work, len(self.bounds))
+        # Shares add up in chunk order, in float32 like the blobs they came from.
+        totals = np.zeros(len(self.tracked), np.float32)
+        for row in self.shares:
+            totals += row.astype(np.float32)
+        values = {name: float(v) for (_, name), v in zip(self.tracked, totals)}
+        loss = float(sum(np.float32(w) * totals[j] for j, (blob, _) in enumerate(self.tracked)
+                         for b, w in net.loss_weights.items() if b == blob))
+        grad = self.comm.reduce(self.chunk_grads) if self.backward else None
+        return values, loss, grad

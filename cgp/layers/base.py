@@ -1,0 +1,127 @@
+"""The layer contract and the registry of layers by Caffe type name.
+
+A layer holds its configuration and shapes only. Activations, gradients and scratch
+space live in buffers that the engine owns, one set per worker, so a single layer
+object serves every chunk of every iteration on every thread.
+"""
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from cgp.errors import NetError
+
+REGISTRY = {}
+
+
+def register(*type_names):
+    """Class decorator: make a layer available under its Caffe type name(s)."""
+    def add(cls):
+        for name in type_names:
+            REGISTRY[name] = cls
+        cls.type_name = type_names[0]
+        return cls
+    return add
+
+
+def supported_types():
+    return sorted(REGISTRY)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Where one chunk sits in its iteration: what layers that couple samples need.
+
+    Losses and accuracies divide by the *global* batch, so each chunk's scalar output
+    is its share of the batch value and the engine sums the shares in a fixed order.
+    Random streams are keyed by (seed, iteration, global sample index, layer index),
+    never by thread or chunk, so any split of the batch draws the same numbers.
+    """
+    n: int                  # samples in this chunk
+    first: int = 0          # index within the global batch of the chunk's first sample
+    batch: int = 0          # global batch size (0 means: n, a whole batch in one chunk)
+    iteration: int = 0
+    seed: int = 0
+    # Data-layer tops for the whole batch, by blob name (e.g. labels, for a loss that
+    # normalises by the number of non-ignored labels in the batch).
+    batch_tops: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def batch_size(self):
+        return self.batch or self.n
+
+
+class Layer:
+    """Base class. Subclasses register with @register("CaffeType") and override:
+
+    setup(bottom_shapes) -> top_shapes
+        Shapes are full Caffe shapes with axis 0 the *global* batch N. Validate the
+        layer's parameters and bottom shapes here and raise self.error(...).
+    param_shapes() -> [shape, ...]   learnable blobs, in Caffe's blob order
+    param_fillers() -> [FillerParameter, ...]   one per learnable blob
+    scratch_shapes(n) -> {name: shape}   per-worker scratch for chunks of up to n samples
+    forward(bottom, top, params, scratch, chunk)
+    backward(top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk)
+
+    In forward/backward every array has axis 0 = chunk.n samples (a view of a buffer
+    sized for the largest chunk), except the tops of layers with `reduces_batch`
+    (losses, accuracy) whose shapes are exactly what setup returned. Accumulation
+    rule: param_diff arrays are *added to*; bottom_diff arrays are *overwritten*.
+    bottom_diff[i] is None when no gradient needs to flow into bottom i.
+    """
+    type_name = "?"
+    bottoms = (1, 1)           # allowed number of bottoms (min, max); max None = any
+    tops = (1, 1)              # allowed number of tops
+    reduces_batch = False      # tops are batch values (a loss, an accuracy), not per sample
+    default_loss_weight = 0.0  # Caffe gives loss layers weight 1 on their first top
+
+    def __init__(self, lp, index=0, phase=0):
+        """lp: caffe_pb2.LayerParameter; index: position in the net (keys random
+        streams); phase: caffe_pb2.TRAIN (0) or caffe_pb2.TEST (1)."""
+        self.lp = lp
+        self.name = lp.name
+        self.index = index
+        self.phase = phase
+        self._check_counts(len(lp.bottom), self.bottoms, "bottom")
+        self._check_counts(len(lp.top), self.tops, "top")
+
+    def _check_counts(self, count, allowed, what):
+        low, high = allowed
+        if count < low or (high is not None and count > high):
+            want = f"{low}" if low == high else f"{low} to {high if high is not None else 'any'}"
+            raise self.error(f"takes {want} {what}(s), got {count}")
+
+    def error(self, message):
+        return NetError(f"layer '{self.name}' (type {self.type_name}): {message}")
+
+    # -- set up once -------------------------------------------------------------
+    def setup(self, bottom_shapes):
+        raise NotImplementedError
+
+    def param_shapes(self):
+        return []
+
+    def param_fillers(self):
+        return []
+
+    def scratch_shapes(self, n):
+        return {}
+
+    # -- per chunk ---------------------------------------------------------------
+    def forward(self, bottom, top, params, scratch, chunk):
+        raise NotImplementedError
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        raise NotImplementedError
+
+
+def check_axis(layer, axis, ndim):
+    """Caffe's canonical axis (negative counts from the end), refusing the batch axis:
+    an op along axis 0 would couple the samples that chunks keep apart."""
+    if not -ndim <= axis < ndim:
+        raise layer.error(f"axis {axis} is out of range for a {ndim}-d blob")
+    axis %= ndim
+    if axis == 0:
+        raise layer.error("axis 0 (the batch axis) is not supported: cgp splits the batch "
+                          "into independent chunks")
+    return axis

@@ -1,0 +1,377 @@
+"""A Caffe NetParameter built for one phase: the layers that the phase includes, blob
+shapes, the flat parameter layout, and forward/backward over one chunk of the batch.
+
+The net knows nothing about threads. Every top gets its own buffer (in-place layers in
+the prototxt are renamed internally) and a blob read by several layers gets a Split
+layer, as Caffe inserts one, so each buffer has one writer and one reader per pass.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cgp.errors import NetError
+from cgp.fillers import fill
+from cgp.layers import REGISTRY, Chunk, supported_types
+from cgp.proto import caffe_pb2
+
+PHASES = {caffe_pb2.TRAIN: "TRAIN", caffe_pb2.TEST: "TEST"}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Run settings that data layers need; passed explicitly, never read from globals."""
+    data_dir: str = None
+    download: bool = True
+
+
+@dataclass
+class Entry:
+    """One layer in the built net with its blob ids."""
+    layer: object
+    bottoms: list
+    tops: list
+    params: list = field(default_factory=list)     # indices into Net.param_blobs
+    propagate: list = field(default_factory=list)  # per bottom: does a gradient flow into it
+    backward: bool = False
+
+
+@dataclass
+class ParamBlob:
+    """One learnable blob in the flat parameter array."""
+    layer: str
+    index: int
+    shape: tuple
+    offset: int
+    lr_mult: float
+    decay_mult: float
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape))
+
+
+def state_meets_rule(state, rule):
+    """Caffe's NetStateRule test (phase, level range, stages)."""
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    if any(s not in state.stage for s in rule.stage):
+        return False
+    if any(s in state.stage for s in rule.not_stage):
+        return False
+    return True
+
+
+def layer_included(lp, state):
+    if lp.include and lp.exclude:
+        raise NetError(f"layer '{lp.name}': specify either include or exclude rules, not both")
+    if lp.include:
+        return any(state_meets_rule(state, r) for r in lp.include)
+    return not any(state_meets_rule(state, r) for r in lp.exclude)
+
+
+class Net:
+    def __init__(self, param, phase=caffe_pb2.TRAIN, options=RunOptions(), stages=(), level=0):
+        self.name = param.name
+        self.phase = phase
+        self.options = options
+        state = caffe_pb2.NetState()
+        state.CopyFrom(param.state)
+        state.phase = phase
+        state.level = level or state.level
+        state.stage.extend(s for s in stages if s not in state.stage)
+        if param.input:
+            raise NetError(f"net '{param.name}': the legacy 'input:' fields are not supported; "
+                           "declare an Input layer instead (layer {{ type: \"Input\" ... }})")
+
+        self.blob_names = []     # blob id -> the name it had in the prototxt
+        self.blob_shapes = []    # blob id -> full Caffe shape, axis 0 = global batch
+        self.blob_ids = {}       # prototxt name -> latest blob id (after this layer)
+        self.sources = []        # data layers: run once per iteration on the whole batch
+        self.entries = []        # every other layer, in forward order
+        self._versions = {}      # prototxt name -> how many layers have written it
+        self._readers = {}       # blob id -> how many layers read it
+        self._split_queue = {}   # shared blob id -> Split outputs not yet handed to a reader
+        lps = [lp for lp in param.layer if layer_included(lp, state)]
+        if not lps:
+            raise NetError(f"net '{param.name}' has no layers in phase {PHASES[phase]}")
+        consumers = self._count_consumers(lps)
+        for index, lp in enumerate(lps):
+            self._add_layer(lp, index, consumers)
+        self.batch_size = self._batch_size()
+        self._layout_params(lps)
+        self.loss_weights = self._loss_weights()
+        self._plan_backward()
+
+    # -- building ----------------------------------------------------------------
+    def _count_consumers(self, lps):
+        """How many layers read each (name, version) so that Split layers can be placed."""
+        version, counts = {}, {}
+        for lp in lps:
+            for b in lp.bottom:
+                key = (b, version.get(b, 0))
+                counts[key] = counts.get(key, 0) + 1
+            for t in lp.top:
+                version[t] = version.get(t, 0) + 1
+        return counts
+
+    def _new_blob(self, name, shape):
+        self.blob_names.append(name)
+        self.blob_shapes.append(tuple(int(d) for d in shape))
+        return len(self.blob_names) - 1
+
+    def _add_layer(self, lp, index, consumers):
+        cls = REGISTRY.get(lp.type)
+        if cls is None:
+            raise NetError(f"layer '{lp.name}': unsupported layer type '{lp.type}'; "
+                           f"supported types: {', '.join(supported_types())}")
+        bottoms = []
+        for b in lp.bottom:
+            if b not in self.blob_ids:
+                raise NetError(f"layer '{lp.name}': bottom blob '{b}' is not produced by any "
+                               f"earlier layer in phase {PHASES[self.phase]}")
+            bottoms.append(self._take(b))
+        layer = cls(lp, index=index, phase=self.phase)
+        if getattr(layer, "is_source", False):
+            layer.options = self.options
+        top_shapes = layer.setup([self.blob_shapes[b] for b in bottoms])
+        if len(top_shapes) != len(lp.top):
+            raise NetError(f"layer '{lp.name}': produces {len(top_shapes)} tops, "
+                           f"prototxt names {len(lp.top)}")
+        tops = []
+        for name, shape in zip(lp.top, top_shapes):
+            version = self._version(name) + 1
+            blob = self._new_blob(name, shape)
+            self._versions[name] = version
+            self._readers[blob] = consumers.get((name, version), 0)
+            self.blob_ids[name] = blob
+            tops.append(blob)
+        entry = Entry(layer, bottoms, tops)
+        (self.sources if getattr(layer, "is_source", False) else self.entries).append(entry)
+        # Splits for this layer's tops go right after it.
+        for blob in tops:
+            if self._readers[blob] > 1:
+                self._add_split(blob)
+
+    def _version(self, name):
+        return self._versions.get(name, 0)
+
+    def _add_split(self, blob):
+        """Caffe's automatic Split: one copy per reader, gradients summed in reader order."""
+        name = self.blob_names[blob]
+        lp = caffe_pb2.LayerParameter(name=f"{name}_split", type="Split", bottom=[name])
+        count = self._readers[blob]
+        lp.top.extend(f"{name}_split_{j}" for j in range(count))
+        layer = REGISTRY["Split"](lp, index=-1, phase=self.phase)
+        shapes = layer.setup([self.blob_shapes[blob]])
+        tops = [self._new_blob(name, s) for s in shapes]
+        self.entries.append(Entry(layer, [blob], tops))
+        self._split_queue[blob] = list(tops)
+
+    def _take(self, name):
+        """The blob id a reader of `name` gets: its own Split output if the blob is shared."""
+        blob = self.blob_ids[name]
+        queue = self._split_queue.get(blob)
+        return queue.pop(0) if queue else blob
+
+    def _batch_size(self):
+        sizes = {self.blob_shapes[t][0] for e in self.sources for t in e.tops if self.blob_shapes[t]}
+        if not self.sources:
+            raise NetError(f"net '{self.name}' has no data layer (Data or Input) in phase "
+                           f"{PHASES[self.phase]}")
+        if len(sizes) != 1:
+            raise NetError(f"net '{self.name}': data layers disagree on the batch size: {sorted(sizes)}")
+        return sizes.pop()
+
+    def _layout_params(self, lps):
+        """One flat array for all learnable blobs; blobs shared by name (ParamSpec.name) share
+        their slice, so their gradients add up in it as Caffe's shared params do."""
+        self.param_blobs = []
+        self.layer_params = {}   # layer name -> list of ParamBlob indices
+        shared = {}
+        offset = 0
+        for entry in self.entries:
+            layer, lp = entry.layer, entry.layer.lp
+            shapes = [tuple(int(d) for d in s) for s in layer.param_shapes()]
+            if len(lp.param) > len(shapes):
+                raise NetError(f"layer '{lp.name}': {len(lp.param)} param specs for "
+                               f"{len(shapes)} learnable blobs")
+            for i, shape in enumerate(shapes):
+                spec = lp.param[i] if i < len(lp.param) else caffe_pb2.ParamSpec()
+                if spec.name and spec.name in shared:
+                    owner = self.param_blobs[shared[spec.name]]
+                    if owner.shape != shape:
+                        raise NetError(f"layer '{lp.name}': shared param '{spec.name}' has shape "
+                                       f"{shape} here but {owner.shape} in layer '{owner.layer}'")
+                    entry.params.append(shared[spec.name])
+                    continue
+                blob = ParamBlob(lp.name, i, shape, offset, spec.lr_mult, spec.decay_mult)
+                offset += blob.size
+                if spec.name:
+                    shared[spec.name] = len(self.param_blobs)
+                entry.params.append(len(self.param_blobs))
+                self.param_blobs.append(blob)
+        self.n_params = offset
+        self.params = np.zeros(offset, np.float32)
+        self.lr_mult = np.zeros(offset, np.float32)
+        self.decay_mult = np.zeros(offset, np.float32)
+        for blob in self.param_blobs:
+            self.lr_mult[blob.offset:blob.offset + blob.size] = blob.lr_mult
+            self.decay_mult[blob.offset:blob.offset + blob.size] = blob.decay_mult
+
+    def _plan_backward(self):
+        """Caffe's need_backward: a blob needs a gradient when something learnable lies
+        upstream of it and it leads to a loss; propagate_down can stop it. Diff buffers
+        of blobs that lead to no loss are never written, so they stay zero."""
+        needs = [False] * len(self.blob_names)
+        for entry in self.entries:
+            lp = entry.layer.lp
+            learnable = any(self.param_blobs[p].lr_mult != 0 for p in entry.params)
+            flows = [needs[b] for b in entry.bottoms]
+            if lp.propagate_down and entry.layer.type_name != "Split":
+                if len(lp.propagate_down) != len(entry.bottoms):
+                    raise NetError(f"layer '{lp.name}': propagate_down has {len(lp.propagate_down)} "
+                                   f"values for {len(entry.bottoms)} bottoms")
+                flows = [f and bool(p) for f, p in zip(flows, lp.propagate_down)]
+            entry.propagate = flows
+            entry.backward = learnable or any(flows)
+            for t in entry.tops:
+                needs[t] = learnable or any(flows)
+        under_loss = set(self.loss_weights)
+        for entry in reversed(self.entries):
+            if any(t in under_loss for t in entry.tops):
+                under_loss.update(entry.bottoms)
+            else:
+                entry.backward = False
+                entry.propagate = [False] * len(entry.bottoms)
+
+    def _loss_weights(self):
+        """Blob id -> loss weight, for every top that contributes to the loss."""
+        weights = {}
+        for entry in self.entries:
+            lp, layer = entry.layer.lp, entry.layer
+            if lp.loss_weight and len(lp.loss_weight) != len(entry.tops):
+                raise NetError(f"layer '{lp.name}': loss_weight has {len(lp.loss_weight)} values "
+                               f"for {len(entry.tops)} tops")
+            for i, t in enumerate(entry.tops):
+                w = lp.loss_weight[i] if lp.loss_weight else (layer.default_loss_weight if i == 0 else 0)
+                if w:
+                    if self.blob_shapes[t] != ():
+                        raise NetError(f"layer '{lp.name}': loss_weight on top '{lp.top[i]}' "
+                                       f"of shape {self.blob_shapes[t]}; cgp supports loss "
+                                       "weights on scalar (loss) tops only")
+                    weights[t] = float(w)
+        return weights
+
+    # -- parameters --------------------------------------------------------------
+    def param_views(self, flat):
+        """Per entry, the list of views of `flat` (any array laid out like self.params)."""
+        views = [flat[b.offset:b.offset + b.size].reshape(b.shape) for b in self.param_blobs]
+        return [[views[p] for p in e.params] for e in self.entries]
+
+    def init_params(self, seed):
+        """Fill parameters with the prototxt fillers, drawing in layer order from one seed."""
+        rng = np.random.default_rng(seed)
+        views = self.param_views(self.params)
+        done = set()
+        for entry, layer_views in zip(self.entries, views):
+            fillers = entry.layer.param_fillers()
+            for p, view, fp in zip(entry.params, layer_views, fillers):
+                if p not in done:
+                    fill(view, fp, rng, where=f"layer '{entry.layer.name}'")
+                    done.add(p)
+
+    def blob_param(self, layer_name):
+        """The ParamBlobs of one layer (by prototxt name), in Caffe's blob order."""
+        for entry in self.entries:
+            if entry.layer.name == layer_name:
+                return [self.param_blobs[p] for p in entry.params]
+        return []
+
+    # -- outputs -----------------------------------------------------------------
+    def scalar_outputs(self):
+        """(blob id, display name) of every batch-value top that no layer reads: the
+        values Caffe prints as 'net output #i'."""
+        read = {b for e in self.entries for b in e.bottoms}
+        out = []
+        for entry in self.entries:
+            for name, t in zip(entry.layer.lp.top, entry.tops):
+                if entry.layer.reduces_batch and t not in read and self.blob_shapes[t] == ():
+                    out.append((t, name))
+        return out
+
+    # -- one chunk ---------------------------------------------------------------
+    def forward(self, ws, chunk, batch_data, params):
+        """Forward one chunk. batch_data: source blob id -> whole-batch array; params:
+        per-entry views (from param_views). Fills ws.data."""
+        data = ws.views(chunk.n)
+        lo, hi = chunk.first, chunk.first + chunk.n
+        for blob, array in batch_data.items():
+            data[blob] = array[lo:hi]
+        for entry, p, scratch in zip(self.entries, params, ws.scratch):
+            entry.layer.forward([data[b] for b in entry.bottoms], [data[t] for t in entry.tops],
+                                p, scratch, chunk)
+        return data
+
+    def backward(self, ws, chunk, data, params, param_diffs):
+        """Backward one chunk after forward; adds parameter gradients into param_diffs."""
+        diff = ws.diff_views(chunk.n)
+        for blob, weight in self.loss_weights.items():
+            diff[blob][...] = weight
+        for entry, p, pd, scratch in zip(reversed(self.entries), reversed(params),
+                                         reversed(param_diffs), reversed(ws.scratch)):
+            if not entry.backward:
+                continue
+            entry.layer.backward([data[t] for t in entry.tops], [diff[t] for t in entry.tops],
+                                 [data[b] for b in entry.bottoms],
+                                 [diff[b] if f else None for b, f in zip(entry.bottoms, entry.propagate)],
+                                 p, pd, scratch, chunk)
+
+    def describe(self):
+        """Caffe-like lines: each layer with its top shapes, and the parameter count."""
+        lines = []
+        for entry in self.sources + self.entries:
+            for name, t in zip(entry.layer.lp.top, entry.tops):
+                lines.append(f"{entry.layer.name:>16} ({entry.layer.type_name}) -> {name} "
+                             f"{self.blob_shapes[t]}")
+        lines.append(f"{self.n_params} learnable parameters")
+        return lines
+
+
+class Workspace:
+    """One worker's buffers: data and diff for every blob, sized for chunks of up to
+    n_max samples, and each layer's scratch. Reused for every chunk the worker runs.
+    Source (data layer) blobs get no data buffer: chunks read views of the batch."""
+
+    def __init__(self, net, n_max, with_diff=True, dtype=np.float32):
+        batch_values = {t for e in net.entries if e.layer.reduces_batch for t in e.tops}
+        self._per_sample = [b not in batch_values for b in range(len(net.blob_names))]
+
+        def alloc(blob):
+            shape = net.blob_shapes[blob]
+            return np.zeros((n_max,) + shape[1:] if self._per_sample[blob] else shape, dtype)
+
+        sources = {t for e in net.sources for t in e.tops}
+        self.data = [None if b in sources else alloc(b) for b in range(len(net.blob_names))]
+        self.diff = [alloc(b) for b in range(len(net.blob_names))] if with_diff else None
+        self.scratch = [{k: np.zeros(s, dtype) for k, s in e.layer.scratch_shapes(n_max).items()}
+                        for e in net.entries]
+        self._views = {}
+
+    def _sliced(self, arrays, n):
+        return [a[:n] if a is not None and per else a for a, per in zip(arrays, self._per_sample)]
+
+    def views(self, n):
+        """Fresh list of per-blob data views for a chunk of n samples (callers fill in
+        the source blobs)."""
+        if n not in self._views:
+            self._views[n] = (self._sliced(self.data, n),
+                              self._sliced(self.diff, n) if self.diff is not None else None)
+        return list(self._views[n][0])
+
+    def diff_views(self, n):
+        self.views(n)
+        return self._views[n][1]

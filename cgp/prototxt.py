@@ -1,0 +1,94 @@
+"""Read and write Caffe's text prototxt files (nets, solvers) as caffe_pb2 messages.
+
+Parsing only: no checks of what a net means (layer types, shapes) and no binary files. Every failure
+is a PrototxtError whose message is "<file>:<line>:<col>: <what>".
+"""
+
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from cgp.errors import PrototxtError
+from cgp.proto import caffe_pb2
+
+# Caffe's own spelling of each old SolverParameter.solver_type value as a `type` string.
+_SOLVER_TYPE_NAMES = {
+    caffe_pb2.SolverParameter.SGD: "SGD",
+    caffe_pb2.SolverParameter.NESTEROV: "Nesterov",
+    caffe_pb2.SolverParameter.ADAGRAD: "AdaGrad",
+    caffe_pb2.SolverParameter.RMSPROP: "RMSProp",
+    caffe_pb2.SolverParameter.ADADELTA: "AdaDelta",
+    caffe_pb2.SolverParameter.ADAM: "Adam",
+}
+
+
+def parse_text(text, message, filename="<string>"):
+    """Parse prototxt `text` into `message` (a caffe_pb2 message, filled in place) and return it."""
+    try:
+        text_format.Parse(text, message)
+    except text_format.ParseError as e:
+        raise PrototxtError(_located(e, filename)) from None
+    # Caffe's C++ parser rejects a message that lacks a `required` field; Python's does not.
+    if not message.IsInitialized():
+        missing = ", ".join(message.FindInitializationErrors())
+        raise PrototxtError(f"{filename}: required field(s) not set: {missing}")
+    return message
+
+
+def parse_net(text, filename="<string>"):
+    """Parse a net prototxt into a NetParameter."""
+    net = parse_text(text, caffe_pb2.NetParameter(), filename)
+    if net.layers:
+        raise PrototxtError(
+            f"{filename}: this net uses Caffe's old V1 format ('layers {{ ... }}'), which cgp does "
+            "not read; convert it with Caffe's tool: upgrade_net_proto_text OLD.prototxt NEW.prototxt")
+    return net
+
+
+def parse_solver(text, filename="<string>"):
+    """Parse a solver prototxt into a SolverParameter, upgrading the old `solver_type` as Caffe does."""
+    solver = parse_text(text, caffe_pb2.SolverParameter(), filename)
+    if solver.HasField("solver_type"):
+        if solver.HasField("type"):
+            raise PrototxtError(
+                f"{filename}: give the solver either 'type' or the old 'solver_type', not both")
+        solver.type = _SOLVER_TYPE_NAMES[solver.solver_type]
+        solver.ClearField("solver_type")
+    return solver
+
+
+def read_net(path):
+    """Read a net prototxt file into a NetParameter."""
+    return parse_net(_read_text(path), str(path))
+
+
+def read_solver(path):
+    """Read a solver prototxt file into a SolverParameter."""
+    return parse_solver(_read_text(path), str(path))
+
+
+def format_message(msg):
+    """The prototxt text of a message, as Caffe would read it back."""
+    return text_format.MessageToString(msg)
+
+
+def _read_text(path):
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise PrototxtError(f"{path}: cannot read prototxt file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise PrototxtError(f"{path}: not a text file (byte {e.start} is not UTF-8)") from None
+
+
+def _located(error, filename):
+    """'<file>:<line>:<col>: <message>' from a ParseError, whose str() starts with 'line:col : '."""
+    line, col = error.GetLine(), error.GetColumn()
+    what = str(error)
+    if line is None:
+        return f"{filename}: {what}"
+    where = f"{line}:{col}" if col is not None else f"{line}"
+    prefix = f"{where} : "
+    if what.startswith(prefix):
+        what = what[len(prefix):]
+    return f"{filename}:{where}: {what}"

@@ -1,0 +1,354 @@
+"""Caffe's solver loop around the engine: test, forward/backward, display, update,
+snapshot, resume. The Solver does the arithmetic and knows nothing about threads;
+the Engine runs the chunks; this module only sequences them.
+
+Every source of randomness is a pure function of (seed, iteration, ...), and the data
+position is a pure function of the iteration, so a run resumed from a snapshot
+continues bit for bit as if it had not stopped.
+"""
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+from threadpoolctl import threadpool_limits
+
+from cgp.comm import ThreadCommunicator, blocks
+from cgp.engine import Engine, Pool
+from cgp.errors import CgpError
+from cgp.net import Net, RunOptions
+from cgp.proto import caffe_pb2
+from cgp.prototxt import read_net
+from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, write_caffemodel,
+                          write_solverstate)
+from cgp.solver import Solver
+
+DEFAULT_SEED = 1701  # used when neither --seed nor the solver's random_seed is set
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Run settings from the command line; the prototxt owns everything else."""
+    threads: int = 1
+    chunks: int = 16
+    seed: int = None          # overrides the solver's random_seed
+    data_dir: str = None
+    download: bool = True
+    max_iter: int = None      # overrides the solver's max_iter
+    progress: bool = True     # a progress bar when stderr is a terminal
+    snapshot_prefix: str = None
+
+
+def resolve(name, base_dir, what):
+    """A path named inside a prototxt: relative to the working directory as in Caffe,
+    then relative to the folder of the file that names it (so bundled models work from
+    anywhere)."""
+    path = Path(name)
+    if path.is_absolute() or path.exists():
+        return path
+    if base_dir is not None and (Path(base_dir) / name).exists():
+        return Path(base_dir) / name
+    where = f"{Path.cwd()}" + (f" and {base_dir}" if base_dir is not None else "")
+    raise CgpError(f"{what} '{name}' not found (looked in {where})")
+
+
+def solver_nets(sp, solver_path):
+    """(train NetParameter, [test NetParameter, ...]) named by a SolverParameter, with
+    Caffe's rules: one train net source; test nets from test_net_param, test_net, then
+    the general net once per remaining test_iter."""
+    base = Path(solver_path).parent if solver_path else None
+    sources = [f for f in ("train_net_param", "train_net", "net_param", "net")
+               if (sp.HasField(f) if f.endswith("param") else sp.HasField(f))]
+    train_sources = [f for f in sources if f.startswith("train")]
+    if len(train_sources) > 1 or ("net" in sources and "net_param" in sources):
+        raise CgpError(f"solver {solver_path}: give the train net once (found {', '.join(sources)})")
+    if not sources:
+        raise CgpError(f"solver {solver_path}: no net: set 'net' (or train_net, net_param)")
+
+    def load(field):
+        if field.endswith("param"):
+            return getattr(sp, field)
+        return read_net(resolve(getattr(sp, field), base, f"net file (solver field {field})"))
+
+    general = load("net_param") if sp.HasField("net_param") else (
+        load("net") if sp.HasField("net") else None)
+    train = load(train_sources[0]) if train_sources else general
+    tests = list(sp.test_net_param)
+    tests += [read_net(resolve(p, base, "test_net file")) for p in sp.test_net]
+    if general is not None:
+        tests += [general] * max(0, len(sp.test_iter) - len(tests))
+    if len(tests) != len(sp.test_iter):
+        raise CgpError(f"solver {solver_path}: {len(tests)} test nets but {len(sp.test_iter)} "
+                       "test_iter values: give one test_iter per test net")
+    if tests and sp.test_interval <= 0:
+        tests = []  # Caffe never tests when test_interval is 0
+    return train, tests
+
+
+def fmt(value):
+    return f"{value:.6g}"
+
+
+class Trainer:
+    """Trains one solver; `log` receives Caffe-style lines."""
+
+    def __init__(self, sp, solver_path=None, config=RunConfig(), log=print):
+        self.sp, self.config, self.log = sp, config, log
+        self.solver_path = solver_path
+        self.seed = config.seed if config.seed is not None else (
+            sp.random_seed if sp.random_seed >= 0 else DEFAULT_SEED)
+        options = RunOptions(config.data_dir, config.download)
+        train_param, test_params = solver_nets(sp, solver_path)
+        self.net = Net(train_param, caffe_pb2.TRAIN, options,
+                       stages=sp.train_state.stage, level=sp.train_state.level)
+        self.test_nets = []
+        for i, param in enumerate(test_params):
+            state = sp.test_state[i] if i < len(sp.test_state) else caffe_pb2.NetState()
+            self.test_nets.append(Net(param, caffe_pb2.TEST, options, stages=state.stage,
+                                      level=state.level))
+        self.net.init_params(self.seed)
+        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult)
+        self.pool = Pool(config.threads)
+        comm = ThreadCommunicator(self.pool)
+        self._check_memory(config.chunks)
+        self.engine = Engine(self.net, config.chunks, self.pool, comm)
+        self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False)
+                             for n in self.test_nets]
+        self.slices = blocks(self.net.n_params)
+        self.iter = 0
+        self.max_iter = config.max_iter if config.max_iter is not None else sp.max_iter
+        self.losses = []          # the window of Caffe's smoothed (average_loss) loss
+        self.last_test = {}
+        self._accum = np.zeros(self.net.n_params, np.float32) if sp.iter_size > 1 else None
+        self._stop = False
+
+    def _check_memory(self, chunks):
+        """Private gradient buffers are chunks x parameters: refuse before running out."""
+        n = self.net.n_params
+        need = (min(chunks, self.net.batch_size) + 3 + len(self.solver.histories)) * n * 4
+        free = psutil.virtual_memory().available
+        self.memory_line = (f"memory: {need / 2**20:.1f} MiB of gradient buffers and solver "
+                            f"state ({min(chunks, self.net.batch_size)} chunks x {n} parameters); "
+                            f"{free / 2**30:.1f} GiB available")
+        if need > 0.9 * free:
+            raise CgpError(f"not enough memory: {self.memory_line}. Use fewer --chunks.")
+
+    # -- data ----------------------------------------------------------------------
+    def _batch(self, net, position, iteration):
+        """Source blob id -> whole-batch array, for the batch at a record position."""
+        batch = {}
+        for entry in net.sources:
+            for blob, array in zip(entry.tops, entry.layer.load(position, iteration, self.seed)):
+                batch[blob] = array
+        return batch
+
+    def tests_before(self, it):
+        """How many test passes Caffe runs before iteration `it`: the test data reader
+        goes on from where the previous pass stopped."""
+        interval = self.sp.test_interval
+        if not self.test_nets or interval <= 0:
+            return 0
+        done = (it - 1) // interval + 1 if it > 0 else 0  # iterations 0, interval, ... < it
+        return done - (0 if self.sp.test_initialization else min(done, 1))
+
+    # -- one iteration -------------------------------------------------------------
+    def forward_backward(self):
+        """Gradients of the current iteration (summed over iter_size passes): returns
+        (loss, outputs of the last pass, gradient)."""
+        size, n = self.sp.iter_size, self.net.batch_size
+        loss = 0.0
+        for k in range(size):
+            batch = self._batch(self.net, (self.iter * size + k) * n, self.iter * size + k)
+            outputs, pass_loss, grad = self.engine.run(batch, self.iter * size + k, self.seed)
+            loss += pass_loss
+            if self._accum is not None:
+                if k == 0:
+                    self._accum[...] = grad
+                else:
+                    self._accum += grad
+        return loss / size, outputs, (self._accum if self._accum is not None else grad)
+
+    def step(self):
+        """One training iteration: forward/backward, update, iter += 1."""
+        loss, outputs, grad = self.forward_backward()
+        update = self.solver.prepare(self.iter, grad, self.slices)
+        params = self.net.params
+        self.pool.run(lambda w, i: self.solver.apply(update, params, grad, *self.slices[i]),
+                      len(self.slices))
+        self.iter += 1
+        return loss, outputs, update.rate
+
+    def test(self, index=0):
+        """One test pass of test net `index`: outputs averaged over test_iter batches."""
+        net, engine = self.test_nets[index], self.test_engines[index]
+        copy_shared(self.net, net)
+        iters = self.sp.test_iter[index]
+        first = self.tests_before(self.iter) * iters
+        sums = {}
+        for k in range(iters):
+            batch = self._batch(net, (first + k) * net.batch_size, first + k)
+            outputs, _, _ = engine.run(batch, first + k, self.seed)
+            for name, value in outputs.items():
+                sums[name] = sums.get(name, 0.0) + value
+        return {name: value / iters for name, value in sums.items()}
+
+    # -- the loop ------------------------------------------------------------------
+    def _test_all(self):
+        for i in range(len(self.test_nets)):
+            self.log(f"Iteration {self.iter}, Testing net (#{i})")
+            self.last_test = self.test(i)
+            for j, (name, value) in enumerate(self.last_test.items()):
+                self.log(f"    Test net output #{j}: {name} = {fmt(value)}")
+
+    def _smoothed(self, loss):
+        window = max(1, self.sp.average_loss)
+        self.losses.append(loss)
+        del self.losses[:-window]
+        return sum(self.losses) / len(self.losses)
+
+    def solve(self):
+        """Train to max_iter; returns the final test outputs (if any)."""
+        sp = self.sp
+        with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
+            last = time.perf_counter()
+            last_iter = self.iter
+            while self.iter < self.max_iter and not self._stop:
+                if self._due(sp.test_interval) and (self.iter > 0 or sp.test_initialization):
+                    self._test_all()
+                it = self.iter
+                loss, outputs, rate = self.step()
+                smoothed = self._smoothed(loss)
+                bar.update(1)
+                if sp.display and it % sp.display == 0:
+                    now = time.perf_counter()
+                    done = max(1, self.iter - last_iter)
+                    speed = done / max(now - last, 1e-9)
+                    self.log(f"Iteration {it} ({speed:.3g} iter/s, "
+                             f"{speed * self.net.batch_size * sp.iter_size:.0f} img/s), "
+                             f"loss = {fmt(smoothed)}")
+                    for j, (name, value) in enumerate(outputs.items()):
+                        self.log(f"    Train net output #{j}: {name} = {fmt(value)}")
+                    self.log(f"Iteration {it}, lr = {fmt(rate)}")
+                    last, last_iter = now, self.iter
+                if sp.snapshot and self.iter % sp.snapshot == 0:
+                    self.snapshot()
+        written = None
+        if sp.snapshot_after_train and (not sp.snapshot or self.iter % sp.snapshot != 0):
+            written = self.snapshot()
+        if self._stop:
+            self.log("Optimization stopped early.")
+            return self.last_test
+        if self._due(sp.test_interval):
+            with threadpool_limits(limits=1):
+                self._test_all()
+        self.log("Optimization Done.")
+        return self.last_test
+
+    def _due(self, interval):
+        return bool(self.test_nets) and interval > 0 and self.iter % interval == 0
+
+    def _sigint(self):
+        """Ctrl-C stops after the current iteration and snapshots (Caffe's default
+        sigint_effect 'stop'); a second Ctrl-C interrupts at once."""
+        trainer = self
+
+        class Handler:
+            def __enter__(self):
+                def handle(signum, frame):
+                    if trainer._stop:
+                        raise KeyboardInterrupt
+                    trainer._stop = True
+                    trainer.log("Interrupted: stopping after this iteration (Ctrl-C again to abort)")
+                try:
+                    self.old = signal.signal(signal.SIGINT, handle)
+                except ValueError:  # not the main thread: leave signals alone
+                    self.old = None
+                return self
+
+            def __exit__(self, *exc):
+                if self.old is not None:
+                    signal.signal(signal.SIGINT, self.old)
+        return Handler()
+
+    def _progress(self):
+        try:
+            from tqdm import tqdm
+        except ImportError:  # optional: no bar
+            tqdm = None
+        enabled = self.config.progress and sys.stderr.isatty() and tqdm is not None
+        if not enabled:
+            class NoBar:
+                def __enter__(self):
+                    return self
+
+                def __exit__(self, *exc):
+                    pass
+
+                def update(self, n):
+                    pass
+            return NoBar()
+        bar = tqdm(total=self.max_iter, initial=self.iter, unit="it", dynamic_ncols=True,
+                   leave=False)
+        log = self.log
+        self.log = lambda line: (bar.write(line) if log is print else log(line))
+        return bar
+
+    # -- snapshots -----------------------------------------------------------------
+    def snapshot_prefix(self):
+        prefix = self.config.snapshot_prefix or self.sp.snapshot_prefix
+        if not prefix and self.solver_path:
+            prefix = str(Path(self.solver_path).with_suffix(""))
+        return prefix or "cgp"
+
+    def snapshot(self):
+        """Write <prefix>_iter_<N>.caffemodel and .solverstate atomically; returns the
+        .caffemodel path."""
+        if self.sp.snapshot_format == caffe_pb2.SolverParameter.HDF5 and not getattr(self, "_said_hdf5", False):
+            self.log("Note: snapshot_format HDF5 is not supported; writing Caffe's binary "
+                     "format (.caffemodel / .solverstate) instead")
+            self._said_hdf5 = True
+        base = f"{self.snapshot_prefix()}_iter_{self.iter}"
+        model = Path(base + ".caffemodel")
+        write_caffemodel(model, self.net)
+        write_solverstate(Path(base + ".solverstate"), self.iter, model, self.solver, self.net)
+        self.log(f"Snapshotting to binary proto file {model}")
+        self.log(f"Snapshotting solver state to binary proto file {base}.solverstate")
+        self.weights_path = model
+        return model
+
+    def restore(self, path):
+        """Resume from a .solverstate (and the .caffemodel it names)."""
+        state = read_solverstate(path, self.solver, self.net)
+        if state.learned_net:
+            weights = resolve(state.learned_net, Path(path).parent, "learned_net of the solver state")
+            self.load_weights(weights, quiet=True)
+        self.iter = state.iter
+
+    def load_weights(self, path, quiet=False):
+        copied, skipped = copy_weights(self.net, read_caffemodel(path), path)
+        if not quiet:
+            self.log(f"Copied weights of {len(copied)} layers from {path}: {', '.join(copied) or '-'}")
+            if skipped:
+                self.log(f"Skipped {len(skipped)} layers not in the net: {', '.join(skipped)}")
+        missing = [b.layer for b in self.net.param_blobs if b.layer not in copied]
+        if missing and not quiet:
+            self.log(f"Kept initial weights for: {', '.join(dict.fromkeys(missing))}")
+
+    def close(self):
+        self.pool.close()
+
+
+def copy_shared(train, test):
+    """Test nets use the train net's weights, matched by layer name as Caffe's
+    ShareTrainedLayersWith does."""
+    for blob in test.param_blobs:
+        for source in train.blob_param(blob.layer)[blob.index:blob.index + 1]:
+            if source.shape != blob.shape:
+                raise CgpError(f"layer '{blob.layer}' blob {blob.index}: shape {blob.shape} in "
+                               f"the test net, {source.shape} in the train net")
+            test.params[blob.offset:blob.offset + blob.size] = \
+                train.params[source.offset:source.offset + source.size]

@@ -1,0 +1,1 @@
+"""Dataset readers and lookup (installed as cgp.datasets)."""

@@ -1,0 +1,147 @@
+"""Solver update kernels: one elementwise kernel per Caffe solver rule, over a slice [lo, hi).
+
+Each kernel follows BVLC Caffe's CPU path operation by operation, in float32: clip scale, then
+iter_size normalization, then L1/L2 regularization (Caffe's ClipGradients, Normalize, Regularize),
+then the rule's history update and step (ComputeUpdateValue), then w -= step (Net::Update).
+Like Caffe, a kernel overwrites the gradient with the step it applied.
+Not here: the learning rate policy, the global gradient norm, and any threading (see cgp.solver).
+
+Arrays, all flat float32 of the net's parameter count n (only [lo, hi) is read or written):
+  w       parameters              g        gradients in, steps out
+  h, u    rule histories          lr_mult, decay_mult   per-element blob multipliers
+Scalars are float32 (np.float32) except lo, hi (int) and l1 (bool): a Python float would make
+Numba compute in float64 and the result would no longer be Caffe's float32 arithmetic.
+  rate         global learning rate        clip_scale  clip_gradients factor, 1 when not clipping
+  accum        1 / iter_size, in float32   weight_decay, l1  regularization (L1 if l1 else L2)
+Elementwise only, so results are bitwise identical however [0, n) is cut into slices.
+"""
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def _caffe_gradient(g, w, clip_scale, accum, local_decay, l1):
+    """One element's gradient as Caffe's ComputeUpdateValue receives it (all float32 scalars)."""
+    # Multiplying by 1 is exact, so scaling unconditionally equals Caffe skipping it.
+    g = g * clip_scale
+    g = g * accum
+    # Caffe skips regularization when local_decay is 0; 0 * inf would otherwise give NaN.
+    if local_decay != 0:
+        if l1:
+            sign = np.float32(0.0)
+            if w > 0:
+                sign = np.float32(1.0)
+            elif w < 0:
+                sign = np.float32(-1.0)
+            g = local_decay * sign + g
+        else:
+            g = local_decay * w + g
+    return g
+
+
+@njit(cache=True, nogil=True)
+def sgd_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay, l1,
+               momentum):
+    """h = local_rate * g + momentum * h; w -= h."""
+    for i in range(lo, hi):
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
+        local_rate = rate * lr_mult[i]
+        step = local_rate * gi + momentum * h[i]
+        h[i] = step
+        g[i] = step
+        w[i] = w[i] - step
+
+
+@njit(cache=True, nogil=True)
+def nesterov_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
+                    l1, momentum):
+    """h' = local_rate * g + momentum * h; step = (1 + momentum) * h' - momentum * h; w -= step."""
+    one_plus_momentum = np.float32(1.0) + momentum
+    for i in range(lo, hi):
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
+        local_rate = rate * lr_mult[i]
+        previous = h[i]
+        current = local_rate * gi + momentum * previous
+        h[i] = current
+        step = one_plus_momentum * current - momentum * previous
+        g[i] = step
+        w[i] = w[i] - step
+
+
+@njit(cache=True, nogil=True)
+def adagrad_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
+                   l1, delta):
+    """h += g^2; step = local_rate * (g / (sqrt(h) + delta)); w -= step."""
+    for i in range(lo, hi):
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
+        local_rate = rate * lr_mult[i]
+        history = gi * gi + h[i]
+        h[i] = history
+        step = local_rate * (gi / (np.sqrt(history) + delta))
+        g[i] = step
+        w[i] = w[i] - step
+
+
+@njit(cache=True, nogil=True)
+def rmsprop_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
+                   l1, rms_decay, delta):
+    """h = (1 - rms_decay) * g^2 + rms_decay * h; step = local_rate * (g / (sqrt(h) + delta))."""
+    one_minus_decay = np.float32(1.0) - rms_decay
+    for i in range(lo, hi):
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
+        local_rate = rate * lr_mult[i]
+        history = one_minus_decay * (gi * gi) + rms_decay * h[i]
+        h[i] = history
+        step = local_rate * (gi / (np.sqrt(history) + delta))
+        g[i] = step
+        w[i] = w[i] - step
+
+
+@njit(cache=True, nogil=True)
+def adadelta_update(w, g, h, u, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum,
+                    weight_decay, l1, momentum, delta):
+    """h: mean squared gradient, u: mean squared update (Caffe's second history block).
+    h = (1-momentum) g^2 + momentum h; d = g sqrt((u + delta) / (h + delta));
+    u = (1-momentum) d^2 + momentum u; step = local_rate * d."""
+    one_minus_momentum = np.float32(1.0) - momentum
+    for i in range(lo, hi):
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
+        local_rate = rate * lr_mult[i]
+        history = one_minus_momentum * (gi * gi) + momentum * h[i]
+        h[i] = history
+        # The old u, before this step's update, scales the gradient.
+        d = gi * np.sqrt((delta + u[i]) / (delta + history))
+        u[i] = one_minus_momentum * (d * d) + momentum * u[i]
+        step = local_rate * d
+        g[i] = step
+        w[i] = w[i] - step
+
+
+@njit(cache=True, nogil=True)
+def adam_update(w, g, m, v, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
+                l1, beta1, beta2, delta, correction):
+    """m = (1-beta1) g + beta1 m; v = (1-beta2) g^2 + beta2 v;
+    step = (local_rate * correction) * (m / (sqrt(v) + delta)), with the iteration's bias
+    correction sqrt(1 - beta2^t) / (1 - beta1^t) computed by the caller."""
+    one_minus_beta1 = np.float32(1.0) - beta1
+    one_minus_beta2 = np.float32(1.0) - beta2
+    for i in range(lo, hi):
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
+        local_rate = rate * lr_mult[i]
+        mi = one_minus_beta1 * gi + beta1 * m[i]
+        vi = one_minus_beta2 * (gi * gi) + beta2 * v[i]
+        m[i] = mi
+        v[i] = vi
+        step = (local_rate * correction) * (mi / (np.sqrt(vi) + delta))
+        g[i] = step
+        w[i] = w[i] - step
+
+
+@njit(cache=True, nogil=True)
+def sum_of_squares(x, lo, hi):
+    """x: (n,) float32. Returns sum of x[lo:hi]^2 accumulated in float64, in index order."""
+    total = 0.0
+    for i in range(lo, hi):
+        xi = np.float64(x[i])
+        total += xi * xi
+    return total
