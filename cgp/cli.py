@@ -12,10 +12,14 @@ from cgp.errors import CgpError
 EPILOG = "Models: mnist (LeNet), cifar10 (cifar10_quick), cifar10_full; or --solver FILE."
 
 
-def add_run_options(p):
+def add_run_options(p, threads_list=False):
     """Options that change how a run executes, never what it computes."""
-    p.add_argument("--threads", type=int, default=1,
-                   help="worker threads (default 1); results are identical for any value")
+    if threads_list:
+        p.add_argument("--threads", default="1,2,3,4",
+                       help="comma-separated thread counts to compare (default 1,2,3,4)")
+    else:
+        p.add_argument("--threads", type=int, default=1,
+                       help="worker threads (default 1); results are identical for any value")
     p.add_argument("--chunks", type=int, default=16,
                    help="fixed pieces each batch is cut into (default 16). Results depend on "
                         "this, never on --threads; at most this many threads do useful work")
@@ -96,12 +100,49 @@ def cmd_train(args, log=print):
     return 0
 
 
+def add_equivalence(sub):
+    p = sub.add_parser("equivalence", epilog=EPILOG,
+                       help="prove training bitwise identical across thread counts")
+    p.add_argument("model", nargs="?", help="short name of a bundled model (mnist, cifar10, ...)")
+    p.add_argument("--solver", help="solver prototxt (Caffe's format)")
+    add_run_options(p, threads_list=True)
+    p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
+    p.add_argument("--iters", type=int, default=100, help="iterations per run (default 100)")
+    p.set_defaults(run=cmd_equivalence)
+
+
+def thread_list(text):
+    try:
+        values = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise CgpError(f"--threads wants a comma-separated list of counts, e.g. 1,2,4; got {text!r}")
+    if not values or min(values) < 1:
+        raise CgpError(f"--threads counts must be at least 1; got {text!r}")
+    return values
+
+
+def cmd_equivalence(args, log=print):
+    from cgp import equivalence
+    from cgp.prototxt import read_solver
+    from cgp.train import RunConfig
+
+    path = solver_file(args)
+    sp = read_solver(path)
+    threads = thread_list(args.threads)
+    config = RunConfig(chunks=args.chunks, seed=args.seed, data_dir=args.data_dir,
+                       download=not args.no_download)
+    log(f"cgp equivalence: {path}, {args.iters} iterations, {args.chunks} chunks, "
+        f"threads {','.join(map(str, threads))}")
+    return equivalence.run(sp, path, config, threads, args.iters, log=log)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="cgp", description="Coarse-grain batch-parallel CPU trainer for Caffe networks: "
         "results are bitwise identical for any thread count.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train(sub)
+    add_equivalence(sub)
     return parser
 
 

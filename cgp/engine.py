@@ -64,15 +64,20 @@ class Pool:
 class Engine:
     """Runs forward (and backward) of one net over the chunks of each batch."""
 
-    def __init__(self, net, chunks, pool, comm, backward=True):
+    def __init__(self, net, chunks, pool, comm, backward=True, params=None):
+        """params: the flat parameter array to run with (default net.params); a float64
+        copy runs the same kernels in float64 (the equivalence harness's reference)."""
         self.net, self.pool, self.comm = net, pool, comm
         self.bounds = chunk_bounds(net.batch_size, chunks)
         n_max = max(n for _, n in self.bounds)
-        self.workspaces = [Workspace(net, n_max, with_diff=backward) for _ in range(pool.threads)]
-        self.params = net.param_views(net.params)
+        flat = net.params if params is None else params
+        self.dtype = flat.dtype
+        self.workspaces = [Workspace(net, n_max, with_diff=backward, dtype=self.dtype)
+                           for _ in range(pool.threads)]
+        self.params = net.param_views(flat)
         self.backward = backward
         if backward:
-            self.chunk_grads = np.zeros((len(self.bounds), net.n_params), np.float32)
+            self.chunk_grads = np.zeros((len(self.bounds), net.n_params), self.dtype)
             self.chunk_grad_views = [net.param_views(g) for g in self.chunk_grads]
         # The batch values reported: loss tops and unread scalar outputs (accuracy, ...).
         tracked = dict(net.scalar_outputs())
@@ -90,6 +95,7 @@ class Engine:
         """batch: source blob id -> whole-batch array. Returns ({output name: value},
         loss, gradient or None). The gradient is the fixed-order sum over chunks."""
         net = self.net
+        batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
         by_name = {self.source_names[b]: a for b, a in batch.items()}
 
         def work(worker, c):
@@ -106,11 +112,11 @@ class Engine:
 
         self.pool.run(work, len(self.bounds))
         # Shares add up in chunk order, in float32 like the blobs they came from.
-        totals = np.zeros(len(self.tracked), np.float32)
+        totals = np.zeros(len(self.tracked), self.dtype)
         for row in self.shares:
-            totals += row.astype(np.float32)
+            totals += row.astype(self.dtype)
         values = {name: float(v) for (_, name), v in zip(self.tracked, totals)}
-        loss = float(sum(np.float32(w) * totals[j] for j, (blob, _) in enumerate(self.tracked)
+        loss = float(sum(self.dtype.type(w) * totals[j] for j, (blob, _) in enumerate(self.tracked)
                          for b, w in net.loss_weights.items() if b == blob))
         grad = self.comm.reduce(self.chunk_grads) if self.backward else None
         return values, loss, grad

@@ -1,0 +1,114 @@
+"""Activation layers: ReLU, Sigmoid, TanH and Dropout, with Caffe's formulas and parameters.
+
+Each works elementwise on one bottom and one top of the same shape. Caffe nets often run them
+"in place" (top named like the bottom); the net builder gives every top its own buffer, so
+these layers never see aliased arrays. Dropout draws its mask from a counter-based stream keyed
+by (seed, iteration, global sample, layer index, element), so any split of the batch draws the
+same mask.
+"""
+from cgp.kernels import activation as K
+from cgp.layers.base import Layer, register
+from cgp.proto import caffe_pb2
+
+
+def flat(a):
+    """a as a flat view; refuses arrays that would need a copy, whose writes would be lost."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
+    return a.reshape(-1)
+
+
+class _Elementwise(Layer):
+    """One bottom, one top of the same shape, no parameters."""
+
+    def setup(self, bottom_shapes):
+        self.shape = tuple(bottom_shapes[0])
+        return [self.shape]
+
+
+@register("ReLU")
+class ReLU(_Elementwise):
+    """y = x where x > 0, else negative_slope * x; backward uses the bottom x."""
+
+    def setup(self, bottom_shapes):
+        self.slope = float(self.lp.relu_param.negative_slope)
+        return super().setup(bottom_shapes)
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        x = bottom[0]
+        K.relu_forward(flat(x), flat(top[0]), x.dtype.type(self.slope))
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if bottom_diff[0] is None:
+            return
+        x = bottom[0]
+        K.relu_backward(flat(x), flat(top_diff[0]), flat(bottom_diff[0]),
+                        x.dtype.type(self.slope))
+
+
+@register("Sigmoid")
+class Sigmoid(_Elementwise):
+    """y = 1 / (1 + exp(-x)); backward uses the top y, as Caffe does."""
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        K.sigmoid_forward(flat(bottom[0]), flat(top[0]))
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if bottom_diff[0] is not None:
+            K.sigmoid_backward(flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
+
+
+@register("TanH")
+class TanH(_Elementwise):
+    """y = tanh(x); backward uses the top y, as Caffe does."""
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        K.tanh_forward(flat(bottom[0]), flat(top[0]))
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if bottom_diff[0] is not None:
+            K.tanh_backward(flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
+
+
+@register("Dropout")
+class Dropout(_Elementwise):
+    """Caffe's inverted dropout. TRAIN: keep each element with probability 1 - dropout_ratio
+    and scale the kept ones by 1 / (1 - dropout_ratio); TEST: the identity.
+
+    The mask comes from Philox4x32-10 keyed by (chunk.seed, chunk.iteration, chunk.first + i,
+    self.index, element), never by thread or chunk; it is kept in scratch["mask"] (scale or 0
+    per element) for backward. Caffe's DropoutParameter has no other field (BVLC Caffe has no
+    scale_train; its dropout always scales at train time)."""
+
+    def setup(self, bottom_shapes):
+        ratio = float(self.lp.dropout_param.dropout_ratio)
+        if not 0.0 <= ratio < 1.0:
+            raise self.error(f"dropout_ratio must be in [0, 1), got {ratio}")
+        self.ratio = ratio
+        self.scale = 1.0 / (1.0 - ratio)
+        self.train = self.phase == caffe_pb2.TRAIN
+        return super().setup(bottom_shapes)
+
+    def scratch_shapes(self, n):
+        return {"mask": (n,) + self.shape[1:]} if self.train else {}
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        x, y = bottom[0], top[0]
+        if not self.train:
+            y[...] = x
+            return
+        n = chunk.n
+        d = x[0].size if n else 0
+        rows = [flat(a).reshape(n, d) for a in (x, y, scratch["mask"][:n])]
+        K.dropout_forward(*rows, self.ratio, x.dtype.type(self.scale), chunk.seed,
+                          chunk.iteration, chunk.first, self.index)
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        dx = bottom_diff[0]
+        if dx is None:
+            return
+        if not self.train:
+            dx[...] = top_diff[0]
+            return
+        mask = scratch["mask"][:chunk.n]
+        K.dropout_backward(flat(mask), flat(top_diff[0]), flat(dx))

@@ -1,0 +1,139 @@
+"""The Convolution layer: Caffe's 2-d convolution with padding, stride, dilation and groups.
+
+Convolution over other than two spatial axes, or along an axis other than 1, is refused.
+Each sample is convolved on its own with the same weights, so chunks need nothing from each
+other; the `engine` and `force_nd_im2col` fields choose an implementation in Caffe and change
+no result, so they are accepted and ignored.
+"""
+import numpy as np
+
+from cgp.kernels import conv as K
+from cgp.layers.base import Layer, check_axis, register
+
+
+def spatial_values(layer, p, name, default):
+    """(h, w) from Caffe's `name` (repeated: none, one for both axes, or one per axis) or
+    from its 2-d-only alternatives `name`_h and `name`_w (kernel_h/_w etc.), not both."""
+    values = list(getattr(p, name))
+    h_field, w_field = f"{name}_h", f"{name}_w"
+    if name == "kernel_size":
+        h_field, w_field = "kernel_h", "kernel_w"
+    has_h = h_field in p.DESCRIPTOR.fields_by_name and p.HasField(h_field)
+    has_w = w_field in p.DESCRIPTOR.fields_by_name and p.HasField(w_field)
+    if has_h or has_w:
+        if values:
+            raise layer.error(f"give either {name} or {h_field}/{w_field}, not both")
+        if not (has_h and has_w):
+            raise layer.error(f"{h_field} and {w_field} must be given together")
+        return int(getattr(p, h_field)), int(getattr(p, w_field))
+    if not values:
+        if default is None:
+            raise layer.error(f"{name} (or {h_field} and {w_field}) must be given")
+        return default, default
+    if len(values) == 1:
+        return int(values[0]), int(values[0])
+    if len(values) == 2:
+        return int(values[0]), int(values[1])
+    raise layer.error(f"{name} must be given once, or once per spatial axis (2), "
+                      f"got {len(values)} values")
+
+
+@register("Convolution")
+class Convolution(Layer):
+    """Caffe's Convolution: top (N, K, P, Q) from bottom (N, C, H, W) with weight
+    (K, C/group, R, S) and bias (K,), P = (H + 2*pad_h - (dilation_h*(R-1)+1)) // stride_h + 1
+    (rounded down), likewise Q. Several bottoms may share the weights, each giving the top at
+    the same position, all of one shape (Caffe's rule).
+
+    Scratch: "col", the im2col matrix of one sample (C*R*S, P*Q), and "wtmp", one sample's
+    weight gradient before it is added (weight-shaped, 2-d).
+    """
+    bottoms = (1, None)
+    tops = (1, None)
+
+    def setup(self, bottom_shapes):
+        if len(self.lp.top) != len(self.lp.bottom):
+            raise self.error(f"needs one top per bottom, got {len(self.lp.bottom)} bottom(s) "
+                             f"and {len(self.lp.top)} top(s)")
+        p = self.lp.convolution_param
+        shape = tuple(bottom_shapes[0])
+        for i, other in enumerate(bottom_shapes[1:], 1):
+            if tuple(other) != shape:
+                raise self.error(f"all bottoms must have one shape: bottom 0 is {shape}, "
+                                 f"bottom {i} is {tuple(other)}")
+        axis = check_axis(self, p.axis, len(shape))
+        if axis != 1:
+            raise self.error(f"axis {p.axis} is not supported: only axis 1 (channels) with the "
+                             f"spatial axes after it")
+        if len(shape) != 4:
+            raise self.error(f"only 2-d convolution is supported: the bottom must have 4 axes "
+                             f"(num, channels, height, width), got shape {shape}")
+        self.R, self.S = spatial_values(self, p, "kernel_size", None)
+        self.pad_h, self.pad_w = spatial_values(self, p, "pad", 0)
+        self.stride_h, self.stride_w = spatial_values(self, p, "stride", 1)
+        self.dil_h, self.dil_w = spatial_values(self, p, "dilation", 1)
+        if min(self.R, self.S) <= 0:
+            raise self.error(f"kernel dimensions must be positive, got {self.R}x{self.S}")
+        if min(self.stride_h, self.stride_w) <= 0:
+            raise self.error(f"stride must be positive, got {self.stride_h}x{self.stride_w}")
+        if min(self.dil_h, self.dil_w) <= 0:
+            raise self.error(f"dilation must be positive, got {self.dil_h}x{self.dil_w}")
+        _, C, H, W = shape
+        self.K = int(p.num_output)
+        self.group = int(p.group)
+        if self.K <= 0:
+            raise self.error("num_output must be given and positive")
+        if self.group <= 0:
+            raise self.error(f"group must be positive, got {self.group}")
+        if C % self.group:
+            raise self.error(f"the input channels ({C}, bottom shape {shape}) must be a "
+                             f"multiple of group ({self.group})")
+        if self.K % self.group:
+            raise self.error(f"num_output ({self.K}) must be a multiple of group ({self.group})")
+        extent_h = self.dil_h * (self.R - 1) + 1
+        extent_w = self.dil_w * (self.S - 1) + 1
+        if extent_h > H + 2 * self.pad_h or extent_w > W + 2 * self.pad_w:
+            raise self.error(f"the kernel ({extent_h}x{extent_w} with dilation) is larger than "
+                             f"the padded input ({H + 2 * self.pad_h}x{W + 2 * self.pad_w}) "
+                             f"of bottom shape {shape}")
+        self.P = (H + 2 * self.pad_h - extent_h) // self.stride_h + 1
+        self.Q = (W + 2 * self.pad_w - extent_w) // self.stride_w + 1
+        self.C, self.H, self.W = C, H, W
+        self.bias_term = bool(p.bias_term)
+        return [(shape[0], self.K, self.P, self.Q)] * len(bottom_shapes)
+
+    def param_shapes(self):
+        weight = (self.K, self.C // self.group, self.R, self.S)
+        return [weight, (self.K,)] if self.bias_term else [weight]
+
+    def param_fillers(self):
+        p = self.lp.convolution_param
+        return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
+
+    def _pointwise(self):
+        return (self.R == 1 and self.S == 1 and self.stride_h == 1 and self.stride_w == 1
+                and self.pad_h == 0 and self.pad_w == 0)
+
+    def scratch_shapes(self, n):
+        # A 1x1 convolution reads its columns straight from the input.
+        col = (0, 0) if self._pointwise() else (self.C * self.R * self.S, self.P * self.Q)
+        return {"col": col, "wtmp": (self.K, self.C // self.group * self.R * self.S)}
+
+    def _geometry(self):
+        return (self.stride_h, self.stride_w, self.pad_h, self.pad_w, self.dil_h, self.dil_w,
+                self.group)
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        w = params[0]
+        b = params[1] if self.bias_term else np.empty(0, w.dtype)
+        for x, y in zip(bottom, top):
+            K.conv_forward(x, w, b, y, scratch["col"], *self._geometry())
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        w, dw = params[0], param_diff[0]
+        db = param_diff[1] if self.bias_term else np.empty(0, w.dtype)
+        for x, dy, dx in zip(bottom, top_diff, bottom_diff):
+            need_dx = dx is not None
+            # Without dx the kernel never touches its dx argument; x stands in for the type.
+            K.conv_backward(x, w, dy, dx if need_dx else x, dw, db, scratch["col"],
+                            scratch["wtmp"], *self._geometry(), need_dx)

@@ -1,0 +1,259 @@
+"""Blob-plumbing layers: Concat, Eltwise, Flatten, Reshape and Split, with Caffe's parameters.
+
+None of them learns anything. Where Caffe shares memory between bottom and top (Flatten,
+Reshape, Split, one-bottom Concat), cgp copies: the net builder gives every top its own buffer.
+Nothing here may mix samples, so the batch axis is never concatenated, flattened or reshaped.
+"""
+import math
+
+from cgp.kernels import elementwise as K
+from cgp.layers.base import Layer, check_axis, register
+from cgp.proto import caffe_pb2
+
+
+def flat(a):
+    """a as a flat view; refuses arrays that would need a copy, whose writes would be lost."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
+    return a.reshape(-1)
+
+
+def _shape(shape):
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+@register("Concat")
+class Concat(Layer):
+    """Joins N bottoms along concat_param.axis (default 1; the old concat_dim also works).
+    The bottoms' shapes must agree on every other axis."""
+    bottoms = (1, None)
+
+    def setup(self, bottom_shapes):
+        cp = self.lp.concat_param
+        if cp.HasField("axis") and cp.HasField("concat_dim"):
+            raise self.error("give either concat_param.axis or concat_dim, not both")
+        shape0 = tuple(bottom_shapes[0])
+        ndim = len(shape0)
+        axis = cp.concat_dim if cp.HasField("concat_dim") else cp.axis
+        self.axis = axis = check_axis(self, axis, ndim)
+        for i, shape in enumerate(bottom_shapes[1:], 1):
+            shape = tuple(shape)
+            if len(shape) != ndim or any(a != b for j, (a, b) in enumerate(zip(shape0, shape))
+                                         if j != axis):
+                raise self.error(
+                    f"bottom '{self.lp.bottom[0]}' {_shape(shape0)} and bottom "
+                    f"'{self.lp.bottom[i]}' {_shape(shape)} must have the same shape except "
+                    f"on the concat axis {axis}")
+        self.sizes = [shape[axis] for shape in bottom_shapes]
+        self.outer = math.prod(shape0[1:axis])     # per sample: rows before the concat axis
+        self.inner = math.prod(shape0[axis + 1:])  # elements per slice of the concat axis
+        top = list(shape0)
+        top[axis] = sum(self.sizes)
+        return [tuple(top)]
+
+    def _rows(self, a, size, n):
+        return flat(a).reshape(n * self.outer, size * self.inner)
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        n, total = chunk.n, sum(self.sizes)
+        y = self._rows(top[0], total, n)
+        offset = 0
+        for x, size in zip(bottom, self.sizes):
+            K.concat_forward(self._rows(x, size, n), y, offset * self.inner)
+            offset += size
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        n, total = chunk.n, sum(self.sizes)
+        dy = self._rows(top_diff[0], total, n)
+        offset = 0
+        for dx, size in zip(bottom_diff, self.sizes):
+            if dx is not None:
+                K.concat_backward(dy, self._rows(dx, size, n), offset * self.inner)
+            offset += size
+
+
+@register("Eltwise")
+class Eltwise(Layer):
+    """Elementwise SUM (with optional coeff per bottom), PROD or MAX of two or more bottoms of
+    one shape. MAX keeps the winning bottom's index in scratch["argmax"]; ties go as in Caffe
+    (bottom 1 over bottom 0, then the earlier bottom)."""
+    bottoms = (2, None)
+
+    def setup(self, bottom_shapes):
+        ep = self.lp.eltwise_param
+        P = caffe_pb2.EltwiseParameter
+        self.op = ep.operation
+        if self.op not in (P.SUM, P.PROD, P.MAX):
+            raise self.error(f"unsupported eltwise_param.operation {self.op}")
+        count = len(bottom_shapes)
+        coeffs = list(ep.coeff)
+        if coeffs and len(coeffs) != count:
+            raise self.error(f"eltwise_param.coeff takes one coefficient per bottom: got "
+                             f"{len(coeffs)} for {count} bottoms")
+        if coeffs and self.op != P.SUM:
+            raise self.error("eltwise_param.coeff applies only to operation SUM")
+        self.coeffs = coeffs or [1.0] * count
+        self.stable_prod_grad = ep.stable_prod_grad
+        self.shape = tuple(bottom_shapes[0])
+        for i, shape in enumerate(bottom_shapes[1:], 1):
+            if tuple(shape) != self.shape:
+                raise self.error(
+                    f"all bottoms must have the same shape: bottom '{self.lp.bottom[0]}' "
+                    f"{_shape(self.shape)}, bottom '{self.lp.bottom[i]}' {_shape(shape)}")
+        return [self.shape]
+
+    def scratch_shapes(self, n):
+        if self.op == caffe_pb2.EltwiseParameter.MAX:
+            return {"argmax": (n,) + self.shape[1:]}
+        return {}
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        P = caffe_pb2.EltwiseParameter
+        xs = [flat(b) for b in bottom]
+        y = flat(top[0])
+        if self.op == P.SUM:
+            c = [y.dtype.type(c) for c in self.coeffs]
+            K.scaled_copy(xs[0], c[0], y)
+            for x, ci in zip(xs[1:], c[1:]):
+                K.axpy(x, ci, y)
+        elif self.op == P.PROD:
+            K.multiply(xs[0], xs[1], y)
+            for x in xs[2:]:
+                K.multiply(y, x, y)
+        else:
+            idx = flat(scratch["argmax"][:chunk.n])
+            K.max_first(xs[0], xs[1], y, idx)
+            for k, x in enumerate(xs[2:], 2):
+                K.max_next(x, k, y, idx)
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        P = caffe_pb2.EltwiseParameter
+        dy = flat(top_diff[0])
+        xs = [flat(b) for b in bottom]
+        for i, dx in enumerate(bottom_diff):
+            if dx is None:
+                continue
+            dx = flat(dx)
+            if self.op == P.SUM:
+                K.scaled_copy(dy, dx.dtype.type(self.coeffs[i]), dx)
+            elif self.op == P.PROD:
+                if self.stable_prod_grad:
+                    # The product of the other bottoms, in bottom order, then times dy.
+                    others = [x for j, x in enumerate(xs) if j != i]
+                    K.copy(others[0], dx)
+                    for x in others[1:]:
+                        K.multiply(dx, x, dx)
+                    K.multiply(dx, dy, dx)
+                else:
+                    K.divide_multiply(flat(top[0]), xs[i], dy, dx)
+            else:
+                K.max_backward(dy, flat(scratch["argmax"][:chunk.n]), i, dx)
+
+
+class _Copy(Layer):
+    """A top that holds the bottom's elements in the same order under another shape."""
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        K.copy(flat(bottom[0]), flat(top[0]))
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if bottom_diff[0] is not None:
+            K.copy(flat(top_diff[0]), flat(bottom_diff[0]))
+
+
+@register("Flatten")
+class Flatten(_Copy):
+    """Merges axes flatten_param.axis .. end_axis (defaults 1 and -1) into one; a copy."""
+
+    def setup(self, bottom_shapes):
+        fp = self.lp.flatten_param
+        shape = tuple(bottom_shapes[0])
+        ndim = len(shape)
+        start = check_axis(self, fp.axis, ndim)
+        if not -ndim <= fp.end_axis < ndim:
+            raise self.error(f"end_axis {fp.end_axis} is out of range for a {ndim}-d blob")
+        end = fp.end_axis % ndim
+        if end + 1 < start:
+            raise self.error(f"end_axis {fp.end_axis} comes before axis {fp.axis}")
+        return [shape[:start] + (math.prod(shape[start:end + 1]),) + shape[end + 1:]]
+
+
+@register("Reshape")
+class Reshape(_Copy):
+    """Caffe's Reshape: reshape_param.shape replaces axes axis .. axis + num_axes - 1 (default:
+    all); a dim of 0 copies the bottom's dim, one dim of -1 is inferred. The batch axis must
+    keep its size (write dim: 0 for it), so that each sample stays whole; a copy."""
+
+    def setup(self, bottom_shapes):
+        rp = self.lp.reshape_param
+        bottom = tuple(bottom_shapes[0])
+        ndim = len(bottom)
+        dims = list(rp.shape.dim)
+        if any(d < -1 for d in dims):
+            raise self.error(f"reshape_param.shape dims must be >= -1, got {dims}")
+        inferred = [i for i, d in enumerate(dims) if d == -1]
+        if len(inferred) > 1:
+            raise self.error(f"reshape_param.shape may hold at most one -1, got {dims}")
+        start = rp.axis if rp.axis >= 0 else ndim + rp.axis + 1
+        if not 0 <= start <= ndim:
+            raise self.error(f"reshape_param.axis {rp.axis} is out of range for a {ndim}-d blob")
+        if rp.num_axes < -1:
+            raise self.error(f"reshape_param.num_axes must be >= 0, or -1 for all; "
+                             f"got {rp.num_axes}")
+        end = ndim if rp.num_axes == -1 else start + rp.num_axes
+        if end > ndim:
+            raise self.error(f"reshape_param.axis + num_axes = {end} is out of range for a "
+                             f"{ndim}-d blob")
+        top = list(bottom[:start]) + dims + list(bottom[end:])
+        for i, d in enumerate(dims):
+            if d == 0:
+                if start + i >= ndim:
+                    raise self.error(f"reshape_param.shape dim {i} is 0 but bottom "
+                                     f"{_shape(bottom)} has no axis {start + i} to copy")
+                top[start + i] = bottom[start + i]
+        count = math.prod(bottom)
+        if inferred:
+            known = math.prod(d for j, d in enumerate(top) if j != start + inferred[0])
+            if known == 0 or count % known:
+                raise self.error(f"cannot infer the -1 dim: bottom {_shape(bottom)} holds "
+                                 f"{count} elements, not a multiple of {known}")
+            top[start + inferred[0]] = count // known
+        top = tuple(top)
+        if math.prod(top) != count:
+            raise self.error(f"bottom {_shape(bottom)} and top {_shape(top)} hold different "
+                             f"numbers of elements")
+        if top[0] != bottom[0]:
+            raise self.error(f"top {_shape(top)} would change the batch axis of bottom "
+                             f"{_shape(bottom)}: cgp splits the batch into chunks, so the first "
+                             f"dim must stay (write dim: 0)")
+        return [top]
+
+
+@register("Split")
+class Split(Layer):
+    """Copies its bottom to each of its tops; backward sums the tops' gradients in top order.
+    The net builder inserts it where one blob feeds several layers, as Caffe does."""
+    tops = (1, None)
+
+    def setup(self, bottom_shapes):
+        return [tuple(bottom_shapes[0])] * len(self.lp.top)
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        x = flat(bottom[0])
+        for y in top:
+            K.copy(x, flat(y))
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if bottom_diff[0] is None:
+            return
+        dx = flat(bottom_diff[0])
+        # A top whose consumers need no gradient may come without one: it adds nothing.
+        diffs = [flat(d) for d in top_diff if d is not None]
+        if not diffs:
+            dx[...] = 0
+        elif len(diffs) == 1:
+            K.copy(diffs[0], dx)
+        else:
+            K.add(diffs[0], diffs[1], dx)
+            for d in diffs[2:]:
+                K.add(dx, d, dx)

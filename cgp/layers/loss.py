@@ -1,0 +1,271 @@
+"""Softmax, SoftmaxWithLoss and Accuracy layers, with Caffe's semantics.
+
+SoftmaxWithLoss and Accuracy reduce the batch: each chunk writes its share, its own sum over
+its samples divided by the batch-wide normaliser, and the engine adds the shares. A normaliser
+that counts non-ignored labels needs the whole batch's labels, which the engine passes in
+chunk.batch_tops when the label blob comes from a data layer. Other losses live elsewhere.
+"""
+import numpy as np
+
+from cgp.kernels import loss as K
+from cgp.layers.base import Layer, check_axis, register
+from cgp.proto import caffe_pb2
+
+LossP = caffe_pb2.LossParameter
+
+
+def _count(dims):
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def _view(a, shape):
+    """a reshaped without a copy; refuses arrays that would need one (writes would be lost)."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
+    return a.reshape(shape)
+
+
+class _ClassAxis(Layer):
+    """Shared by the three layers: bottom 0 seen as (O, C, I) around the class axis, where
+    O = samples * `per_sample` (the axes between the batch axis and the class axis)."""
+
+    def _split_axis(self, shape, axis):
+        self.axis = check_axis(self, axis, len(shape))
+        self.per_sample = _count(shape[1:self.axis])
+        self.classes = int(shape[self.axis])
+        self.inner = _count(shape[self.axis + 1:])
+
+    def _scores(self, a, n):
+        return _view(a, (n * self.per_sample, self.classes, self.inner))
+
+    def _labels(self, a, n):
+        return _view(a, (n * self.per_sample, self.inner))
+
+    def _check_labels(self, shapes):
+        """Caffe's rule: one label per (outer, inner) position. cgp also needs the labels'
+        batch axis to match, since chunks cut both bottoms along axis 0."""
+        scores, labels = (tuple(s) for s in shapes)
+        if labels[0] != scores[0]:
+            raise self.error(f"scores {scores} and labels {labels} must have the same first "
+                             f"(batch) dimension")
+        if _count(labels) != scores[0] * self.per_sample * self.inner:
+            raise self.error(
+                f"number of labels must match number of predictions: scores {scores} with class "
+                f"axis {self.axis} need {scores[0] * self.per_sample * self.inner} labels, "
+                f"labels {labels} hold {_count(labels)}")
+
+    def _read_ignore(self, param):
+        self.has_ignore = param.HasField("ignore_label")
+        self.ignore = int(param.ignore_label) if self.has_ignore else 0
+
+    def _positions(self, chunk):
+        """Caffe's outer_num * inner_num for the whole batch."""
+        return chunk.batch_size * self.per_sample * self.inner
+
+    def _bad_label(self, labels, index, first):
+        """The error for the label at flat `index` of `labels`, a block starting at sample
+        `first` of the batch."""
+        per = self.per_sample * self.inner
+        value = labels.reshape(-1)[index]
+        return self.error(f"label {float(value):g} (sample {first + index // per} of the batch, "
+                          f"position {index % per}) is not a class: labels must be integers "
+                          f"in [0, {self.classes})"
+                          + (f" or the ignore_label {self.ignore}" if self.has_ignore else ""))
+
+    def _batch_label_counts(self, chunk, why):
+        """Per-class counts of the whole batch's labels (ignored ones excluded), from
+        chunk.batch_tops; `why` says in the error what needs them."""
+        name = self.lp.bottom[1]
+        labels = chunk.batch_tops.get(name)
+        if labels is None:
+            raise self.error(f"{why} needs the whole batch's labels, but label blob '{name}' "
+                             f"is not a data layer's top: feed the labels straight from a data "
+                             f"layer")
+        labels = np.ascontiguousarray(labels).reshape(-1)
+        if labels.size != self._positions(chunk):
+            raise self.error(f"the batch's label blob '{name}' holds {labels.size} labels, "
+                             f"expected {self._positions(chunk)}")
+        counts = np.zeros(self.classes, np.int64)
+        bad = K.label_counts(labels, self.classes, self.has_ignore, self.ignore, counts)
+        if bad >= 0:
+            raise self._bad_label(labels, bad, 0)
+        return counts
+
+
+def _refuse_cudnn(layer, engine):
+    if engine == caffe_pb2.SoftmaxParameter.CUDNN:
+        raise layer.error("engine CUDNN is not supported: cgp runs Caffe's CPU implementation "
+                          "(use engine DEFAULT or CAFFE)")
+
+
+@register("Softmax")
+class Softmax(_ClassAxis):
+    """y = exp(x) / sum exp(x) along softmax_param.axis (default 1), with the maximum
+    subtracted first. Scratch "work": one (I,) plane of maxima and sums."""
+
+    def setup(self, bottom_shapes):
+        shape = tuple(bottom_shapes[0])
+        _refuse_cudnn(self, self.lp.softmax_param.engine)
+        self._split_axis(shape, self.lp.softmax_param.axis)
+        return [shape]
+
+    def scratch_shapes(self, n):
+        return {"work": (self.inner,)}
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        n = chunk.n
+        K.softmax_forward(self._scores(bottom[0], n), self._scores(top[0], n), scratch["work"])
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if bottom_diff[0] is None:
+            return
+        n = chunk.n
+        K.softmax_backward(self._scores(top[0], n), self._scores(top_diff[0], n),
+                           self._scores(bottom_diff[0], n), scratch["work"])
+
+
+@register("SoftmaxWithLoss")
+class SoftmaxWithLoss(_ClassAxis):
+    """Softmax along softmax_param.axis, then the mean negative log-probability of the labels:
+    loss = -sum log(max(p[label], FLT_MIN)) / normaliser, over the non-ignored positions.
+
+    The normaliser (at least 1) follows loss_param.normalization: FULL, all positions
+    (outer_num * inner_num); VALID (default), the non-ignored positions; BATCH_SIZE, outer_num;
+    NONE, 1. When `normalization` is unset and the old `normalize` is set, normalize true means
+    VALID and false BATCH_SIZE, as in Caffe. All counts are of the whole batch.
+
+    Bottoms: scores, labels (one per position, batch axis first). Tops: the loss
+    share, shape (); optionally the probabilities, shape of the scores. Being a batch-value
+    top, that one has the whole batch's rows: each chunk writes its own rows and zeros elsewhere,
+    so a sum of the shares is the whole batch's array. A buffer of just the chunk's rows (if
+    the engine ever gives per-sample tops to such a layer) is filled as is.
+    Scratch: "prob" (the probabilities, for backward) and "work" (one (I,) plane).
+    """
+    bottoms = (2, 2)
+    tops = (1, 2)
+    reduces_batch = True
+    default_loss_weight = 1.0
+
+    def setup(self, bottom_shapes):
+        scores = tuple(bottom_shapes[0])
+        _refuse_cudnn(self, self.lp.softmax_param.engine)
+        self._split_axis(scores, self.lp.softmax_param.axis)
+        self._check_labels(bottom_shapes)
+        p = self.lp.loss_param
+        self._read_ignore(p)
+        if not p.HasField("normalization") and p.HasField("normalize"):
+            self.normalization = LossP.VALID if p.normalize else LossP.BATCH_SIZE
+        else:
+            self.normalization = p.normalization
+        if self.normalization not in (LossP.FULL, LossP.VALID, LossP.BATCH_SIZE, LossP.NONE):
+            raise self.error(f"unknown normalization {self.normalization}")
+        # Caffe's backward reads only the loss top's diff: a weight on the probabilities
+        # would change the reported loss but not the gradient.
+        if len(self.lp.loss_weight) > 1 and any(w != 0 for w in self.lp.loss_weight[1:]):
+            raise self.error("a loss_weight on the probabilities top (top 1) is not supported: "
+                             "Caffe backpropagates only the loss top")
+        self.score_shape = scores
+        return [()] + ([scores] if len(self.lp.top) > 1 else [])
+
+    def scratch_shapes(self, n):
+        return {"prob": (n,) + self.score_shape[1:], "work": (self.inner,)}
+
+    def normaliser(self, chunk):
+        """Caffe's get_normalizer for the whole batch, as a float."""
+        mode = self.normalization
+        if mode == LossP.FULL:
+            value = self._positions(chunk)
+        elif mode == LossP.VALID:
+            if self.has_ignore:
+                value = int(self._batch_label_counts(
+                    chunk, "normalization VALID with an ignore_label").sum())
+            else:
+                value = self._positions(chunk)
+        elif mode == LossP.BATCH_SIZE:
+            value = chunk.batch_size * self.per_sample
+        else:
+            value = 1
+        # Caffe: some nets give a batch no labels to turn a loss off; max() avoids 0 / 0.
+        return max(1.0, float(value))
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        n = chunk.n
+        prob = scratch["prob"][:n]
+        probs = self._scores(prob, n)
+        labels = self._labels(bottom[1], n)
+        K.softmax_forward(self._scores(bottom[0], n), probs, scratch["work"])
+        loss, bad = K.softmax_loss_forward(probs, labels, self.has_ignore, self.ignore)
+        if bad >= 0:
+            raise self._bad_label(labels, bad, chunk.first)
+        top[0][...] = loss / self.normaliser(chunk)
+        if len(top) > 1:
+            out = top[1]
+            if out.shape[0] == n:      # a per-sample buffer (or the chunk is the whole batch)
+                out[...] = prob
+            else:                      # the batch-value buffer of the contract: own rows only
+                out[...] = 0
+                out[chunk.first:chunk.first + n] = prob
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if bottom_diff[1] is not None:
+            raise self.error("cannot backpropagate to the labels (bottom 1)")
+        if bottom_diff[0] is None:
+            return
+        n = chunk.n
+        dx = bottom_diff[0]
+        scale = dx.dtype.type(float(top_diff[0]) / self.normaliser(chunk))
+        labels = self._labels(bottom[1], n)
+        bad = K.softmax_loss_backward(self._scores(scratch["prob"][:n], n), labels,
+                                      self.has_ignore, self.ignore, scale, self._scores(dx, n))
+        if bad >= 0:
+            raise self._bad_label(labels, bad, chunk.first)
+
+
+@register("Accuracy")
+class Accuracy(_ClassAxis):
+    """The fraction of positions whose label is among the top_k scores along
+    accuracy_param.axis (default 1); a tie with another class counts against, as in Caffe.
+    Positions labelled ignore_label count nowhere; with none left the accuracy is 0.
+
+    Tops: the accuracy share, shape (); optionally the per-class accuracy, shape (C,): each
+    class's correct count over its number of labels in the whole batch (0 for a class with
+    none), which needs the whole batch's labels (chunk.batch_tops). No backward.
+    """
+    bottoms = (2, 2)
+    tops = (1, 2)
+    reduces_batch = True
+
+    def setup(self, bottom_shapes):
+        scores = tuple(bottom_shapes[0])
+        p = self.lp.accuracy_param
+        self._split_axis(scores, p.axis)
+        self._check_labels(bottom_shapes)
+        self._read_ignore(p)
+        self.top_k = int(p.top_k)
+        if not 1 <= self.top_k <= self.classes:
+            raise self.error(f"top_k must be between 1 and the number of classes "
+                             f"{self.classes} (scores {scores}), got {self.top_k}")
+        return [()] + ([(self.classes,)] if len(self.lp.top) > 1 else [])
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        n = chunk.n
+        labels = self._labels(bottom[1], n)
+        correct = np.zeros(self.classes, np.int64)
+        total, bad = K.accuracy_forward(self._scores(bottom[0], n), labels, self.top_k,
+                                        self.has_ignore, self.ignore, correct)
+        if bad >= 0:
+            raise self._bad_label(labels, bad, chunk.first)
+        counts = None
+        if self.has_ignore or len(top) > 1:
+            what = "accuracy with an ignore_label" if self.has_ignore else "per-class accuracy"
+            counts = self._batch_label_counts(chunk, what)
+        count = int(counts.sum()) if self.has_ignore else self._positions(chunk)
+        top[0][...] = total / count if count > 0 else 0.0
+        if len(top) > 1:
+            top[1][...] = np.where(counts > 0, correct / np.maximum(counts, 1), 0.0)
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        """Accuracy has no gradient; the net never asks this layer for one."""

@@ -1,0 +1,223 @@
+"""ReLU, Sigmoid, TanH and Dropout against float64 NumPy references, finite differences and
+batch splits; Philox4x32-10 against Random123's known answers."""
+import numpy as np
+import pytest
+
+from cgp.errors import NetError
+from cgp.kernels.random import philox4x32_10, uniform, uniform_fill
+from cgp.layers import Chunk
+from cgp.proto import caffe_pb2
+from layer_check import (backward, build, check_forward, check_gradients,
+                         check_split_invariance, forward)
+
+SHAPE = (4, 3, 2, 3)
+
+
+def away_from_zero(shape, seed=0):
+    """Random values with |x| >= 0.1: central differences never straddle ReLU's kink."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0.1, 2.0, shape)
+    return x * rng.choice([-1.0, 1.0], shape)
+
+
+def layer_text(kind, extra=""):
+    return f'type: "{kind}" bottom: "x" top: "y" {extra}'
+
+
+# -- ReLU, Sigmoid, TanH ----------------------------------------------------------------------
+
+def relu_ref(slope):
+    return lambda x: np.where(x > 0, x, slope * x)
+
+
+def sigmoid_ref(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+@pytest.mark.parametrize("kind, extra, reference", [
+    ("ReLU", "", relu_ref(0.0)),
+    ("ReLU", "relu_param { negative_slope: 0.25 }", relu_ref(0.25)),
+    ("Sigmoid", "", sigmoid_ref),
+    ("TanH", "", np.tanh),
+])
+def test_activation(kind, extra, reference):
+    x = away_from_zero(SHAPE)
+    layer = build(layer_text(kind, extra), [SHAPE])
+    assert layer.top_shapes == [SHAPE]
+    check_forward(layer, [x], reference)
+    check_gradients(layer, [x])
+    check_split_invariance(layer, [x], cut=1)
+
+
+def test_relu_kink_and_in_place_name():
+    # Caffe nets run ReLU in place (top named like the bottom); the layer sees two buffers.
+    layer = build('type: "ReLU" bottom: "x" top: "x" relu_param { negative_slope: 0.5 }',
+                  [(1, 4)])
+    x = np.array([[-2.0, 0.0, 3.0, -0.5]])
+    dy = np.ones_like(x)
+    tops, (dx,), _ = backward(layer, [x], [], [dy])
+    np.testing.assert_array_equal(tops[0], [[-1.0, 0.0, 3.0, -0.25]])
+    np.testing.assert_array_equal(dx, [[0.5, 0.5, 1.0, 0.5]])   # x = 0 takes the slope
+
+
+def test_sigmoid_saturates_without_overflow():
+    layer = build(layer_text("Sigmoid"), [(1, 4)])
+    x = np.array([[-1e4, -100.0, 100.0, 1e4]], np.float32)
+    with np.errstate(all="raise"):
+        (y,), _ = forward(layer, [x], [])
+    np.testing.assert_allclose(y, [[0.0, 0.0, 1.0, 1.0]], atol=1e-30)
+
+
+def test_backward_uses_the_top():
+    # Sigmoid and TanH differentiate from y: a top that disagrees with the bottom shows it.
+    for kind, grad in (("Sigmoid", lambda y: y * (1 - y)), ("TanH", lambda y: 1 - y * y)):
+        layer = build(layer_text(kind), [(1, 3)])
+        x = np.zeros((1, 3))
+        y = np.array([[0.2, 0.5, 0.9]])
+        dy = np.array([[1.0, 2.0, 3.0]])
+        dx = np.full_like(x, 7.0)
+        layer.backward([y], [dy], [x], [dx], [], [], {}, Chunk(n=1))
+        np.testing.assert_allclose(dx, dy * grad(y))
+
+
+# -- Philox4x32-10 ----------------------------------------------------------------------------
+
+# Random123's tests/kat_vectors, the three "philox4x32 10" lines: counter, key -> output.
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", KAT)
+def test_philox_known_answers(counter, key, expected):
+    assert tuple(int(w) for w in philox4x32_10(*counter, *key)) == expected
+
+
+def test_uniform_moments_and_range():
+    u = np.zeros(100_000)
+    uniform_fill(12345, 7, 3, 2, u)
+    assert u.min() >= 0.0 and u.max() < 1.0
+    assert abs(u.mean() - 0.5) < 0.005             # sd of the mean ~ 0.0009
+    assert abs(u.var() - 1 / 12) < 0.002
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02
+    # The fill and the scalar draw are the same stream.
+    assert [uniform(12345, 7, 3, 2, d) for d in (0, 1, 5, 99_999)] == list(u[[0, 1, 5, 99_999]])
+
+
+def test_uniform_depends_on_every_key_component():
+    base = (11, 5, 3, 2)
+
+    def stream(seed, iteration, sample, layer):
+        u = np.zeros(64)
+        uniform_fill(seed, iteration, sample, layer, u)
+        return u
+
+    ref = stream(*base)
+    np.testing.assert_array_equal(ref, stream(*base))
+    for k in range(4):
+        changed = list(base)
+        changed[k] += 1
+        assert np.count_nonzero(stream(*changed) == ref) < 3, f"key component {k} ignored"
+    assert len(set(ref)) == 64                    # the element index changes the draw too
+    # The seed's high word is part of the key.
+    assert uniform(11, 5, 3, 2, 0) != uniform(11 + 2**32, 5, 3, 2, 0)
+
+
+# -- Dropout ----------------------------------------------------------------------------------
+
+DROP = (6, 2, 3, 5)
+
+
+def dropout(ratio=None, phase=caffe_pb2.TRAIN, index=3, shape=DROP):
+    extra = f"dropout_param {{ dropout_ratio: {ratio} }}" if ratio is not None else ""
+    return build(layer_text("Dropout", extra), [shape], phase=phase, index=index)
+
+
+def mask_of(layer, x, chunk):
+    (y,), scratch = forward(layer, [x], [], chunk)
+    return y, scratch["mask"]
+
+
+def test_dropout_train_keeps_and_scales():
+    x = away_from_zero((8, 1000)).astype(np.float32)
+    for ratio in (0.5, 0.2):
+        layer = dropout(ratio, shape=x.shape)
+        y, mask = mask_of(layer, x, Chunk(n=8, seed=1, iteration=2))
+        scale = np.float32(1.0 / (1.0 - np.float64(np.float32(ratio))))
+        kept = y != 0
+        assert abs(kept.mean() - (1 - ratio)) < 0.02
+        np.testing.assert_array_equal(y[kept], x[kept] * scale)
+        np.testing.assert_array_equal(mask, np.where(kept, scale, 0))
+
+
+def test_dropout_default_ratio():
+    assert dropout().ratio == 0.5
+
+
+def test_dropout_mask_is_the_uniform_stream():
+    layer = dropout(0.4, index=5)
+    x = np.ones(DROP)
+    _, mask = mask_of(layer, x, Chunk(n=6, first=10, seed=9, iteration=4))
+    u = np.zeros(int(np.prod(DROP[1:])))
+    for i in range(DROP[0]):
+        uniform_fill(9, 4, 10 + i, 5, u)
+        keep = u >= np.float64(np.float32(0.4))
+        np.testing.assert_array_equal(mask[i].reshape(-1) != 0, keep)
+
+
+def test_dropout_gradient():
+    x = away_from_zero(DROP)
+    layer = dropout(0.3)
+    chunk = Chunk(n=6, seed=4, iteration=1)
+    check_gradients(layer, [x], chunk=chunk)
+    dy = away_from_zero(DROP, seed=2)
+    (y,), (dx,), _ = backward(layer, [x], [], [dy], chunk)
+    _, mask = mask_of(layer, x, chunk)
+    np.testing.assert_array_equal(dx, mask * dy)
+    assert set(np.unique(mask)) == {0.0, 1.0 / (1.0 - np.float64(np.float32(0.3)))}
+
+
+def test_dropout_test_phase_is_identity():
+    layer = dropout(0.5, phase=caffe_pb2.TEST)
+    assert layer.scratch_shapes(6) == {}
+    x = away_from_zero(DROP)
+    check_forward(layer, [x], lambda x: x, chunk=Chunk(n=6, seed=1))
+    dy = away_from_zero(DROP, seed=3)
+    _, (dx,), _ = backward(layer, [x], [], [dy])
+    np.testing.assert_array_equal(dx, dy)
+
+
+def test_dropout_split_invariance():
+    x = away_from_zero(DROP)
+    layer = dropout(0.5)
+    for cut in (1, 2, 5):
+        check_split_invariance(layer, [x], cut=cut, chunk_kw=dict(seed=7, iteration=3))
+
+
+def test_dropout_masks_keyed_by_seed_iteration_sample_layer():
+    x = np.ones(DROP)
+    n = DROP[0]
+
+    def mask(first=0, seed=1, iteration=0, index=3, dtype=np.float64, rows=slice(None)):
+        layer = dropout(0.5, index=index)
+        xs = x[rows].astype(dtype)
+        return mask_of(layer, xs, Chunk(n=len(xs), first=first, batch=n, seed=seed,
+                                        iteration=iteration))[1] != 0
+
+    ref = mask()
+    np.testing.assert_array_equal(ref, mask())                            # same key
+    np.testing.assert_array_equal(ref, mask(dtype=np.float32))            # any dtype
+    np.testing.assert_array_equal(ref[2:5], mask(first=2, rows=slice(2, 5)))   # any chunk
+    for changed in (dict(seed=2), dict(iteration=1), dict(index=4), dict(first=1)):
+        other = mask(**changed)
+        assert np.mean(other == ref) < 0.75, f"mask ignores {changed}"
+    assert np.mean(ref[0] == ref[1]) < 0.75                               # samples differ
+
+
+@pytest.mark.parametrize("ratio", [1.0, -0.1])
+def test_dropout_refuses_bad_ratio(ratio):
+    with pytest.raises(NetError, match="dropout_ratio"):
+        dropout(ratio)

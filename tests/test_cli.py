@@ -1,0 +1,65 @@
+"""The command line as a user meets it: one clear message and exit status 2 for a
+mistake, never a traceback."""
+import subprocess
+import sys
+
+import pytest
+
+
+def cgp(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "cgp", *args], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+def assert_user_error(out, *fragments):
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    for fragment in fragments:
+        assert fragment in out.stderr, out.stderr
+
+
+def test_malformed_solver_names_file_and_line(tmp_path):
+    path = tmp_path / "bad_solver.prototxt"
+    path.write_text('net: "x.prototxt"\nbase_lr: 0.01\nbase_lrr: 3\n')
+    assert_user_error(cgp("train", "--solver", str(path)), "bad_solver.prototxt:3", "base_lrr")
+
+
+def test_missing_net_file_is_named(tmp_path):
+    path = tmp_path / "solver.prototxt"
+    path.write_text('net: "nowhere/net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\n')
+    assert_user_error(cgp("train", "--solver", str(path), cwd=tmp_path), "nowhere/net.prototxt")
+
+
+def test_unknown_layer_in_net(tmp_path):
+    (tmp_path / "net.prototxt").write_text(
+        'layer { name: "in" type: "Input" top: "d" input_param { shape { dim: 1 dim: 3 } } }\n'
+        'layer { name: "odd" type: "Frobnicate" bottom: "d" top: "o" }\n')
+    (tmp_path / "solver.prototxt").write_text('net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\n')
+    assert_user_error(cgp("train", "--solver", str(tmp_path / "solver.prototxt"), cwd=tmp_path),
+                      "Frobnicate", "Convolution")
+
+
+def test_unknown_model_name():
+    assert_user_error(cgp("train", "nosuchmodel"), "nosuchmodel", "mnist")
+
+
+def test_missing_data_explains_where_it_looked(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_user_error(cgp("train", "mnist", "--data-dir", str(empty)), str(empty))
+
+
+def test_bad_thread_list():
+    assert_user_error(cgp("equivalence", "mnist", "--threads", "1,x"), "--threads")
+
+
+def test_train_small_run_end_to_end(tmp_path, mnist_dir):
+    """A whole `cgp train` run: progress lines, a test, snapshots, the summary."""
+    out = cgp("train", "mnist", "--iters", "4", "--threads", "2", "--data-dir", str(mnist_dir),
+              "--snapshot-prefix", str(tmp_path / "snap"), cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Iteration 0 (" in out.stdout and "lr = 0.01" in out.stdout
+    assert "Test net output #0: accuracy" in out.stdout
+    assert (tmp_path / "snap_iter_4.caffemodel").is_file()
+    assert (tmp_path / "snap_iter_4.solverstate").is_file()
+    assert "weights written to" in out.stdout

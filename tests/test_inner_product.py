@@ -1,0 +1,126 @@
+"""InnerProduct against float64 einsum references (axis 1, 2, -1, transpose, no bias),
+gradient checks (with chunks that hold whole, partial and several of the kernel's global row
+blocks), split invariance at every cut, shape rules and Caffe's parameter rules."""
+import numpy as np
+import pytest
+
+from cgp.errors import NetError
+from cgp.kernels.fc import BLOCK
+from cgp.layers import Chunk
+from layer_check import (backward, build, check_forward, check_gradients,
+                         check_split_invariance, random_params)
+
+
+def ip_text(fields):
+    return f'type: "InnerProduct" bottom: "x" top: "y" inner_product_param {{ {fields} }}'
+
+
+def ip_ref(x, w, b=None, axis=1, transpose=False):
+    rows = x.reshape(x.shape[:axis] + (-1,))
+    y = rows @ w if transpose else rows @ w.T
+    return y if b is None else y + b
+
+
+def data(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+# (prototxt fields, bottom shape, top shape, weight shape, reference keyword arguments)
+CONFIGS = {
+    "axis1": ("num_output: 3", (2, 2, 3, 2), (2, 3), (3, 12), {}),
+    "axis2": ("num_output: 3 axis: 2", (2, 2, 3, 2), (2, 2, 3), (3, 6), dict(axis=2)),
+    "axis_last": ("num_output: 2 axis: -1", (2, 3, 4), (2, 3, 2), (2, 4), dict(axis=2)),
+    "transpose": ("num_output: 3 transpose: true", (3, 5), (3, 3), (5, 3),
+                  dict(transpose=True)),
+    "transpose_axis2": ("num_output: 4 axis: 2 transpose: true", (2, 3, 5), (2, 3, 4), (5, 4),
+                        dict(axis=2, transpose=True)),
+}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_forward(name, bias):
+    fields, shape, top, weight, kw = CONFIGS[name]
+    layer = build(ip_text(f"{fields} bias_term: {str(bias).lower()}"), [shape])
+    assert layer.top_shapes == [top]
+    assert layer.param_shapes() == ([weight, (weight[1] if kw.get("transpose") else weight[0],)]
+                                    if bias else [weight])
+    check_forward(layer, [data(shape)], lambda x, w, b=None: ip_ref(x, w, b, **kw))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gradients(name):
+    fields, shape, *_ = CONFIGS[name]
+    layer = build(ip_text(fields), [shape])
+    check_gradients(layer, [data(shape)])
+
+
+@pytest.mark.parametrize("n, first", [(BLOCK, 0), (BLOCK + 3, 5), (2 * BLOCK + 1, BLOCK - 1)])
+def test_gradients_across_blocks(n, first):
+    # Whole, partial and several global row blocks; rows = 2 per sample with axis 2.
+    for fields in ("num_output: 2 axis: 2", "num_output: 2 axis: 2 transpose: true"):
+        layer = build(ip_text(fields), [(n, 2, 3)])
+        check_gradients(layer, [data((n, 2, 3))],
+                        chunk=Chunk(n=n, first=first, batch=first + n + 2))
+
+
+def test_gradients_without_bias_or_dx():
+    layer = build(ip_text("num_output: 3 bias_term: false"), [(3, 4)])
+    check_gradients(layer, [data((3, 4))], check=[False])
+
+
+def test_parameter_gradients_add():
+    layer = build(ip_text("num_output: 3"), [(4, 5)])
+    x, params, top_diff = data((4, 5)), random_params(layer), [data((4, 3), 1)]
+    tops, _, once = backward(layer, [x], params, top_diff)
+    scratch = {k: np.zeros(s) for k, s in layer.scratch_shapes(4).items()}
+    diffs = [np.ones_like(p) for p in params]
+    layer.backward(tops, top_diff, [x], [None], params, diffs, scratch, Chunk(n=4))
+    for got, want in zip(diffs, once):
+        np.testing.assert_allclose(got, want + 1, rtol=1e-12)
+
+
+@pytest.mark.parametrize("fields, shape", [
+    ("num_output: 7", (2 * BLOCK + 5, 6)),
+    ("num_output: 7 axis: 2 transpose: true", (BLOCK + 3, 3, 4)),
+])
+def test_split_invariance(fields, shape):
+    # A sample's result must not depend on where its chunk starts or ends, including cuts
+    # inside a row block and chunks of a single sample.
+    layer = build(ip_text(fields), [shape])
+    x = data(shape)
+    for cut in (1, 5, BLOCK, BLOCK + 1, shape[0] - 1):
+        check_split_invariance(layer, [x], cut=cut)
+
+
+@pytest.mark.parametrize("shape, fields, top, weight", [
+    ((64, 50, 4, 4), "num_output: 500", (64, 500), (500, 800)),   # LeNet ip1
+    ((64, 500), "num_output: 10", (64, 10), (10, 500)),           # LeNet ip2
+    ((100, 64, 4, 4), "num_output: 64", (100, 64), (64, 1024)),   # cifar10_quick ip1
+    ((100, 64, 4, 4), "num_output: 64 transpose: true", (100, 64), (1024, 64)),
+    ((2, 3, 4, 5), "num_output: 6 axis: 3", (2, 3, 4, 6), (6, 5)),
+])
+def test_shapes(shape, fields, top, weight):
+    layer = build(ip_text(fields), [shape])
+    assert layer.top_shapes == [top]
+    assert layer.param_shapes() == [weight, (top[-1],)]
+
+
+def test_fillers():
+    layer = build(ip_text('num_output: 2 weight_filler { type: "gaussian" std: 0.1 } '
+                          'bias_filler { type: "constant" value: 0.5 }'), [(1, 3)])
+    weight, bias = layer.param_fillers()
+    assert weight.type == "gaussian" and abs(weight.std - 0.1) < 1e-7 and bias.value == 0.5
+    layer = build(ip_text("num_output: 2 bias_term: false"), [(1, 3)])
+    assert [f.type for f in layer.param_fillers()] == ["constant"]
+
+
+@pytest.mark.parametrize("fields, shape, message", [
+    ("num_output: 2 axis: 0", (2, 3), "axis 0"),
+    ("num_output: 2 axis: -2", (2, 3), "axis 0"),
+    ("num_output: 2 axis: 2", (2, 3), "out of range"),
+    ("axis: 1", (2, 3), "num_output must be given"),
+])
+def test_refused(fields, shape, message):
+    with pytest.raises(NetError, match=message):
+        build(ip_text(fields), [shape])

@@ -1,0 +1,84 @@
+"""LRN against float64 NumPy references (both regions, several local_size), gradient checks,
+split invariance, and Caffe's parameter rules."""
+import numpy as np
+import pytest
+
+from cgp.errors import NetError
+from layer_check import build, check_forward, check_gradients, check_split_invariance
+
+SHAPE = (2, 4, 3, 3)
+
+
+def lrn_text(size, region="ACROSS_CHANNELS", extra=""):
+    return (f'type: "LRN" bottom: "x" top: "y" '
+            f'lrn_param {{ local_size: {size} norm_region: {region} {extra} }}')
+
+
+def across_ref(x, size, alpha, beta, k):
+    """scale[c] = k + alpha / size * sum of x^2 over channels c - r .. c + r (zeros outside)."""
+    r = (size - 1) // 2
+    sq = np.pad(x * x, ((0, 0), (r, r), (0, 0), (0, 0)))
+    channels = x.shape[1]
+    window = sum(sq[:, j:j + channels] for j in range(size))
+    return x * (k + alpha / size * window) ** -beta
+
+
+def within_ref(x, size, alpha, beta):
+    """scale = 1 + alpha / size^2 * sum of x^2 over the size x size window (zeros outside)."""
+    r = (size - 1) // 2
+    sq = np.pad(x * x, ((0, 0), (0, 0), (r, r), (r, r)))
+    h, w = x.shape[2:]
+    window = sum(sq[:, :, i:i + h, j:j + w] for i in range(size) for j in range(size))
+    return x * (1 + alpha / size ** 2 * window) ** -beta
+
+
+def data(shape=SHAPE, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape) * 1.5
+
+
+@pytest.mark.parametrize("size", [1, 3, 5, 7])
+def test_across_forward(size):
+    # local_size 5 and 7 reach past every edge of the 4 channels.
+    layer = build(lrn_text(size, extra="alpha: 0.7 beta: 0.6 k: 2"), [SHAPE])
+    check_forward(layer, [data()], lambda x: across_ref(x, size, 0.7, 0.6, 2.0), params=[])
+
+
+def test_across_defaults():
+    layer = build('type: "LRN" bottom: "x" top: "y"', [SHAPE])
+    check_forward(layer, [data()], lambda x: across_ref(x, 5, 1.0, 0.75, 1.0), params=[])
+
+
+@pytest.mark.parametrize("size", [1, 3, 5])
+def test_within_forward(size):
+    # k is set on purpose: Caffe's WITHIN_CHANNEL builds its denominator with shift 1, not k.
+    layer = build(lrn_text(size, "WITHIN_CHANNEL", "alpha: 1.5 beta: 0.8 k: 3"), [(2, 3, 4, 5)])
+    check_forward(layer, [data((2, 3, 4, 5))], lambda x: within_ref(x, size, 1.5, 0.8), params=[])
+
+
+@pytest.mark.parametrize("size", [1, 3, 5])
+def test_across_gradients(size):
+    layer = build(lrn_text(size, extra="alpha: 0.9 beta: 0.7 k: 1.5"), [SHAPE])
+    check_gradients(layer, [data()], params=[])
+
+
+@pytest.mark.parametrize("size", [1, 3, 5])
+def test_within_gradients(size):
+    layer = build(lrn_text(size, "WITHIN_CHANNEL", "alpha: 2 beta: 0.75"), [SHAPE])
+    check_gradients(layer, [data()], params=[])
+
+
+@pytest.mark.parametrize("region", ["ACROSS_CHANNELS", "WITHIN_CHANNEL"])
+def test_split_invariance(region):
+    layer = build(lrn_text(3, region), [(5, 4, 3, 3)])
+    check_split_invariance(layer, [data((5, 4, 3, 3))], params=[], cut=2)
+
+
+@pytest.mark.parametrize("text, shape, message", [
+    (lrn_text(4), SHAPE, "odd"),
+    (lrn_text(0), SHAPE, "odd"),
+    (lrn_text(3), (2, 4, 3), "4 axes"),
+    (lrn_text(3, extra="engine: CUDNN"), SHAPE, "CUDNN"),
+])
+def test_refused(text, shape, message):
+    with pytest.raises(NetError, match=message):
+        build(text, [shape])

@@ -1,0 +1,142 @@
+"""Building nets from prototxt: phase rules, in-place renaming, automatic splits,
+parameter layout and sharing, and the errors a user sees for a broken net."""
+import numpy as np
+import pytest
+
+from cgp.errors import NetError
+from cgp.layers import Chunk
+from cgp.net import Net, RunOptions, Workspace
+from cgp.proto import caffe_pb2
+from cgp.prototxt import parse_net, read_net
+from cgp import models
+
+INPUT = 'layer { name: "in" type: "Input" top: "data" top: "label" ' \
+        'input_param { shape { dim: 4 dim: 1 dim: 6 dim: 6 } shape { dim: 4 } } }\n'
+
+
+def build(text, phase=caffe_pb2.TRAIN, **kw):
+    return Net(parse_net(INPUT + text, "test.prototxt"), phase, **kw)
+
+
+def test_lenet_shapes_and_splits(mnist_dir):
+    param = read_net(models.FOLDER / "lenet_train_test.prototxt")
+    train = Net(param, caffe_pb2.TRAIN, RunOptions(data_dir=str(mnist_dir)))
+    shapes = {train.blob_names[b]: train.blob_shapes[b] for e in train.entries for b in e.tops}
+    assert shapes["conv1"] == (64, 20, 24, 24)
+    assert shapes["pool1"] == (64, 20, 12, 12)
+    assert shapes["pool2"] == (64, 50, 4, 4)
+    assert shapes["ip2"] == (64, 10)
+    assert train.batch_size == 64
+    assert train.n_params == 20 * 25 + 20 + 50 * 500 + 50 + 500 * 800 + 500 + 10 * 500 + 10
+    # The TEST net reads ip2 and label twice (accuracy and loss): Caffe's splits appear.
+    test = Net(param, caffe_pb2.TEST, RunOptions(data_dir=str(mnist_dir)))
+    splits = [e.layer.name for e in test.entries if e.layer.type_name == "Split"]
+    assert sorted(splits) == ["ip2_split", "label_split"]
+    assert test.batch_size == 100
+    assert [name for _, name in test.scalar_outputs()] == ["accuracy", "loss"]
+
+
+def test_in_place_layers_get_their_own_buffers():
+    net = build('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+                'inner_product_param { num_output: 3 } }\n'
+                'layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" }\n'
+                'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }')
+    ip, relu, loss = net.entries
+    assert relu.bottoms == ip.tops and relu.tops != relu.bottoms
+    assert loss.bottoms[0] == relu.tops[0]
+    assert ip.backward and relu.backward and loss.backward
+    assert net.loss_weights == {loss.tops[0]: 1.0}
+
+
+def test_param_multipliers_and_sharing():
+    net = build('layer { name: "a" type: "InnerProduct" bottom: "data" top: "a" '
+                'param { name: "w" lr_mult: 2 decay_mult: 0 } param { lr_mult: 3 } '
+                'inner_product_param { num_output: 3 } }\n'
+                'layer { name: "b" type: "InnerProduct" bottom: "data" top: "b" '
+                'param { name: "w" } inner_product_param { num_output: 3 bias_term: false } }\n'
+                'layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "s" }\n'
+                'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "s" bottom: "label" top: "loss" }')
+    assert net.n_params == 3 * 36 + 3  # b's weight is a's
+    w, bias = net.blob_param("a")
+    assert net.blob_param("b")[0] is w
+    assert np.all(net.lr_mult[:w.size] == 2) and np.all(net.decay_mult[:w.size] == 0)
+    assert np.all(net.lr_mult[bias.offset:] == 3)
+
+
+def test_shared_gradients_add_up():
+    """A blob shared by two layers gets the sum of both gradients (Caffe's sharing)."""
+    text = ('layer { name: "a" type: "InnerProduct" bottom: "data" top: "a" param { name: "w" } '
+            'inner_product_param { num_output: 3 bias_term: false weight_filler { type: "gaussian" } } }\n'
+            'layer { name: "b" type: "InnerProduct" bottom: "data" top: "b" param { name: "w" } '
+            'inner_product_param { num_output: 3 bias_term: false } }\n'
+            'layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "s" }\n'
+            'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "s" bottom: "label" top: "loss" }')
+    net = build(text)
+    net.init_params(3)
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((4, 1, 6, 6)).astype(np.float32)
+    label = np.array([0, 1, 2, 1], np.float32)
+    batch = {net.sources[0].tops[0]: data, net.sources[0].tops[1]: label}
+    ws = Workspace(net, 4)
+    grads = np.zeros(net.n_params, np.float32)
+    chunk = Chunk(n=4, batch=4)
+    views = net.param_views(net.params)
+    out = net.forward(ws, chunk, batch, views)
+    net.backward(ws, chunk, out, views, net.param_views(grads))
+    # d loss / d W = 2 * (p - onehot)^T x / N, since s = 2 W x
+    w = net.params.reshape(3, 36).astype(np.float64)
+    x = data.reshape(4, 36).astype(np.float64)
+    s = 2 * x @ w.T
+    p = np.exp(s - s.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(4), label.astype(int)] -= 1
+    np.testing.assert_allclose(grads.reshape(3, 36), 2 * p.T @ x / 4, rtol=1e-4, atol=1e-6)
+
+
+def test_phase_and_stage_rules():
+    text = ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+            'inner_product_param { num_output: 3 } }\n'
+            'layer { name: "acc" type: "Accuracy" bottom: "ip" bottom: "label" top: "acc" '
+            'include { phase: TEST } }\n'
+            'layer { name: "extra" type: "ReLU" bottom: "ip" top: "r" include { stage: "deep" } }\n'
+            'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" '
+            'exclude { phase: TEST } }')
+    names = lambda net: [e.layer.name for e in net.entries if e.layer.type_name != "Split"]
+    assert names(build(text)) == ["ip", "loss"]
+    assert names(build(text, caffe_pb2.TEST)) == ["ip", "acc"]
+    assert names(build(text, stages=("deep",))) == ["ip", "extra", "loss"]
+
+
+def test_unknown_layer_type_names_supported_ones():
+    with pytest.raises(NetError) as e:
+        build('layer { name: "bn" type: "BatchNorm" bottom: "data" top: "bn" }')
+    message = str(e.value)
+    assert "'bn'" in message and "BatchNorm" in message
+    for name in ("Convolution", "Pooling", "InnerProduct", "SoftmaxWithLoss", "LRN", "Dropout"):
+        assert name in message
+
+
+def test_missing_bottom_is_named():
+    with pytest.raises(NetError, match=r"layer 'r'.*bottom blob 'nope'"):
+        build('layer { name: "r" type: "ReLU" bottom: "nope" top: "r" }')
+
+
+def test_shape_mismatch_names_layer_and_shapes():
+    with pytest.raises(NetError) as e:
+        build('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+              'inner_product_param { num_output: 3 } }\n'
+              'layer { name: "sum" type: "Eltwise" bottom: "data" bottom: "ip" top: "s" }')
+    message = str(e.value)
+    assert "'sum'" in message and "(4, 1, 6, 6)" in message and "(4, 3)" in message
+
+
+def test_batch_size_disagreement():
+    with pytest.raises(NetError, match="batch size"):
+        build('layer { name: "in2" type: "Input" top: "other" '
+              'input_param { shape { dim: 5 dim: 2 } } }')
+
+
+def test_legacy_input_fields_rejected_clearly():
+    param = parse_net('input: "data" input_dim: 1 input_dim: 1 input_dim: 4 input_dim: 4', "old.prototxt")
+    with pytest.raises(NetError, match="Input layer"):
+        Net(param, caffe_pb2.TEST)
