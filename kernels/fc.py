@@ -1,16 +1,17 @@
 """Inner-product (fully connected) kernels, Caffe's InnerProduct: y = x @ W^T + b, or x @ W when
 the weight is stored transposed. Only the 2-d matrix product; the layer flattens the axes.
 
-BLAS may take a different path for a different number of rows (OpenBLAS routes one or two
-rows through other kernels, with other rounding), so a GEMM over a whole chunk would give a
-sample a result that depends on its chunk. Instead the rows are cut into blocks of exactly
-BLOCK rows aligned to *global* row indices (block b holds rows b*BLOCK .. b*BLOCK + BLOCK - 1 of
-the whole batch); a block that the chunk holds only part of is padded with zero rows through
-scratch. Every GEMM then has the same shape and every row sits in the same place within it
-whatever the split, and rows of a GEMM never mix: a row's result depends on that row alone.
+Forward and the input gradient run one BLAS matrix-vector product per row. A GEMM over the
+chunk's rows would be faster for large chunks, but BLAS takes other paths, with other
+rounding, for other row counts (OpenBLAS sends one or two rows through other kernels), so a
+sample's result would depend on its chunk; a row-by-row product depends on the row alone. For
+the few rows per chunk that the default chunking gives, it is also the faster choice: a GEMM
+repacks the whole weight matrix on every call. The weight gradient needs no such care (it
+sums over the chunk anyway, and the chunks are fixed): small chunks add one row at a time,
+large ones form dy^T @ x with one GEMM and add it.
 
 Dimension letters: M rows in the chunk (samples times rows per sample), C inputs per row,
-K outputs per row, B = BLOCK rows per GEMM.
+K outputs per row.
 """
 import numpy as np
 # Numba's np.dot calls the BLAS that SciPy ships, and loads it only when a kernel first runs.
@@ -20,56 +21,23 @@ import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401
 from numba import njit
 
-# Rows per GEMM: large enough for BLAS to run near full speed on LeNet/CIFAR sizes, small enough
-# that a chunk of a few samples pads little.
-BLOCK = 16
+# Chunks of up to this many rows add their weight gradient row by row (one pass over the
+# gradient, in row order); larger ones go through one GEMM, which then wins despite its
+# repacking.
+ROWWISE_GRADIENT_ROWS = 8
 
 
 @njit(cache=True, nogil=True)
-def _next_block(lo, M, first, B):
-    """The block holding chunk row lo: (hi, lane) where rows lo..hi-1 of the chunk sit at rows
-    lane..lane + hi - lo - 1 of their global block."""
-    lane = (first + lo) % B
-    hi = min(lo + B - lane, M)
-    return hi, lane
-
-
-@njit(cache=True, nogil=True)
-def _rows_times(a, w, out, w_transposed):
-    """out = a @ w^T (w: (out columns, a columns)), or a @ w when w_transposed."""
-    if w_transposed:
-        np.dot(a, w, out)
-    else:
-        np.dot(a, w.T, out)
-
-
-@njit(cache=True, nogil=True)
-def _blocked_product(a, w, out, ab, ob, first, w_transposed):
-    """out (M, L) = a (M, J) @ w^T, or a @ w when w_transposed, in global blocks of B rows;
-    ab (B, J) and ob (B, L) are scratch for partial blocks."""
-    M = a.shape[0]
-    B = ab.shape[0]
-    lo = 0
-    while lo < M:
-        hi, lane = _next_block(lo, M, first, B)
-        if lane == 0 and hi - lo == B:
-            _rows_times(a[lo:hi], w, out[lo:hi], w_transposed)
-        else:
-            ab[:] = 0
-            ab[lane:lane + hi - lo] = a[lo:hi]
-            _rows_times(ab, w, ob, w_transposed)
-            out[lo:hi] = ob[lane:lane + hi - lo]
-        lo = hi
-
-
-@njit(cache=True, nogil=True)
-def fc_forward(x, w, b, y, xb, yb, first, transpose):
+def fc_forward(x, w, b, y, transpose):
     """x: (M, C); w: (K, C), or (C, K) when transpose; b: (K,), or (0,) for no bias;
-    y: (M, K); xb: (B, C), yb: (B, K) scratch; first: global index of row 0.
-    y = x @ w^T (x @ w when transpose), then y[m] += b."""
-    _blocked_product(x, w, y, xb, yb, first, transpose)
+    y: (M, K). y[m] = w @ x[m] (x[m] @ w when transpose), then y[m] += b."""
+    M, K = y.shape
+    for m in range(M):
+        if transpose:
+            np.dot(x[m], w, y[m])
+        else:
+            np.dot(w, x[m], y[m])
     if b.size > 0:
-        M, K = y.shape
         for m in range(M):
             ym = y[m]
             for k in range(K):
@@ -77,46 +45,64 @@ def fc_forward(x, w, b, y, xb, yb, first, transpose):
 
 
 @njit(cache=True, nogil=True)
-def fc_backward(x, w, dy, dx, dw, db, xb, yb, wtmp, first, transpose, need_dx):
+def _add_outer_rows(a, b, g):
+    """g (J, L) += sum over rows m of a[m, j] * b[m, :], adding row m = 0, 1, 2, ... in order.
+    Four rows go into each element per load and store of g (the order stays m = 0, 1, ...),
+    and each gradient row finishes every m before the next, while it sits in cache."""
+    M, J = a.shape
+    L = b.shape[1]
+    M4 = M - M % 4
+    for j in range(J):
+        gj = g[j]
+        for m in range(0, M4, 4):
+            a0, a1, a2, a3 = a[m, j], a[m + 1, j], a[m + 2, j], a[m + 3, j]
+            b0, b1, b2, b3 = b[m], b[m + 1], b[m + 2], b[m + 3]
+            for l in range(L):
+                v = gj[l]
+                v += a0 * b0[l]
+                v += a1 * b1[l]
+                v += a2 * b2[l]
+                v += a3 * b3[l]
+                gj[l] = v
+        for m in range(M4, M):
+            amj = a[m, j]
+            bm = b[m]
+            for l in range(L):
+                gj[l] += amj * bm[l]
+
+
+@njit(cache=True, nogil=True)
+def fc_backward(x, w, dy, dx, dw, db, wtmp, transpose, need_dx):
     """x: (M, C); w: (K, C), or (C, K) when transpose; dy: (M, K); dx: (M, C), OVERWRITTEN
-    (any array when not need_dx); dw: like w and db: (K,) or (0,) are ADDED to;
-    xb: (B, C), yb: (B, K), wtmp: like w, scratch; first: global index of row 0.
-    db += rows of dy one at a time in row order; dw += dy^T @ x (x^T @ dy when transpose)
-    one global block at a time in row order, each block's product formed in wtmp and then
-    added, so the sum's order is fixed by the blocks; dx = dy @ w (dy @ w^T when transpose)."""
+    (any array when not need_dx); dw: like w and db: (K,) or (0,) are ADDED to; wtmp: like w,
+    scratch. db += the rows of dy in row order; dw += dy^T @ x (x^T @ dy when transpose), row
+    by row in row order for up to ROWWISE_GRADIENT_ROWS rows, else formed by one GEMM in wtmp
+    and then added; dx[m] = dy[m] @ w (w @ dy[m] when transpose)."""
     M, K = dy.shape
-    B = xb.shape[0]
     if db.size > 0:
         for m in range(M):
             dym = dy[m]
             for k in range(K):
                 db[k] += dym[k]
-    lo = 0
-    while lo < M:
-        hi, lane = _next_block(lo, M, first, B)
-        if lane == 0 and hi - lo == B:
-            xs = x[lo:hi]
-            dys = dy[lo:hi]
-        else:
-            # Zero rows add exact zeros: a partial block sums like its rows alone, in the
-            # same BLAS shape as a full one.
-            xb[:] = 0
-            yb[:] = 0
-            xb[lane:lane + hi - lo] = x[lo:hi]
-            yb[lane:lane + hi - lo] = dy[lo:hi]
-            xs = xb
-            dys = yb
+    if M <= ROWWISE_GRADIENT_ROWS:
         if transpose:
-            np.dot(xs.T, dys, wtmp)
+            _add_outer_rows(x, dy, dw)
         else:
-            np.dot(dys.T, xs, wtmp)
+            _add_outer_rows(dy, x, dw)
+    else:
+        if transpose:
+            np.dot(x.T, dy, wtmp)
+        else:
+            np.dot(dy.T, x, wtmp)
         R, L = dw.shape
         for r in range(R):
             dwr = dw[r]
             tr = wtmp[r]
             for l in range(L):
                 dwr[l] += tr[l]
-        lo = hi
     if need_dx:
-        # dx = dy @ w is the forward product with the weight's roles swapped.
-        _blocked_product(dy, w, dx, yb, xb, first, not transpose)
+        for m in range(M):
+            if transpose:
+                np.dot(w, dy[m], dx[m])
+            else:
+                np.dot(dy[m], w, dx[m])

@@ -120,6 +120,13 @@ def test_split_invariance(name):
     check_split_invariance(layer, [data(shape)], cut=2)
 
 
+def test_split_invariance_lenet_conv2():
+    # Real sizes, so that BLAS runs its full GEMM kernels.
+    layer = build(conv_text("kernel_size: 5", num_output=50), [(5, 20, 12, 12)])
+    for cut in (1, 2, 4):
+        check_split_invariance(layer, [data((5, 20, 12, 12))], cut=cut)
+
+
 @pytest.mark.parametrize("fields, shape, top, weight", [
     ("num_output: 20 kernel_size: 5", (64, 1, 28, 28), (64, 20, 24, 24), (20, 1, 5, 5)),  # LeNet
     ("num_output: 50 kernel_size: 5", (64, 20, 12, 12), (64, 50, 8, 8), (50, 20, 5, 5)),
@@ -179,3 +186,47 @@ def test_refused_counts_and_shapes():
     with pytest.raises(NetError, match="one shape"):
         build(conv_text("kernel_size: 3", bottoms=("a", "b"), tops=("c", "d")),
               [(1, 3, 5, 5), (1, 3, 6, 5)])
+
+
+def test_lenet_test_forward_matches_caffe(caffe_dir):
+    """Caffe's LeNet after 100 iterations, run through these Convolution, Pooling and
+    InnerProduct layers (ReLU and softmax in NumPy) on the first 1000 MNIST test images, gives
+    `caffe test`'s per-batch accuracy and loss (test_iter100.txt)."""
+    import gzip
+
+    from google.protobuf import text_format
+
+    from cgp.layers import REGISTRY
+    from cgp.proto import caffe_pb2
+    from cgp.snapshot import read_caffemodel
+
+    lenet, mnist = caffe_dir / "lenet", caffe_dir.parent / "mnist"
+    if not (mnist / "t10k-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"MNIST not found at {mnist}")
+    images = np.frombuffer(gzip.open(mnist / "t10k-images-idx3-ubyte.gz").read(), np.uint8,
+                           offset=16).reshape(-1, 1, 28, 28)[:1000]
+    labels = np.frombuffer(gzip.open(mnist / "t10k-labels-idx1-ubyte.gz").read(), np.uint8,
+                           offset=8)[:1000]
+    weights = read_caffemodel(lenet / "lenet_iter_100.caffemodel")
+    net = text_format.Parse((lenet / "lenet_train_test_fixture.prototxt").read_text(),
+                            caffe_pb2.NetParameter())
+    params = {lp.name: lp for lp in net.layer}
+    expected = [line.split() for line in (lenet / "test_iter100.txt").read_text().splitlines()
+                if line[:1].isdigit()]
+
+    def run(name, x):
+        layer = REGISTRY[params[name].type](params[name])
+        y = np.zeros(layer.setup([x.shape])[0], np.float32)
+        scratch = {k: np.zeros(s, np.float32) for k, s in layer.scratch_shapes(len(x)).items()}
+        layer.forward([x], [y], weights.get(name, []), scratch, Chunk(n=len(x)))
+        return y
+
+    for b, (_, accuracy, loss) in enumerate(expected):
+        x = images[b * 100:(b + 1) * 100].astype(np.float32) * np.float32(0.00390625)
+        h = run("pool2", run("conv2", run("pool1", run("conv1", x))))
+        z = run("ip2", np.maximum(run("ip1", h), 0)).astype(np.float64)
+        z -= z.max(axis=1, keepdims=True)
+        log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        y = labels[b * 100:(b + 1) * 100]
+        assert np.mean(z.argmax(axis=1) == y) == pytest.approx(float(accuracy), abs=1e-9)
+        assert -log_p[np.arange(100), y].mean() == pytest.approx(float(loss), rel=2e-5)

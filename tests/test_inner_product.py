@@ -1,11 +1,11 @@
 """InnerProduct against float64 einsum references (axis 1, 2, -1, transpose, no bias),
-gradient checks (with chunks that hold whole, partial and several of the kernel's global row
-blocks), split invariance at every cut, shape rules and Caffe's parameter rules."""
+gradient checks (both of the kernel's weight-gradient paths: row by row and one GEMM), split
+invariance at many cuts, shape rules and Caffe's parameter rules."""
 import numpy as np
 import pytest
 
 from cgp.errors import NetError
-from cgp.kernels.fc import BLOCK
+from cgp.kernels.fc import ROWWISE_GRADIENT_ROWS as SMALL
 from cgp.layers import Chunk
 from layer_check import (backward, build, check_forward, check_gradients,
                          check_split_invariance, random_params)
@@ -55,13 +55,14 @@ def test_gradients(name):
     check_gradients(layer, [data(shape)])
 
 
-@pytest.mark.parametrize("n, first", [(BLOCK, 0), (BLOCK + 3, 5), (2 * BLOCK + 1, BLOCK - 1)])
-def test_gradients_across_blocks(n, first):
-    # Whole, partial and several global row blocks; rows = 2 per sample with axis 2.
-    for fields in ("num_output: 2 axis: 2", "num_output: 2 axis: 2 transpose: true"):
-        layer = build(ip_text(fields), [(n, 2, 3)])
-        check_gradients(layer, [data((n, 2, 3))],
-                        chunk=Chunk(n=n, first=first, batch=first + n + 2))
+@pytest.mark.parametrize("rows", [SMALL, SMALL + 1, 3 * SMALL])
+@pytest.mark.parametrize("transpose", ["false", "true"])
+def test_gradients_both_weight_paths(rows, transpose):
+    # Chunks of up to SMALL rows add the weight gradient row by row, larger ones by a GEMM;
+    # with axis 2 each sample has 2 rows.
+    n = (rows + 1) // 2
+    layer = build(ip_text(f"num_output: 2 axis: 2 transpose: {transpose}"), [(n, 2, 3)])
+    check_gradients(layer, [data((n, 2, 3))])
 
 
 def test_gradients_without_bias_or_dx():
@@ -81,15 +82,17 @@ def test_parameter_gradients_add():
 
 
 @pytest.mark.parametrize("fields, shape", [
-    ("num_output: 7", (2 * BLOCK + 5, 6)),
-    ("num_output: 7 axis: 2 transpose: true", (BLOCK + 3, 3, 4)),
+    ("num_output: 7", (37, 6)),
+    ("num_output: 7 axis: 2 transpose: true", (19, 3, 4)),
+    ("num_output: 500", (9, 50, 4, 4)),    # LeNet ip1: BLAS's real kernels, not the tiny cases
 ])
 def test_split_invariance(fields, shape):
-    # A sample's result must not depend on where its chunk starts or ends, including cuts
-    # inside a row block and chunks of a single sample.
+    # A sample's result must not depend on where its chunk starts or ends, including chunks
+    # of a single sample (BLAS treats one or two rows differently).
     layer = build(ip_text(fields), [shape])
     x = data(shape)
-    for cut in (1, 5, BLOCK, BLOCK + 1, shape[0] - 1):
+    n = shape[0]
+    for cut in sorted({c for c in (1, 2, 5, 16, 17, n - 2, n - 1) if 0 < c < n}):
         check_split_invariance(layer, [x], cut=cut)
 
 

@@ -1,7 +1,7 @@
 """The InnerProduct layer: Caffe's fully connected layer over the axes from `axis` on.
 
-Rows of a sample never mix, and the kernel's GEMMs are cut at global row indices, so a
-sample's output does not depend on its chunk (see cgp.kernels.fc). Axis 0 is refused.
+Rows never mix and each row's product is its own BLAS call, so a sample's output does not
+depend on its chunk (see cgp.kernels.fc). Axis 0 is refused.
 """
 import numpy as np
 
@@ -23,8 +23,7 @@ class InnerProduct(Layer):
     (N, d1, ..., d(axis-1), num_output). Weight (num_output, C), or (C, num_output) when
     transpose; bias (num_output,).
 
-    Scratch: "xb", "yb", one block of input and output rows for chunks that hold part of a
-    global GEMM block, and "wtmp", one block's weight gradient before it is added.
+    Scratch: "wtmp", the weight gradient of a chunk of many rows before it is added.
     """
 
     def setup(self, bottom_shapes):
@@ -50,15 +49,16 @@ class InnerProduct(Layer):
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
 
     def scratch_shapes(self, n):
-        weight = (self.C, self.K) if self.transpose else (self.K, self.C)
-        return {"xb": (K.BLOCK, self.C), "yb": (K.BLOCK, self.K), "wtmp": weight}
+        # Chunks of few rows add their weight gradient row by row and need no wtmp.
+        if n * self.rows <= K.ROWWISE_GRADIENT_ROWS:
+            return {"wtmp": (0, 0)}
+        return {"wtmp": (self.C, self.K) if self.transpose else (self.K, self.C)}
 
     def forward(self, bottom, top, params, scratch, chunk):
         m = chunk.n * self.rows
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
-        K.fc_forward(matrix(bottom[0], m), w, b, matrix(top[0], m), scratch["xb"],
-                     scratch["yb"], chunk.first * self.rows, self.transpose)
+        K.fc_forward(matrix(bottom[0], m), w, b, matrix(top[0], m), self.transpose)
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
         m = chunk.n * self.rows
@@ -68,5 +68,4 @@ class InnerProduct(Layer):
         # Without dx the kernel never touches its dx argument; x stands in for the type.
         dx = matrix(bottom_diff[0], m) if need_dx else x
         K.fc_backward(x, params[0], matrix(top_diff[0], m), dx, param_diff[0], db,
-                      scratch["xb"], scratch["yb"], scratch["wtmp"], chunk.first * self.rows,
-                      self.transpose, need_dx)
+                      scratch["wtmp"], self.transpose, need_dx)
