@@ -23,6 +23,8 @@ def add_run_options(p, threads_list=False):
     p.add_argument("--chunks", type=int, default=16,
                    help="fixed pieces each batch is cut into (default 16). Results depend on "
                         "this, never on --threads; at most this many threads do useful work")
+    p.add_argument("--affinity", action="store_true",
+                   help="pin each worker thread to its own core (Linux)")
     p.add_argument("--data-dir", default=None,
                    help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
     p.add_argument("--no-download", action="store_true",
@@ -73,7 +75,8 @@ def cmd_train(args, log=print):
     sp = read_solver(path)
     config = RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
                        data_dir=args.data_dir, download=not args.no_download,
-                       max_iter=args.iters, snapshot_prefix=args.snapshot_prefix)
+                       max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
+                       affinity=args.affinity)
     check_threads(args.threads, log)
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
@@ -130,7 +133,7 @@ def cmd_equivalence(args, log=print):
     sp = read_solver(path)
     threads = thread_list(args.threads)
     config = RunConfig(chunks=args.chunks, seed=args.seed, data_dir=args.data_dir,
-                       download=not args.no_download)
+                       download=not args.no_download, affinity=args.affinity)
     log(f"cgp equivalence: {path}, {args.iters} iterations, {args.chunks} chunks, "
         f"threads {','.join(map(str, threads))}")
     return equivalence.run(sp, path, config, threads, args.iters, log=log)

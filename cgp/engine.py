@@ -8,6 +8,7 @@ Which thread runs which chunk never matters, so results are bitwise the same for
 thread count. The engine knows nothing about solvers.
 """
 import itertools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,13 +29,34 @@ def chunk_bounds(batch, chunks):
 
 class Pool:
     """`threads` workers that share a list of tasks; task i runs as fn(worker, i).
-    With one thread everything runs inline in the caller: plain sequential execution."""
+    With one thread everything runs inline in the caller: plain sequential execution.
+    affinity: pin worker k to the k-th CPU this process may use (Linux), so the OS
+    does not migrate workers between cores; results never depend on it. A single
+    thread runs in the caller, which is left unpinned (pinning it would also pin every
+    thread it starts later)."""
 
-    def __init__(self, threads):
+    def __init__(self, threads, affinity=False):
         if threads < 1:
             raise CgpError(f"--threads must be at least 1, got {threads}")
         self.threads = threads
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="cgp") if threads > 1 else None
+        self.pinned = []
+        cpus = sorted(os.sched_getaffinity(0)) if affinity and hasattr(os, "sched_getaffinity") else []
+        if affinity and not cpus:
+            raise CgpError("--affinity needs an OS that lets threads be pinned (Linux)")
+        if threads == 1:
+            self._executor = None
+            return
+        slots = itertools.count()
+
+        def pin_worker():
+            if cpus:
+                self._pin(cpus[next(slots) % len(cpus)])
+
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="cgp", initializer=pin_worker)
+
+    def _pin(self, cpu):
+        os.sched_setaffinity(0, {cpu})  # pid 0: the calling thread only
+        self.pinned.append(cpu)
 
     def run(self, fn, tasks):
         if self._executor is None or tasks == 1:

@@ -41,6 +41,7 @@ class RunConfig:
     max_iter: int = None      # overrides the solver's max_iter
     progress: bool = True     # a progress bar when stderr is a terminal
     snapshot_prefix: str = None
+    affinity: bool = False    # pin worker threads to cores
 
 
 def resolve(name, base_dir, what):
@@ -89,6 +90,24 @@ def solver_nets(sp, solver_path):
     return train, tests
 
 
+def check_memory(net, chunks, threads, histories, available):
+    """The memory a run needs, as a line for the log; CgpError before running out.
+    Private gradients are one buffer per chunk (never per sample), so they grow with
+    --chunks, not with the batch; activations are one chunk-sized set per thread."""
+    n, chunks = net.n_params, min(chunks, net.batch_size)
+    gradients = chunks * n * 4
+    state = (2 + histories) * n * 4  # parameters, the reduced gradient, solver history
+    per_sample = sum(int(np.prod(s[1:])) for s in net.blob_shapes if s)
+    activations = threads * 2 * -(-net.batch_size // chunks) * per_sample * 4
+    need = gradients + state + activations
+    line = (f"memory: {need / 2**20:.1f} MiB = gradients {chunks} chunks x {n} parameters "
+            f"({gradients / 2**20:.1f} MiB) + solver state ({state / 2**20:.1f} MiB) + activations "
+            f"of {threads} thread(s) ({activations / 2**20:.1f} MiB); {available / 2**30:.1f} GiB available")
+    if need > 0.9 * available:
+        raise CgpError(f"not enough memory: {line}. Use fewer --chunks or --threads.")
+    return line
+
+
 def fmt(value):
     return f"{value:.6g}"
 
@@ -112,7 +131,7 @@ class Trainer:
                                       level=state.level))
         self.net.init_params(self.seed)
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult)
-        self.pool = Pool(config.threads)
+        self.pool = Pool(config.threads, config.affinity)
         comm = ThreadCommunicator(self.pool)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm)
@@ -128,15 +147,9 @@ class Trainer:
         self._stop = False
 
     def _check_memory(self, chunks):
-        """Private gradient buffers are chunks x parameters: refuse before running out."""
-        n = self.net.n_params
-        need = (min(chunks, self.net.batch_size) + 3 + len(self.solver.histories)) * n * 4
-        free = psutil.virtual_memory().available
-        self.memory_line = (f"memory: {need / 2**20:.1f} MiB of gradient buffers and solver "
-                            f"state ({min(chunks, self.net.batch_size)} chunks x {n} parameters); "
-                            f"{free / 2**30:.1f} GiB available")
-        if need > 0.9 * free:
-            raise CgpError(f"not enough memory: {self.memory_line}. Use fewer --chunks.")
+        self.memory_line = check_memory(self.net, chunks, self.pool.threads,
+                                        len(self.solver.histories),
+                                        psutil.virtual_memory().available)
 
     # -- data ----------------------------------------------------------------------
     def _batch(self, net, position, iteration):

@@ -97,3 +97,33 @@ def test_equivalence_command_passes(mnist_dir):
     assert "bitwise identical across thread counts: yes" in out.stdout
     assert "float32 engine vs float64 reference" in out.stdout and "ok" in out.stdout
     assert out.stdout.count("identical") >= len(THREADS)
+
+
+def test_affinity_pins_workers_and_changes_nothing(mnist_dir):
+    import os
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no thread affinity on this OS")
+    sp = solver("mnist")
+    plain = train_run(sp, None, RunConfig(threads=2, data_dir=str(mnist_dir)), 2)
+    pinned = train_run(sp, None, RunConfig(threads=2, affinity=True, data_dir=str(mnist_dir)), 2)
+    assert pinned.sha256 == plain.sha256 and pinned.losses == plain.losses
+    import threading
+    pool = Pool(2, affinity=True)
+    both = threading.Barrier(2)  # holds task 0 until a second worker has started
+    pool.run(lambda w, i: both.wait(timeout=10) if i < 2 else None, 4)
+    assert len(pool.pinned) == 2 and set(pool.pinned) <= os.sched_getaffinity(0)
+    pool.close()
+
+
+def test_memory_is_reported_and_refused_before_running_out(mnist_dir):
+    from cgp.errors import CgpError
+    from cgp.train import check_memory
+    trainer = Trainer(solver("mnist"), None, RunConfig(data_dir=str(mnist_dir)), log=lambda l: None)
+    net = trainer.net
+    trainer.close()
+    line = check_memory(net, 16, 2, 1, available=2**34)
+    assert "16 chunks x 431080 parameters" in line
+    # The bound grows with chunks, not with the batch size.
+    assert check_memory(net, 4, 2, 1, 2**34) != line
+    with pytest.raises(CgpError, match="not enough memory.*--chunks"):
+        check_memory(net, 16, 2, 1, available=20 * 2**20)
