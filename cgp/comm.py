@@ -6,7 +6,7 @@ a rank will own a contiguous range of chunks).
 """
 import numpy as np
 
-from cgp.kernels.reduce import tree_sum
+from cgp.kernels.reduce import TILE, tree_sum
 
 BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enough to balance
 
@@ -21,11 +21,16 @@ class ThreadCommunicator:
 
     def __init__(self, pool):
         self.pool = pool
+        self._scratch = {}
 
     def reduce(self, bufs):
-        """bufs: (K, P) float32, one row per chunk (overwritten). Returns the sum, a view of row 0."""
+        """bufs: (K, P), one row per chunk. Returns the sum, written into row 0."""
         parts = blocks(bufs.shape[1])
-        self.pool.run(lambda worker, i: tree_sum(bufs, *parts[i]), len(parts))
+        key = (bufs.shape[0], bufs.dtype)
+        if key not in self._scratch:  # one tile of partial sums per worker
+            self._scratch[key] = np.zeros((self.pool.threads, bufs.shape[0], TILE), bufs.dtype)
+        scratch = self._scratch[key]
+        self.pool.run(lambda worker, i: tree_sum(bufs, *parts[i], scratch[worker]), len(parts))
         return bufs[0]
 
 

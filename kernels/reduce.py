@@ -6,20 +6,42 @@ columns gives the same sums.
 """
 from numba import njit
 
+# Columns per pass of the whole tree: the partial sums of one tile stay in a small
+# cache-resident scratch, so each chunk buffer is read once and only row 0 is written.
+TILE = 1024
+
 
 @njit(cache=True, nogil=True)
-def tree_sum(bufs, lo, hi):
-    """bufs: (K, P) chunk gradients. Sums rows pairwise in a fixed binary tree over the
-    chunk index (stride 1, 2, 4, ...) for columns [lo, hi); the total ends in bufs[0]."""
+def tree_sum(bufs, lo, hi, scratch):
+    """bufs: (K, P) chunk gradients; scratch: (K, TILE). Sums the rows pairwise in a
+    fixed binary tree over the chunk index (stride 1, 2, 4, ...) for columns [lo, hi);
+    the total ends in bufs[0, lo:hi]. The other rows are left as they were."""
     k = bufs.shape[0]
-    stride = 1
-    while stride < k:
-        for c in range(0, k - stride, 2 * stride):
+    for start in range(lo, hi, TILE):
+        n = min(TILE, hi - start)
+        # Stride 1 reads the buffers; odd rows out have no partner at this level.
+        for c in range(0, k, 2):
+            s = scratch[c]
             a = bufs[c]
-            b = bufs[c + stride]
-            for j in range(lo, hi):
-                a[j] += b[j]
-        stride *= 2
+            if c + 1 < k:
+                b = bufs[c + 1]
+                for j in range(n):
+                    s[j] = a[start + j] + b[start + j]
+            else:
+                for j in range(n):
+                    s[j] = a[start + j]
+        stride = 2
+        while stride < k:
+            for c in range(0, k - stride, 2 * stride):
+                s = scratch[c]
+                t = scratch[c + stride]
+                for j in range(n):
+                    s[j] += t[j]
+            stride *= 2
+        out = bufs[0]
+        total = scratch[0]
+        for j in range(n):
+            out[start + j] = total[j]
 
 
 @njit(cache=True, nogil=True)

@@ -13,7 +13,7 @@ def matrix(a, rows):
     """a as a (rows, -1) view; refuses arrays that would need a copy, whose writes would be lost."""
     if not a.flags.c_contiguous:
         raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
-    return a.reshape(rows, -1)
+    return a.reshape(rows, a.size // rows if rows else 0)
 
 
 @register("InnerProduct")
