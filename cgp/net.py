@@ -85,7 +85,7 @@ class Net:
         state.stage.extend(s for s in stages if s not in state.stage)
         if param.input:
             raise NetError(f"net '{param.name}': the legacy 'input:' fields are not supported; "
-                           "declare an Input layer instead (layer {{ type: \"Input\" ... }})")
+                           'declare an Input layer instead (layer { type: "Input" ... })')
 
         self.blob_names = []     # blob id -> the name it had in the prototxt
         self.blob_shapes = []    # blob id -> full Caffe shape, axis 0 = global batch
@@ -102,7 +102,7 @@ class Net:
         for index, lp in enumerate(lps):
             self._add_layer(lp, index, consumers)
         self.batch_size = self._batch_size()
-        self._layout_params(lps)
+        self._layout_params()
         self.loss_weights = self._loss_weights()
         self._plan_backward()
 
@@ -186,11 +186,10 @@ class Net:
             raise NetError(f"net '{self.name}': data layers disagree on the batch size: {sorted(sizes)}")
         return sizes.pop()
 
-    def _layout_params(self, lps):
+    def _layout_params(self):
         """One flat array for all learnable blobs; blobs shared by name (ParamSpec.name) share
         their slice, so their gradients add up in it as Caffe's shared params do."""
         self.param_blobs = []
-        self.layer_params = {}   # layer name -> list of ParamBlob indices
         shared = {}
         offset = 0
         for entry in self.entries:
