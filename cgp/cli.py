@@ -7,7 +7,9 @@ import time
 
 import psutil
 
+from cgp.bench import add_bench
 from cgp.errors import CgpError
+from cgp.timing import add_time, compile_notice
 
 EPILOG = "Models: mnist (LeNet), cifar10 (cifar10_quick), cifar10_full; or --solver FILE."
 
@@ -38,10 +40,15 @@ def add_train(sub):
     add_run_options(p)
     p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
     p.add_argument("--iters", type=int, default=None, help="overrides the solver's max_iter")
-    p.add_argument("--weights", help="initialise from a .caffemodel (copied by layer name)")
+    p.add_argument("--weights", help="fine-tune from .caffemodel file(s), comma-separated, copied "
+                   "by layer name (replaces the solver's `weights`)")
     p.add_argument("--snapshot", help="resume from a .solverstate")
     p.add_argument("--snapshot-prefix", default=None,
                    help="where snapshots go (overrides the solver's snapshot_prefix)")
+    for name, default in (("sigint", "stop"), ("sighup", "snapshot")):
+        p.add_argument(f"--{name}-effect", default=default, choices=("stop", "snapshot", "none"),
+                       help=f"what {name.upper()} does, after the current iteration (default "
+                            f"{default}; 'stop' snapshots too, as Caffe's)")
     p.set_defaults(run=cmd_train)
 
 
@@ -73,10 +80,17 @@ def cmd_train(args, log=print):
 
     path = solver_file(args)
     sp = read_solver(path)
+    if args.snapshot and args.weights:
+        raise CgpError("give --snapshot to resume training or --weights to fine-tune, not both")
+    if args.snapshot or args.weights:   # as Caffe: they replace the solver's `weights`
+        sp.ClearField("weights")
+    if args.weights:
+        sp.weights.append(args.weights)
     config = RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
                        data_dir=args.data_dir, download=not args.no_download,
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
-                       affinity=args.affinity)
+                       affinity=args.affinity, sigint_effect=args.sigint_effect,
+                       sighup_effect=args.sighup_effect)
     check_threads(args.threads, log)
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
@@ -86,12 +100,11 @@ def cmd_train(args, log=print):
             f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
             f"thread(s), seed {trainer.seed}")
         log(f"cgp: {trainer.memory_line}")
-        if args.weights:
-            trainer.load_weights(args.weights)
         if args.snapshot:
             trainer.restore(args.snapshot)
             log(f"Resuming from {args.snapshot} at iteration {trainer.iter}")
-        results = trainer.solve()
+        with compile_notice(lambda line: trainer.log(line)):  # says so on a first run
+            results = trainer.solve()
     finally:
         trainer.close()
     elapsed = time.perf_counter() - started
@@ -139,6 +152,46 @@ def cmd_equivalence(args, log=print):
     return equivalence.run(sp, path, config, threads, args.iters, log=log)
 
 
+def add_test(sub):
+    p = sub.add_parser("test", help="score a model's TEST-phase net, like `caffe test`")
+    p.add_argument("--model", required=True, help="net prototxt (its TEST phase is run)")
+    p.add_argument("--weights", required=True, help=".caffemodel file(s), comma-separated")
+    p.add_argument("--iterations", type=int, default=50, help="batches to run (default 50)")
+    add_run_options(p)
+    p.set_defaults(run=cmd_test)
+
+
+def cmd_test(args, log=print):
+    from cgp.caffe_test import run_test
+    check_threads(args.threads, log)
+    run_test(args.model, args.weights, args.iterations, threads=args.threads, chunks=args.chunks,
+             data_dir=args.data_dir, download=not args.no_download, log=log)
+    return 0
+
+
+def add_convert(sub):
+    p = sub.add_parser("convert", help="write a data set as a Caffe LMDB, like Caffe's "
+                       "convert_mnist_data / convert_cifar_data")
+    p.add_argument("dataset", choices=("mnist", "cifar10"))
+    p.add_argument("--to", required=True, choices=("lmdb",), help="output format")
+    p.add_argument("out", help="the LMDB folder to create (it must not exist)")
+    p.add_argument("--split", default="train", choices=("train", "test"))
+    p.add_argument("--data-dir", default=None, help="folder holding the data set")
+    p.add_argument("--no-download", action="store_true", help="never download a missing data set")
+    p.add_argument("--limit", type=int, default=None, help="write only the first N records")
+    p.add_argument("--mean", default=None, metavar="FILE",
+                   help="also write the records' mean image as a .binaryproto, like Caffe's "
+                        "compute_image_mean")
+    p.set_defaults(run=cmd_convert)
+
+
+def cmd_convert(args, log=print):
+    from cgp.convert import convert
+    convert(args.dataset, args.out, split=args.split, data_dir=args.data_dir,
+            download=not args.no_download, limit=args.limit, mean=args.mean, log=log)
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="cgp", description="Coarse-grain batch-parallel CPU trainer for Caffe networks: "
@@ -146,6 +199,10 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     add_train(sub)
     add_equivalence(sub)
+    add_bench(sub)
+    add_time(sub)
+    add_test(sub)
+    add_convert(sub)
     return parser
 
 

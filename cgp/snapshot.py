@@ -4,19 +4,27 @@ Files are written atomically (a temporary file in the same folder, then a rename
 a crash or a kill never leaves a half-written snapshot behind. Readers turn any
 malformed input into one DataError naming the file.
 """
+import math
 import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
 from cgp.errors import DataError
-from cgp.proto import caffe_pb2
+from cgp.proto import caffe_pb2, cgp_pb2
+
+# The process umask, read once at import (reading it means setting it, which is not
+# thread-safe later on).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 def atomic_write(path, payload):
-    """Write bytes to path via a temporary sibling file and os.replace."""
+    """Write bytes to path via a temporary sibling file, fsync and os.replace: readers see
+    the old file or the whole new one, never a part, whatever kills the writer."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -25,35 +33,68 @@ def atomic_write(path, payload):
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)   # mkstemp's 0600 -> what open() would have made
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _sync_folder(path.parent)
 
 
-def _read_message(path, message, what):
+def _sync_folder(folder):
+    """Make the rename itself durable; not every platform can open a folder."""
     try:
-        data = Path(path).read_bytes()
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_bytes(path, what):
+    try:
+        return Path(path).read_bytes()
     except OSError as e:
-        raise DataError(f"{what} {path}: cannot read: {e.strerror}") from None
+        raise DataError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+
+
+def _parse(data, message, path, what, allowed_unknown=()):
+    """Parse bytes into message; DataError unless they are a well-formed message of its
+    type: parse failures, and unknown fields at the top level (a foreign file parses with
+    every field unknown or mistyped), are refused."""
     try:
         message.ParseFromString(data)
-    except (DecodeError, RuntimeError, ValueError) as e:
+    except (DecodeError, RuntimeError, ValueError, RecursionError) as e:
         raise DataError(f"{what} {path}: not a Caffe {type(message).__name__} "
                         f"(truncated or foreign file): {e}") from None
+    unknown = [f.field_number for f in unknown_fields.UnknownFieldSet(message)
+               if f.field_number not in allowed_unknown]
+    if unknown:
+        raise DataError(f"{what} {path}: not a Caffe {type(message).__name__} (foreign or "
+                        f"corrupt file: field {unknown[0]} is not part of the message)")
     return message
 
 
 def blob_to_array(blob, where):
-    """A BlobProto's float data as an array of its shape (the `shape` or legacy 4-d form)."""
+    """A BlobProto's float data as an array of its shape: the `shape` form, or Caffe's
+    legacy num/channels/height/width form (a 4-d array)."""
+    if len(unknown_fields.UnknownFieldSet(blob)):
+        raise DataError(f"{where}: not a Caffe BlobProto (it holds fields BlobProto does not have)")
     if blob.HasField("shape"):
         shape = tuple(int(d) for d in blob.shape.dim)
     else:
         shape = (blob.num, blob.channels, blob.height, blob.width)
+    if any(d < 0 for d in shape):
+        raise DataError(f"{where}: negative dimension in shape {shape}")
     values = blob.data if len(blob.data) else blob.double_data
-    if len(values) != int(np.prod(shape)):
-        raise DataError(f"{where}: {len(values)} values for shape {shape}")
+    size = math.prod(shape)
+    if len(values) != size:
+        raise DataError(f"{where}: {len(values)} values for shape {shape} ({size} values)")
     return np.array(values, np.float32).reshape(shape)
 
 
@@ -63,35 +104,61 @@ def array_to_blob(array, blob):
     return blob
 
 
-def net_to_proto(net, layer_params):
-    """NetParameter with the net's layers and their learned blobs (Caffe's ToProto)."""
+def layer_to_proto(entry, phase, lp):
+    """The LayerParameter Caffe writes for a layer: the prototxt's, with the phase set and,
+    on a loss layer without loss_weight, the weight 1 that Caffe's LossLayer adds."""
+    lp.CopyFrom(entry.layer.lp)
+    del lp.blobs[:]
+    if not lp.HasField("phase"):
+        lp.phase = phase
+    if not lp.loss_weight and entry.layer.default_loss_weight:
+        lp.loss_weight.append(entry.layer.default_loss_weight)
+    return lp
+
+
+def net_to_proto(net):
+    """NetParameter with the net's layers in prototxt order and their learned blobs, as
+    Caffe's Net::ToProto writes it. The Split layers cgp inserts are left out: they have
+    no blobs, and Caffe ignores a saved net's missing layers when it loads one."""
     proto = caffe_pb2.NetParameter(name=net.name)
-    views = [[] for _ in net.sources] + net.param_views(net.params)
-    for entry, blobs in zip(net.sources + net.entries, views):
-        if entry.layer.type_name == "Split":
-            continue
-        lp = proto.layer.add()
-        lp.CopyFrom(layer_params.get(entry.layer.name, entry.layer.lp))
-        del lp.blobs[:]
-        for array in blobs:
+    views = dict(zip((id(e) for e in net.entries), net.param_views(net.params)))
+    entries = [e for e in net.sources + net.entries if e.layer.type_name != "Split"]
+    for entry in sorted(entries, key=lambda e: e.layer.index):
+        lp = layer_to_proto(entry, net.phase, proto.layer.add())
+        for array in views.get(id(entry), []):
             array_to_blob(array, lp.blobs.add())
     return proto
 
 
 def write_caffemodel(path, net):
-    atomic_write(path, net_to_proto(net, {}).SerializeToString())
+    atomic_write(path, net_to_proto(net).SerializeToString())
 
 
 def read_caffemodel(path):
     """{layer name: [arrays]} of every layer with blobs (new or V1 layer format)."""
-    proto = _read_message(path, caffe_pb2.NetParameter(), "weights file")
+    proto = _parse(_read_bytes(path, "weights file"), caffe_pb2.NetParameter(), path,
+                   "weights file")
     layers = list(proto.layer) or list(proto.layers)
+    if not layers:
+        raise DataError(f"weights file {path}: not a Caffe model (a NetParameter without "
+                        "layers)")
     weights = {}
     for lp in layers:
         if len(lp.blobs):
-            weights[lp.name] = [blob_to_array(b, f"weights file {path}, layer '{lp.name}'")
-                                for b in lp.blobs]
+            if lp.name in weights:
+                raise DataError(f"weights file {path}: two layers named '{lp.name}' hold blobs")
+            weights[lp.name] = [blob_to_array(b, f"weights file {path}, layer '{lp.name}' "
+                                                 f"blob {i}") for i, b in enumerate(lp.blobs)]
     return weights
+
+
+def _fits(array, shape):
+    """Whether a saved blob fits a net blob: the same shape, or Caffe's legacy 4-d form of
+    it (num, channels, height, width, padded with leading 1s), as Caffe's ShapeEquals."""
+    if array.shape == tuple(shape):
+        return True
+    legacy = (1,) * (4 - len(shape)) + tuple(shape)
+    return array.ndim == 4 and len(shape) <= 4 and array.shape == legacy
 
 
 def copy_weights(net, weights, path):
@@ -107,40 +174,68 @@ def copy_weights(net, weights, path):
             raise DataError(f"weights file {path}: layer '{name}' has {len(arrays)} blobs, "
                             f"the net expects {len(blobs)}")
         for i, (blob, array) in enumerate(zip(blobs, arrays)):
-            if array.size != blob.size or (array.shape != blob.shape and array.ndim == len(blob.shape)):
+            if not _fits(array, blob.shape):
                 raise DataError(f"weights file {path}: layer '{name}' blob {i} has shape "
-                                f"{array.shape}, the net expects {blob.shape}")
+                                f"{array.shape}, the net expects {blob.shape} (rename the "
+                                "layer to learn it from scratch instead)")
+        for blob, array in zip(blobs, arrays):
             net.params[blob.offset:blob.offset + blob.size] = array.ravel()
         copied.append(name)
     return copied, skipped
 
 
-def write_solverstate(path, iteration, learned_net, solver, net):
-    """SolverState: iteration, the .caffemodel path, every history blob in Caffe's order
-    (all blobs of the first history, then of the second), and current_step."""
+# The field of cgp's SolverStateTrailer: unknown to Caffe's SolverState (see cgp.proto).
+RESUME_FIELD = cgp_pb2.SolverStateTrailer.DESCRIPTOR.fields_by_name["cgp_resume"].number
+
+
+def write_solverstate(path, iteration, learned_net, solver, net, resume=None):
+    """SolverState: iteration, the .caffemodel path as given (Caffe writes it relative, as
+    named by the snapshot prefix), every history blob in Caffe's order (all blobs of the
+    first history, then of the second), and current_step; then cgp's ResumeState, if
+    given, as a trailer that Caffe's reader ignores (see cgp/proto/cgp.proto)."""
     state = caffe_pb2.SolverState(iter=iteration, learned_net=str(learned_net),
                                   current_step=solver.current_step)
     for history in solver.histories:
         for blob in net.param_blobs:
             array_to_blob(history[blob.offset:blob.offset + blob.size].reshape(blob.shape),
                           state.history.add())
-    atomic_write(path, state.SerializeToString())
+    payload = state.SerializeToString()
+    if resume is not None:
+        payload += cgp_pb2.SolverStateTrailer(cgp_resume=resume).SerializeToString()
+    atomic_write(path, payload)
 
 
 def read_solverstate(path, solver, net):
-    """Restore the solver's histories from a .solverstate; returns the SolverState."""
-    state = _read_message(path, caffe_pb2.SolverState(), "solver state")
+    """Restore the solver's histories from a .solverstate. Returns (SolverState, cgp's
+    ResumeState or None when the file has none, as a file Caffe wrote)."""
+    data = _read_bytes(path, "solver state")
+    state = _parse(data, caffe_pb2.SolverState(), path, "solver state",
+                   allowed_unknown=(RESUME_FIELD,))
+    resume = None
+    if any(f.field_number == RESUME_FIELD for f in unknown_fields.UnknownFieldSet(state)):
+        trailer = _parse(data, cgp_pb2.SolverStateTrailer(), path, "solver state",
+                         allowed_unknown=(1, 2, 3, 4))
+        resume = trailer.cgp_resume
+        if len(unknown_fields.UnknownFieldSet(resume)):
+            raise DataError(f"solver state {path}: cgp's resume record is corrupt")
+    if state.iter < 0:
+        raise DataError(f"solver state {path}: negative iteration {state.iter}")
     expected = len(solver.histories) * len(net.param_blobs)
     if len(state.history) != expected:
         raise DataError(f"solver state {path}: {len(state.history)} history blobs, the "
                         f"{solver.type} solver on this net needs {expected}")
+    arrays = []
     for k, blob_proto in enumerate(state.history):
-        history = solver.histories[k // len(net.param_blobs)]
         blob = net.param_blobs[k % len(net.param_blobs)]
         array = blob_to_array(blob_proto, f"solver state {path}, history {k}")
-        if array.size != blob.size:
+        if not _fits(array, blob.shape):
             raise DataError(f"solver state {path}: history {k} has shape {array.shape}, "
-                            f"the net's blob is {blob.shape}")
+                            f"the net's blob ({blob.layer} {blob.index}) is {blob.shape}")
+        arrays.append(array)
+    # Everything checked: only now change the solver.
+    for k, array in enumerate(arrays):
+        history = solver.histories[k // len(net.param_blobs)]
+        blob = net.param_blobs[k % len(net.param_blobs)]
         history[blob.offset:blob.offset + blob.size] = array.ravel()
     solver.current_step = state.current_step
-    return state
+    return state, resume

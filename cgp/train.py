@@ -4,7 +4,9 @@ the Engine runs the chunks; this module only sequences them.
 
 Every source of randomness is a pure function of (seed, iteration, ...), and the data
 position is a pure function of the iteration, so a run resumed from a snapshot
-continues bit for bit as if it had not stopped.
+continues bit for bit as if it had not stopped. cgp's .solverstate carries what Caffe's
+lacks for that (seed, data position, chunks; see cgp/proto/cgp.proto); a .solverstate
+that Caffe wrote resumes as Caffe resumes, with the data back at the first record.
 """
 import math
 import signal
@@ -21,7 +23,7 @@ from cgp.comm import ThreadCommunicator, blocks
 from cgp.engine import Engine, Pool
 from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
-from cgp.proto import caffe_pb2
+from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, write_caffemodel,
                           write_solverstate)
@@ -41,7 +43,12 @@ class RunConfig:
     max_iter: int = None      # overrides the solver's max_iter
     progress: bool = True     # a progress bar when stderr is a terminal
     snapshot_prefix: str = None
+    sigint_effect: str = "stop"       # Caffe's --sigint_effect: stop, snapshot or none
+    sighup_effect: str = "snapshot"   # Caffe's --sighup_effect
     affinity: bool = False    # pin worker threads to cores
+
+
+SIGNAL_EFFECTS = ("stop", "snapshot", "none")
 
 
 def resolve(name, base_dir, what):
@@ -130,6 +137,10 @@ class Trainer:
             self.test_nets.append(Net(param, caffe_pb2.TEST, options, stages=state.stage,
                                       level=state.level))
         self.net.init_params(self.seed)
+        for effect in (config.sigint_effect, config.sighup_effect):
+            if effect not in SIGNAL_EFFECTS:
+                raise CgpError(f"signal effect '{effect}': expected one of "
+                               f"{', '.join(SIGNAL_EFFECTS)}")
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult)
         self.pool = Pool(config.threads, config.affinity)
         comm = ThreadCommunicator(self.pool)
@@ -139,12 +150,21 @@ class Trainer:
                              for n in self.test_nets]
         self.slices = blocks(self.net.n_params)
         self.iter = 0
+        # The iteration whose batch starts at record 0: 0, or the iteration of a Caffe
+        # .solverstate resumed from (Caffe's data layers start again at the first record).
+        self.data_origin = 0
         self.max_iter = config.max_iter if config.max_iter is not None else sp.max_iter
         self.losses = []          # the window of Caffe's smoothed (average_loss) loss
         self.last_test = {}
         self.last_test_iter = None
         self._accum = np.zeros(self.net.n_params, np.float32) if sp.iter_size > 1 else None
         self._stop = False
+        self._request = None      # what a signal asked for: "stop" or "snapshot"
+        # Caffe's solver field `weights` (the command line's --weights replaces it).
+        base = Path(solver_path).parent if solver_path else None
+        for names in sp.weights:
+            for name in names.split(","):
+                self.load_weights(resolve(name, base, "weights file (solver field weights)"))
 
     def _check_memory(self, chunks):
         self.memory_line = check_memory(self.net, chunks, self.pool.threads,
@@ -161,13 +181,18 @@ class Trainer:
         return batch
 
     def tests_before(self, it):
-        """How many test passes Caffe runs before iteration `it`: the test data reader
-        goes on from where the previous pass stopped."""
+        """How many test passes Caffe runs from the data origin up to iteration `it`: the
+        test data reader goes on from where the previous pass stopped."""
         interval = self.sp.test_interval
         if not self.test_nets or interval <= 0:
             return 0
-        done = (it - 1) // interval + 1 if it > 0 else 0  # iterations 0, interval, ... < it
-        return done - (0 if self.sp.test_initialization else min(done, 1))
+
+        def points(end):  # iterations 0, interval, 2 * interval, ... < end
+            return (end - 1) // interval + 1 if end > 0 else 0
+        done = points(it) - points(self.data_origin)
+        if self.data_origin == 0 and not self.sp.test_initialization:
+            done -= min(done, 1)   # no test at iteration 0
+        return done
 
     # -- one iteration -------------------------------------------------------------
     def forward_backward(self):
@@ -176,7 +201,8 @@ class Trainer:
         size, n = self.sp.iter_size, self.net.batch_size
         loss = 0.0
         for k in range(size):
-            batch = self._batch(self.net, (self.iter * size + k) * n, self.iter * size + k)
+            position = ((self.iter - self.data_origin) * size + k) * n
+            batch = self._batch(self.net, position, self.iter * size + k)
             outputs, pass_loss, grad = self.engine.run(batch, self.iter * size + k, self.seed)
             loss += pass_loss
             if self._accum is not None:
@@ -249,14 +275,21 @@ class Trainer:
                         self.log(f"    Train net output #{j}: {name} = {fmt(value)}")
                     self.log(f"Iteration {it}, lr = {fmt(rate)}")
                     last, last_iter = now, self.iter
-                if sp.snapshot and self.iter % sp.snapshot == 0:
+                request, self._request = self._request, None
+                if (sp.snapshot and self.iter % sp.snapshot == 0) or request == "snapshot":
                     self.snapshot()
-        written = None
+                if request == "stop":
+                    self._stop = True
         if sp.snapshot_after_train and (not sp.snapshot or self.iter % sp.snapshot != 0):
-            written = self.snapshot()
+            self.snapshot()
         if self._stop:
             self.log("Optimization stopped early.")
             return self.last_test
+        if sp.display and self.iter % sp.display == 0:
+            # Caffe's last display: the loss of the final weights on the next batch.
+            with threadpool_limits(limits=1):
+                loss, _, _ = self.forward_backward()
+            self.log(f"Iteration {self.iter}, loss = {fmt(self._smoothed(loss))}")
         # Caffe tests at the end only on a test_interval boundary; cgp always reports
         # the final weights' test results.
         if self.test_nets and self.last_test_iter != self.iter:
@@ -269,26 +302,40 @@ class Trainer:
         return bool(self.test_nets) and interval > 0 and self.iter % interval == 0
 
     def _sigint(self):
-        """Ctrl-C stops after the current iteration and snapshots (Caffe's default
-        sigint_effect 'stop'); a second Ctrl-C interrupts at once."""
+        """Caffe's signal effects, acted on after the current iteration: SIGINT (Ctrl-C)
+        'stop' by default: stop, and snapshot as at the end of training (when
+        snapshot_after_train is on, Caffe's default); SIGHUP 'snapshot' by default:
+        snapshot and go on. A second Ctrl-C while stopping interrupts at once."""
         trainer = self
+        effects = {signal.SIGINT: self.config.sigint_effect}
+        if hasattr(signal, "SIGHUP"):
+            effects[signal.SIGHUP] = self.config.sighup_effect
 
         class Handler:
             def __enter__(self):
                 def handle(signum, frame):
-                    if trainer._stop:
+                    effect = effects[signum]
+                    if effect == "none":
+                        return
+                    if signum == signal.SIGINT and effect == "stop" and (
+                            trainer._request == "stop" or trainer._stop):
                         raise KeyboardInterrupt
-                    trainer._stop = True
-                    trainer.log("Interrupted: stopping after this iteration (Ctrl-C again to abort)")
+                    trainer._request = effect
+                    name = signal.Signals(signum).name
+                    trainer.log(f"{name}: {'stopping' if effect == 'stop' else 'snapshotting'} "
+                                "after this iteration" + (" (Ctrl-C again to abort)"
+                                                          if effect == "stop" else ""))
+                self.old = {}
                 try:
-                    self.old = signal.signal(signal.SIGINT, handle)
+                    for signum in effects:
+                        self.old[signum] = signal.signal(signum, handle)
                 except ValueError:  # not the main thread: leave signals alone
-                    self.old = None
+                    pass
                 return self
 
             def __exit__(self, *exc):
-                if self.old is not None:
-                    signal.signal(signal.SIGINT, self.old)
+                for signum, old in self.old.items():
+                    signal.signal(signum, old)
         return Handler()
 
     def _progress(self):
@@ -331,19 +378,47 @@ class Trainer:
         base = f"{self.snapshot_prefix()}_iter_{self.iter}"
         model = Path(base + ".caffemodel")
         write_caffemodel(model, self.net)
-        write_solverstate(Path(base + ".solverstate"), self.iter, model, self.solver, self.net)
+        write_solverstate(Path(base + ".solverstate"), self.iter, model, self.solver, self.net,
+                          resume=self.resume_state())
         self.log(f"Snapshotting to binary proto file {model}")
         self.log(f"Snapshotting solver state to binary proto file {base}.solverstate")
         self.weights_path = model
         return model
 
+    def resume_state(self):
+        """What cgp's .solverstate adds to Caffe's to resume bit for bit (cgp.proto)."""
+        return cgp_pb2.ResumeState(data_origin=self.data_origin, seed=self.seed,
+                                   chunks=len(self.engine.bounds), recent_loss=self.losses)
+
     def restore(self, path):
-        """Resume from a .solverstate (and the .caffemodel it names)."""
-        state = read_solverstate(path, self.solver, self.net)
+        """Resume from a .solverstate and the .caffemodel it names (its learned_net,
+        relative to the working directory as in Caffe, else to the .solverstate's folder).
+
+        A cgp .solverstate continues exactly: iteration, solver history, seed, data
+        position and loss window all come back. One that Caffe wrote restores the
+        iteration, history and learning-rate schedule, and the data restarts at the
+        first record, as `caffe train --snapshot` does."""
+        state, resume = read_solverstate(path, self.solver, self.net)
         if state.learned_net:
             weights = resolve(state.learned_net, Path(path).parent, "learned_net of the solver state")
             self.load_weights(weights, quiet=True)
         self.iter = state.iter
+        if resume is None:
+            self.data_origin = state.iter
+            self.log(f"{path} holds no cgp resume record (Caffe wrote it): the data restarts at "
+                     "the first record, as in Caffe")
+            return
+        self.data_origin = resume.data_origin
+        self.losses = list(resume.recent_loss)[-max(1, self.sp.average_loss):]
+        if resume.HasField("seed") and resume.seed != self.seed:
+            self.log(f"Resuming with the snapshot's seed {resume.seed} (not {self.seed}), so "
+                     "that the run continues as it would have")
+            self.seed = resume.seed
+        if resume.chunks and resume.chunks != len(self.engine.bounds):
+            self.log(f"Warning: the snapshot was trained with {resume.chunks} chunks per batch, "
+                     f"this run uses {len(self.engine.bounds)}: it continues with different "
+                     "rounding, not bit for bit (use --chunks "
+                     f"{resume.chunks})")
 
     def load_weights(self, path, quiet=False):
         copied, skipped = copy_weights(self.net, read_caffemodel(path), path)
@@ -357,6 +432,10 @@ class Trainer:
 
     def close(self):
         self.pool.close()
+        for net in [self.net] + self.test_nets:
+            for entry in net.sources:
+                if hasattr(entry.layer, "close"):
+                    entry.layer.close()
 
 
 def copy_shared(train, test):

@@ -4,12 +4,13 @@ import filecmp
 import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2, unknown_fields
 
 from cgp.errors import PrototxtError
-from cgp.proto import caffe_pb2
+from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import format_message, parse_net, parse_solver, read_net, read_solver
 
 # schema_facts() of the caffe_pb2 module generated from BVLC Caffe's own src/caffe/proto/caffe.proto
@@ -47,13 +48,14 @@ def test_schema_is_caffes():
         "caffe.proto no longer matches Caffe's schema (field numbers, types, labels or defaults)")
 
 
-def test_generated_module_is_reproducible(tmp_path):
+@pytest.mark.parametrize("module", [caffe_pb2, cgp_pb2], ids=["caffe_pb2", "cgp_pb2"])
+def test_generated_module_is_reproducible(tmp_path, module):
     pytest.importorskip("grpc_tools")
     subprocess.run([sys.executable, "-m", "cgp.proto.generate", str(tmp_path)], check=True,
                    capture_output=True)
-    fresh = tmp_path / "caffe_pb2.py"
-    assert filecmp.cmp(fresh, caffe_pb2.__file__, shallow=False), (
-        "cgp/proto/caffe_pb2.py is stale: run python -m cgp.proto.generate")
+    fresh = tmp_path / Path(module.__file__).name
+    assert filecmp.cmp(fresh, module.__file__, shallow=False), (
+        f"cgp/proto/{fresh.name} is stale: run python -m cgp.proto.generate")
     assert str(tmp_path) not in fresh.read_text()
 
 

@@ -1,30 +1,53 @@
-"""Source layers: Data (a data set with Caffe's TransformationParameter) and Input.
+"""Source layers: Data (a data set or a Caffe LMDB, with Caffe's TransformationParameter)
+and Input.
 
 Sources run once per iteration on the whole batch, before the batch is cut into chunks,
 so the data order and the random crops and mirrors are global and seeded: no chunk or
 thread ever draws them. Which records a batch holds is a pure function of its start
-position, so a resumed run reads exactly what an uninterrupted one would.
+position, and each sample's crop and mirror a pure function of (seed, layer, iteration,
+sample), so a resumed run reads exactly what an uninterrupted one would.
 """
+from pathlib import Path
+
 import numpy as np
 
 from cgp.datasets import store
 from cgp.errors import DataError
 from cgp.layers.base import Layer, register
+from cgp.lmdb_data import ArrayRecords, LmdbRecords
 from cgp.proto import caffe_pb2
 
 DATASET_SCHEME = ("mnist", "cifar10")
 
 
-def open_source(source, options):
-    """The records of a Data layer's `source`: (images uint8 (M, C, H, W), labels (M,)).
-
-    A source is a bundled data set split, written 'mnist:train', 'cifar10:test', ... ."""
+def open_source(source, options, backend=None):
+    """The records of a Data layer's `source` (see cgp.lmdb_data): a bundled data set split,
+    written 'mnist:train', 'cifar10:test', ..., or the path of a Caffe LMDB folder,
+    relative to the working directory as in Caffe. backend: the prototxt's
+    data_param.backend if it was given, else None."""
     name, _, split = source.partition(":")
     if name in DATASET_SCHEME and split in ("train", "test"):
-        return store.load(name, split, options.data_dir, options.download)
-    raise DataError(f"data source {source!r}: cgp reads the data sets "
-                    f"{', '.join(n + ':train|test' for n in DATASET_SCHEME)}; "
-                    "LMDB directories are not supported yet")
+        return ArrayRecords(*store.load(name, split, options.data_dir, options.download))
+    path = Path(source)
+    schemes = ", ".join(n + ":train|test" for n in DATASET_SCHEME)
+    if not source or not path.exists():
+        raise DataError(f"data source '{source}' not found: no LMDB folder at "
+                        f"{Path.cwd() / source} (paths are relative to the working directory, "
+                        f"as in Caffe), and not one of cgp's data sets ({schemes})")
+    if backend == caffe_pb2.DataParameter.LEVELDB:
+        raise DataError(f"data source '{source}': backend LEVELDB is not supported; cgp reads "
+                        "LMDB databases (backend: LMDB); convert the data with --backend=lmdb")
+    if path.is_dir() and (path / "data.mdb").is_file():
+        return LmdbRecords(path)
+    if path.is_dir() and (path / "CURRENT").is_file():
+        raise DataError(f"data source '{source}' is a LevelDB database; cgp reads LMDB only: "
+                        "convert the data with --backend=lmdb")
+    raise DataError(f"data source '{source}' is not an LMDB database (no data.mdb in "
+                    f"{path.resolve()})")
+
+
+# TransformationParameter fields that Caffe's old format kept in data_param.
+LEGACY_TRANSFORM = ("scale", "mean_file", "crop_size", "mirror")
 
 
 @register("Data")
@@ -38,11 +61,22 @@ class DataLayer(Layer):
         dp, tp = self.lp.data_param, self.lp.transform_param
         if dp.batch_size <= 0:
             raise self.error("data_param.batch_size must be positive")
-        images, labels = open_source(dp.source, self.options)
-        self.images, self.labels = images, labels.astype(np.float32)
+        legacy = [f for f in LEGACY_TRANSFORM if dp.HasField(f)]
+        if legacy:
+            raise self.error(f"data_param.{legacy[0]} is Caffe's old place for this setting; "
+                             "move it into transform_param (Caffe's upgrade_net_proto_text "
+                             "does this)")
+        if dp.rand_skip:
+            raise self.error("data_param.rand_skip is not supported (Caffe's current Data "
+                             "layer ignores it too); remove it")
+        backend = dp.backend if dp.HasField("backend") else None
+        try:
+            self.records = open_source(dp.source, self.options, backend)
+        except DataError as e:
+            raise DataError(f"layer '{self.name}': {e}") from None
         self.batch = dp.batch_size
-        channels, height, width = images.shape[1:]
-        self.mean = self._mean(tp, images.shape[1:])
+        channels, height, width = self.records.shape
+        self.mean = self._mean(tp, self.records.shape)
         self.crop = tp.crop_size
         if self.crop and (self.crop > height or self.crop > width):
             raise self.error(f"crop_size {self.crop} is larger than the {height}x{width} images")
@@ -73,13 +107,17 @@ class DataLayer(Layer):
         return None
 
     def __len__(self):
-        return len(self.images)
+        return len(self.records)
+
+    def close(self):
+        self.records.close()
 
     def load(self, start, iteration, seed):
         """The batch of records start, start+1, ... (wrapping around the data set, as
-        Caffe's reader does), transformed: [data (N, C, H', W') float32, label (N,)]."""
-        index = (start + np.arange(self.batch)) % len(self.images)
-        data = self.images[index].astype(np.float32)
+        Caffe's reader does), transformed: [data (N, C, H', W') float32, label (N,)].
+        Caffe's order of operations per element: (value - mean) * scale, in float32."""
+        images, labels = self.records.read(start, self.batch)
+        data = images.astype(np.float32)
         if self.mean is not None:
             data -= self.mean
         if self.lp.transform_param.scale != 1:
@@ -87,32 +125,36 @@ class DataLayer(Layer):
         data = self._crop_and_mirror(data, iteration, seed)
         tops = [np.ascontiguousarray(data)]
         if len(self.lp.top) == 2:
-            tops.append(self.labels[index])
+            tops.append(np.asarray(labels, np.float32))
         return tops
 
     def _crop_and_mirror(self, data, iteration, seed):
+        """Caffe's DataTransformer: a random crop in TRAIN and the centre crop in TEST; a
+        random mirror in both phases (Caffe mirrors at test time too when mirror is set)."""
         tp = self.lp.transform_param
         train = self.phase == caffe_pb2.TRAIN
         if not (self.crop or tp.mirror):
             return data
-        # One stream per (seed, layer, iteration): the whole batch's draws come from it
-        # in sample order, so they never depend on how the batch is later cut.
-        rng = np.random.Generator(np.random.Philox(key=[seed & (2**64 - 1), self.index],
-                                                   counter=[iteration, 0, 0, 0]))
-        n, _, height, width = data.shape
-        if self.crop:
-            if train:
-                top = rng.integers(0, height - self.crop + 1, n)
-                left = rng.integers(0, width - self.crop + 1, n)
-            else:  # Caffe crops the centre at test time
-                top = np.full(n, (height - self.crop) // 2)
-                left = np.full(n, (width - self.crop) // 2)
-            data = np.stack([d[:, t:t + self.crop, l:l + self.crop]
-                             for d, t, l in zip(data, top, left)])
-        if tp.mirror and train:
-            flip = rng.random(n) < 0.5
-            data[flip] = data[flip][..., ::-1]
-        return data
+        n, channels, height, width = data.shape
+        crop_h, crop_w = (self.crop, self.crop) if self.crop else (height, width)
+        out = np.empty((n, channels, crop_h, crop_w), np.float32)
+        for s in range(n):
+            # One stream per sample, keyed by (seed, layer, iteration, sample): the draws
+            # never depend on how the batch is cut or which thread reads it. Caffe's order
+            # of draws: the mirror coin, then the crop offsets.
+            rng = np.random.Generator(np.random.Philox(
+                key=[seed & (2**64 - 1), self.index], counter=[iteration, s, 0, 0]))
+            flip = bool(rng.integers(0, 2)) if tp.mirror else False
+            top, left = 0, 0
+            if self.crop:
+                if train:
+                    top = int(rng.integers(0, height - self.crop + 1))
+                    left = int(rng.integers(0, width - self.crop + 1))
+                else:
+                    top, left = (height - self.crop) // 2, (width - self.crop) // 2
+            window = data[s, :, top:top + crop_h, left:left + crop_w]
+            out[s] = window[..., ::-1] if flip else window
+        return out
 
 
 def read_mean_file(path):

@@ -1,0 +1,410 @@
+"""`cgp bench speedup`: training throughput of one solver at several thread counts, and
+optionally of the same network in PyTorch, measured in one run so the ratios are fair.
+
+The configurations (each thread count; PyTorch in both memory formats) are timed round-robin,
+the order rotated every repetition, so slow drift on a shared machine hits them all alike;
+each figure is the median over the repetitions. Results go to JSON, CSV and (with matplotlib)
+a PNG, named by model and UTC time, with a description of the machine. Not here: the kernels.
+"""
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# csv, json, platform, shlex and statistics are imported where used: the command line
+# imports this module for its options on every run, and `cgp train` should start fast.
+
+SIMD_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq",
+              "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+              "asimd", "sve", "sve2")
+
+
+def add_bench(sub):
+    from cgp.cli import EPILOG
+    p = sub.add_parser("bench", help="measure training speed")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    s = kinds.add_parser(
+        "speedup", epilog=EPILOG,
+        help="images/s, speedup and parallel efficiency against the thread count",
+        description="Times --repeats x --iters training iterations per thread count, the "
+                    "counts interleaved round-robin; prints medians, speedup over 1 thread and "
+                    "efficiency, and writes JSON, CSV and a PNG plot into --out.")
+    s.add_argument("model", nargs="?", help="short name of a bundled model (mnist, cifar10, ...)")
+    s.add_argument("--solver", help="solver prototxt (Caffe's format)")
+    s.add_argument("--threads", default=None,
+                   help="comma-separated thread counts (default: 1, 2, 4, ... up to the "
+                        "logical cores); 1 is always added, the baseline of the speedups")
+    s.add_argument("--chunks", type=int, default=16,
+                   help="fixed pieces each batch is cut into (default 16), as for cgp train")
+    s.add_argument("--data-dir", default=None,
+                   help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
+    s.add_argument("--no-download", action="store_true", help="never download a missing data set")
+    s.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
+    s.add_argument("--iters", type=int, default=20, help="iterations per timing (default 20)")
+    s.add_argument("--repeats", type=int, default=5,
+                   help="timings per configuration; the median counts (default 5)")
+    s.add_argument("--warmup", type=int, default=3,
+                   help="untimed iterations per configuration first (default 3)")
+    s.add_argument("--compare", choices=("torch",), default=None,
+                   help="also time the same network in PyTorch (needs torch installed)")
+    s.add_argument("--out", default="bench/results",
+                   help="folder for the JSON, CSV and PNG results (default bench/results)")
+    s.set_defaults(run=cmd_speedup)
+
+
+def default_threads():
+    """1, 2, 4, ... up to the logical cores, and the core count itself."""
+    cores = os.cpu_count() or 1
+    counts, t = [], 1
+    while t < cores:
+        counts.append(t)
+        t *= 2
+    return counts + [cores]
+
+
+# -- the machine -------------------------------------------------------------------
+def cpuinfo():
+    """(model name, set of flags) from /proc/cpuinfo; (platform's guess, empty) elsewhere."""
+    import platform
+    model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and model is None:
+                    model = value.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), flags
+
+
+def machine_info(extra_versions=()):
+    """What the numbers depend on: CPU, cores, SIMD, library versions, BLAS, the command."""
+    import platform
+
+    import numba
+    import numpy
+    import psutil
+    import scipy
+    from threadpoolctl import threadpool_info
+
+    model, flags = cpuinfo()
+    versions = {"python": platform.python_version(), "numpy": numpy.__version__,
+                "numba": numba.__version__, "scipy": scipy.__version__}
+    versions.update(extra_versions)
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    return {
+        "cpu": model,
+        "physical_cores": psutil.cpu_count(logical=False),
+        "logical_cores": psutil.cpu_count(logical=True),
+        "usable_cores": affinity,
+        "simd": [f for f in SIMD_FLAGS if f in flags],
+        "platform": platform.platform(),
+        "versions": versions,
+        "blas": threadpool_info(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "command": command_line(),
+    }
+
+
+class ForeignLoad:
+    """How many cores other processes kept busy while we measured: the machine's busy CPU
+    time less this process's, over the wall time. Near 0 on a quiet machine; on a shared
+    one, thread counts above the idle cores time the neighbours, not cgp."""
+
+    def __enter__(self):
+        import psutil
+        self._process = psutil.Process()
+        self._start = self._sample()
+        self.cores = None
+        return self
+
+    def _sample(self):
+        import psutil
+        t = psutil.cpu_times()
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        mine = self._process.cpu_times()
+        return time.perf_counter(), busy, mine.user + mine.system
+
+    def __exit__(self, *exc):
+        wall, busy, mine = (b - a for a, b in zip(self._start, self._sample()))
+        self.cores = max(0.0, (busy - mine) / wall) if wall > 0 else 0.0
+
+
+def command_line():
+    import shlex
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "cgp":
+        argv[0:1] = ["python", "-m", "cgp"]
+    return shlex.join(argv)
+
+
+# -- timing ------------------------------------------------------------------------
+@dataclass
+class Config:
+    """One timed configuration: `impl` cgp or torch, a thread count, and torch's layout."""
+    impl: str
+    threads: int
+    layout: str = None
+    run: object = None                 # run(iterations): trains that many iterations
+    context: object = None             # () -> the context manager that run() needs, untimed
+    save: object = None                # save(): remember the training state ...
+    restore: object = None             # restore(): ... and go back to it, untimed
+    rates: list = field(default_factory=list)   # images/s of each repetition
+
+    @property
+    def label(self):
+        return self.impl + (f"/{self.layout}" if self.layout else "") + f" x{self.threads}"
+
+
+def interleaved(configs, iters, repeats, warmup, images_per_iter, log):
+    """Warm every configuration up, then time `repeats` rounds; round r runs the
+    configurations in order, rotated by r. Every timing trains the same iterations from the
+    same state (the one after the warm-up): the work is identical in every repetition, and a
+    net that trains itself into another regime (tiny gradients turning denormal, say) cannot
+    make later repetitions slower than earlier ones."""
+    for c in configs:
+        with c.context():
+            c.run(warmup)
+        c.save()
+    for r in range(repeats):
+        k = r % len(configs)
+        for c in configs[k:] + configs[:k]:
+            c.restore()
+            with c.context():
+                started = time.perf_counter()
+                c.run(iters)
+                c.rates.append(iters * images_per_iter / (time.perf_counter() - started))
+        log(f"  repetition {r + 1}/{repeats}: " +
+            ", ".join(f"{c.label} {c.rates[-1]:.0f}" for c in configs))
+
+
+def cgp_config(threads, trainer):
+    from threadpoolctl import threadpool_limits
+
+    saved = []
+
+    def run(iterations):
+        for _ in range(iterations):
+            trainer.step()
+
+    def save():
+        saved[:] = [trainer.iter, trainer.solver.current_step, trainer.net.params.copy(),
+                    [h.copy() for h in trainer.solver.histories]]
+
+    def restore():
+        trainer.iter, trainer.solver.current_step, params, histories = saved
+        trainer.net.params[...] = params
+        for h, value in zip(trainer.solver.histories, histories):
+            h[...] = value
+    # As in Trainer.solve: BLAS single-threaded, the workers are the only threads.
+    return Config("cgp", threads, run=run, context=lambda: threadpool_limits(limits=1),
+                  save=save, restore=restore)
+
+
+def torch_config(torch_ref, threads, layout, trainer, data_trainer):
+    """Trains the PyTorch copy on the batches that cgp's data layers make, with `threads`
+    PyTorch threads; as in cgp's step, making the batch is part of the timed iteration."""
+    from contextlib import nullcontext
+
+    state = {"iter": 0}
+    net = data_trainer.net
+
+    def run(iterations):
+        for _ in range(iterations):
+            it = state["iter"]
+            trainer.step(data_trainer._batch(net, it * net.batch_size, it))
+            state["iter"] += 1
+
+    def save():
+        state["saved"] = (state["iter"], trainer.save())
+
+    def restore():
+        state["iter"], weights = state["saved"]
+        trainer.restore(weights)
+
+    def context():
+        torch_ref.set_threads(threads)
+        return nullcontext()
+    return Config("torch", threads, layout, run=run, context=context, save=save, restore=restore)
+
+
+def summarise(configs):
+    """Rows per configuration with median, spread and speedup over the 1-thread median of
+    the same implementation and layout."""
+    import statistics
+
+    rows = []
+    for c in configs:
+        base = next(b for b in configs if b.impl == c.impl and b.layout == c.layout
+                    and b.threads == 1)
+        median = statistics.median(c.rates)
+        speedup = median / statistics.median(base.rates)
+        rows.append({"impl": c.impl, "layout": c.layout, "threads": c.threads,
+                     "images_per_s": [round(r, 2) for r in c.rates],
+                     "median": round(median, 2), "min": round(min(c.rates), 2),
+                     "max": round(max(c.rates), 2), "speedup": round(speedup, 4),
+                     "efficiency": round(speedup / c.threads, 4)})
+    best = {}   # threads -> the faster torch row
+    for row in rows:
+        if row["impl"] == "torch" and (row["threads"] not in best
+                                       or row["median"] > best[row["threads"]]["median"]):
+            best[row["threads"]] = row
+    for row in rows:
+        if row["impl"] == "cgp" and row["threads"] in best:
+            row["cgp_over_torch"] = round(row["median"] / best[row["threads"]]["median"], 4)
+    return rows, best
+
+
+def table(rows, best):
+    lines = [f"{'threads':>7}  {'cgp img/s':>10}  {'min-max':>15}  {'speedup':>7}  "
+             f"{'efficiency':>10}" + (f"  {'torch img/s':>11}  {'layout':<13}  {'cgp/torch':>9}"
+                                      if best else "")]
+    for row in (r for r in rows if r["impl"] == "cgp"):
+        line = (f"{row['threads']:>7}  {row['median']:>10.1f}  "
+                f"{row['min']:>7.0f}-{row['max']:<7.0f}  {row['speedup']:>7.2f}  "
+                f"{100 * row['efficiency']:>9.0f}%")
+        t = best.get(row["threads"])
+        if t:
+            line += f"  {t['median']:>11.1f}  {t['layout']:<13}  {row['cgp_over_torch']:>9.2f}"
+        lines.append(line)
+    return lines
+
+
+# -- output ------------------------------------------------------------------------
+def write_results(out, stem, report, rows, log):
+    import csv
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.csv"]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    columns = ["impl", "layout", "threads", "median", "min", "max", "speedup", "efficiency",
+               "cgp_over_torch", "images_per_s"]
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "layout": row["layout"] or "",
+                             "images_per_s": " ".join(map(str, row["images_per_s"]))})
+    png = plot(out / f"{stem}.png", report, rows, log)
+    return paths + ([png] if png else [])
+
+
+def plot(path, report, rows, log):
+    """Speedup against threads with the ideal line; None (and a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("cgp bench: matplotlib is not installed: the PNG plot was skipped "
+            "(pip install 'cgp[plot]')")
+        return None
+    series = {}
+    for row in rows:
+        series.setdefault((row["impl"], row["layout"]), []).append(row)
+    top = max(row["threads"] for row in rows)
+    fig, ax = plt.subplots(figsize=(6, 4.5), dpi=110)
+    ax.plot([1, top], [1, top], "--", color="grey", label="ideal")
+    for (impl, layout), points in series.items():
+        points.sort(key=lambda r: r["threads"])
+        ax.plot([r["threads"] for r in points], [r["speedup"] for r in points], "o-",
+                label=impl + (f" ({layout})" if layout else ""))
+    ax.set_xticks(sorted({row["threads"] for row in rows}))
+    ax.set_xlabel("threads")
+    ax.set_ylabel("speedup over 1 thread (ratio of medians)")
+    ax.set_title(f"{report['model']} ({report['net']}), batch {report['batch']}, "
+                 f"{report['chunks']} chunks\n{report['machine']['cpu']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# -- the command -------------------------------------------------------------------
+def model_name(args, path):
+    if args.model:
+        return args.model
+    stem = Path(path).stem
+    return stem[:-len("_solver")] if stem.endswith("_solver") else stem
+
+
+def cmd_speedup(args, log=print):
+    from cgp.cli import check_threads, solver_file, thread_list
+    from cgp.errors import CgpError
+    from cgp.prototxt import read_solver
+    from cgp.train import RunConfig, Trainer
+
+    path = solver_file(args)
+    threads = thread_list(args.threads) if args.threads else default_threads()
+    threads = sorted(set(threads) | {1})   # speedups are over 1 thread
+    for name in ("iters", "repeats"):
+        if getattr(args, name) < 1:
+            raise CgpError(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        raise CgpError("--warmup must be at least 0")
+    torch_ref = None
+    if args.compare == "torch":
+        from cgp import torch_ref
+    check_threads(max(threads), log)
+    load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    sp = read_solver(path)
+    quiet = lambda line: None  # noqa: E731
+    trainers = {}
+    try:
+        for t in threads:
+            config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
+                               data_dir=args.data_dir, download=not args.no_download,
+                               progress=False)
+            trainers[t] = Trainer(sp, path, config, log=quiet)
+        net = trainers[1].net
+        images = net.batch_size * sp.iter_size
+        configs = [cgp_config(t, trainers[t]) for t in threads]
+        if torch_ref is not None:
+            if trainers[1].solver.type != "SGD":
+                log(f"cgp bench: note: PyTorch runs momentum SGD; the solver is "
+                    f"{trainers[1].solver.type}")
+            for layout in torch_ref.LAYOUTS:
+                configs += [torch_config(torch_ref, t, layout,
+                                         torch_ref.TorchTrainer(net, sp, layout), trainers[1])
+                            for t in threads]
+        log(f"cgp bench speedup: {path}, net '{net.name}', batch {images} in "
+            f"{len(trainers[1].engine.bounds)} chunks; threads {','.join(map(str, threads))}"
+            f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}; {args.warmup} warm-up "
+            f"+ {args.repeats} x {args.iters} iterations each, interleaved")
+        with ForeignLoad() as foreign:
+            interleaved(configs, args.iters, args.repeats, args.warmup, images, log)
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+    rows, best = summarise(configs)
+    for line in table(rows, best):
+        log(line)
+    if foreign.cores > 0.25:
+        log(f"cgp bench: note: other processes kept {foreign.cores:.1f} of "
+            f"{os.cpu_count()} cores busy during the run; timings with more threads than "
+            "the idle cores measure the neighbours, not cgp")
+    model = model_name(args, path)
+    extra = {"torch": torch_ref.version()} if torch_ref else {}
+    report = {"model": model, "solver": str(path), "net": net.name, "batch": images,
+              "chunks": len(trainers[1].engine.bounds), "iters": args.iters,
+              "repeats": args.repeats, "warmup": args.warmup, "seed": trainers[1].seed,
+              "threads": threads, "compare": args.compare,
+              "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {**machine_info(extra), "load_average_before": load_before,
+                          "foreign_load_cores": round(foreign.cores, 3)},
+              "results": rows}
+    stem = f"speedup_{model}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    for written in write_results(Path(args.out), stem, report, rows, log):
+        log(f"cgp bench: wrote {written}")
+    return 0

@@ -1,0 +1,82 @@
+"""`cgp test`: score trained weights on a net's TEST phase, as `caffe test` does.
+
+Batch i reads the records from i * batch_size on (the first batch starts at the first
+record), and the lines printed are Caffe's: every scalar output per batch, the mean
+loss, then each output's mean (with its loss weight for losses). Not here: training.
+"""
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from cgp.comm import ThreadCommunicator
+from cgp.engine import Engine, Pool
+from cgp.errors import CgpError
+from cgp.net import Net, RunOptions
+from cgp.proto import caffe_pb2
+from cgp.prototxt import read_net
+from cgp.snapshot import copy_weights, read_caffemodel
+
+SEED = 1701   # the TEST phase draws nothing random unless mirror is set; fixed, as Caffe's
+
+
+def fmt(value):
+    return f"{value:.6g}"
+
+
+def load_weights(net, names, log):
+    """Copy every comma-separated .caffemodel into the net by layer name; logs what it did."""
+    for name in names.split(","):
+        copied, skipped = copy_weights(net, read_caffemodel(name), name)
+        log(f"Copied weights of {len(copied)} layers from {name}: {', '.join(copied) or '-'}")
+        if skipped:
+            log(f"Skipped {len(skipped)} layers not in the net: {', '.join(skipped)}")
+
+
+def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, download=True,
+             log=print):
+    """Run `iterations` TEST batches; returns ({output: mean}, mean loss)."""
+    if iterations < 1:
+        raise CgpError(f"--iterations must be at least 1, got {iterations}")
+    if not Path(model).is_file():
+        raise CgpError(f"model '{model}' not found (looked in {Path.cwd()})")
+    net = Net(read_net(model), caffe_pb2.TEST, RunOptions(data_dir, download))
+    load_weights(net, weights, log)
+    pool = Pool(threads)
+    try:
+        engine = Engine(net, chunks, pool, ThreadCommunicator(pool), backward=False)
+        if not engine.tracked:
+            raise CgpError(f"model {model}: the TEST net has no scalar outputs (loss, accuracy) "
+                           "to score")
+        weight = {net.blob_names[b]: w for b, w in net.loss_weights.items()}
+        # Caffe sums the scores and the loss in float.
+        sums = {name: np.float32(0) for _, name in engine.tracked}
+        loss_sum = np.float32(0)
+        log(f"Running for {iterations} iterations.")
+        with threadpool_limits(limits=1):
+            for i in range(iterations):
+                batch = {}
+                for entry in net.sources:
+                    tops = entry.layer.load(i * net.batch_size, i, SEED)
+                    batch.update(zip(entry.tops, tops))
+                outputs, loss, _ = engine.run(batch, i, SEED)
+                loss_sum += np.float32(loss)
+                for name, value in outputs.items():
+                    sums[name] += np.float32(value)
+                    log(f"Batch {i}, {name} = {fmt(value)}")
+    finally:
+        pool.close()
+        for entry in net.sources:
+            if hasattr(entry.layer, "close"):
+                entry.layer.close()
+    mean_loss = float(loss_sum / np.float32(iterations))
+    log(f"Loss: {fmt(mean_loss)}")
+    means = {}
+    for name, total in sums.items():
+        means[name] = float(total / np.float32(iterations))
+        note = ""
+        if weight.get(name):
+            w = weight[name]
+            note = f" (* {fmt(w)} = {fmt(w * means[name])} loss)"
+        log(f"{name} = {fmt(means[name])}{note}")
+    return means, mean_loss

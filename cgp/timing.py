@@ -1,0 +1,294 @@
+"""`cgp time`: Caffe's `caffe time` for cgp: the average forward and backward milliseconds of
+every layer and of a whole iteration, and a note when Numba compiles cgp's kernels.
+
+Per-layer times come from a copy of Net.forward/backward's loops with a clock around each
+layer, run single-threaded over the chunks of the batch as one engine worker runs them, so
+the hot path carries no timing code. Each layer's time is the sum over the chunks.
+"""
+import time
+from contextlib import contextmanager
+
+COMPILING = "compiling kernels (first run only; cached afterwards)"
+
+
+def add_time(sub):
+    p = sub.add_parser(
+        "time", help="time forward and backward of every layer (Caffe's `caffe time`)",
+        description="Average forward and backward milliseconds per layer and per iteration, "
+                    "in Caffe's format. Layers are timed single-threaded over the chunks of "
+                    "the batch; the engine's own iteration time on --threads follows.")
+    p.add_argument("--model", required=True, help="net prototxt (Caffe's format)")
+    p.add_argument("--iterations", type=int, default=50, help="iterations to time (default 50)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads for the engine's whole-iteration time (default 1)")
+    p.add_argument("--chunks", type=int, default=16,
+                   help="fixed pieces each batch is cut into (default 16)")
+    p.add_argument("--phase", choices=("TRAIN", "TEST"), default="TRAIN",
+                   help="the net's phase (default TRAIN)")
+    p.add_argument("--level", type=int, default=0, help="the net state's level (default 0)")
+    p.add_argument("--stage", action="append", default=[], help="a net state stage (repeatable)")
+    p.add_argument("--seed", type=int, default=1701,
+                   help="seed of the weights and of random Input data (default 1701)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
+    p.add_argument("--no-download", action="store_true", help="never download a missing data set")
+    p.set_defaults(run=cmd_time)
+
+
+# -- the first-run note --------------------------------------------------------------
+@contextmanager
+def compile_notice(log, prefix="cgp."):
+    """Inside the block, log COMPILING once when Numba compiles (rather than loads from its
+    cache) a kernel from a module whose name starts with `prefix`. Numba announces exactly
+    those compilations with its "numba:compile" event; cache hits raise no event."""
+    from numba.core import event
+
+    class Listener(event.Listener):
+        said = False
+
+        def on_start(self, ev):
+            dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
+            module = getattr(getattr(dispatcher, "py_func", None), "__module__", "") or ""
+            if not self.said and module.startswith(prefix):
+                self.said = True
+                log(COMPILING)
+
+        def on_end(self, ev):
+            pass
+
+    listener = Listener()
+    event.register("numba:compile", listener)
+    try:
+        yield listener
+    finally:
+        event.unregister("numba:compile", listener)
+
+
+# -- the timed loops -------------------------------------------------------------------
+def backward_plan(net):
+    """Per entry (backward?, [propagate to bottom i?]). A net with a loss uses its own plan.
+    A net without one (a deploy net) is timed as if every output had a loss, since Caffe's
+    `caffe time` runs every layer's backward too: layers with learnable parameters upstream."""
+    if net.loss_weights:
+        return [(e.backward, list(e.propagate)) for e in net.entries]
+    needs = [False] * len(net.blob_names)
+    plan = []
+    for e in net.entries:
+        learnable = any(net.param_blobs[p].lr_mult != 0 for p in e.params)
+        flows = [needs[b] for b in e.bottoms]
+        backward = (learnable or any(flows)) and not e.layer.reduces_batch
+        plan.append((backward, flows if backward else [False] * len(flows)))
+        for t in e.tops:
+            needs[t] = backward
+    return plan
+
+
+def timed_forward(net, ws, chunk, batch, params, clock):
+    """Net.forward with clock[i] += seconds in entry i."""
+    data = ws.views(chunk.n)
+    lo, hi = chunk.first, chunk.first + chunk.n
+    for blob, array in batch.items():
+        data[blob] = array[lo:hi]
+    now = time.perf_counter
+    for i, (entry, p, scratch) in enumerate(zip(net.entries, params, ws.scratch)):
+        started = now()
+        entry.layer.forward([data[b] for b in entry.bottoms], [data[t] for t in entry.tops],
+                            p, scratch, chunk)
+        clock[i] += now() - started
+    return data
+
+
+def timed_backward(net, ws, chunk, data, params, param_diffs, plan, clock):
+    """Net.backward (with `plan` in place of the entries' own flags), clock[i] += seconds."""
+    diff = ws.diff_views(chunk.n)
+    for blob, weight in net.loss_weights.items():
+        diff[blob][...] = weight
+    now = time.perf_counter
+    for i in reversed(range(len(net.entries))):
+        backward, propagate = plan[i]
+        if not backward:
+            continue
+        entry = net.entries[i]
+        started = now()
+        entry.layer.backward([data[t] for t in entry.tops], [diff[t] for t in entry.tops],
+                             [data[b] for b in entry.bottoms],
+                             [diff[b] if f else None for b, f in zip(entry.bottoms, propagate)],
+                             params[i], param_diffs[i], ws.scratch[i], chunk)
+        clock[i] += now() - started
+
+
+def fill_inputs(net, seed):
+    """Random data for Input layers: standard normal, except blobs read as labels (bottom 1
+    of a loss or accuracy), which get random classes."""
+    import numpy as np
+
+    from cgp.layers.data import InputLayer
+
+    rng = np.random.default_rng(seed)
+    classes = {}
+    split_of = {e.tops[j]: e.bottoms[0] for e in net.entries
+                if e.layer.type_name == "Split" for j in range(len(e.tops))}
+    for e in net.entries:
+        if len(e.bottoms) == 2 and e.layer.type_name in ("SoftmaxWithLoss", "Accuracy"):
+            label = split_of.get(e.bottoms[1], e.bottoms[1])
+            classes[label] = net.blob_shapes[e.bottoms[0]][getattr(e.layer, "axis", 1)]
+    for entry in net.sources:
+        if isinstance(entry.layer, InputLayer):
+            entry.layer.values = [
+                rng.integers(0, classes[t], net.blob_shapes[t]).astype(np.float32)
+                if t in classes else rng.standard_normal(net.blob_shapes[t]).astype(np.float32)
+                for t in entry.tops]
+
+
+def load_batch(net, iteration, seed, clock=None):
+    """Source blob id -> whole-batch float32 array for `iteration`, as the trainer loads it;
+    clock[i] += seconds in source i."""
+    import numpy as np
+
+    batch = {}
+    for i, entry in enumerate(net.sources):
+        started = time.perf_counter()
+        arrays = entry.layer.load(iteration * net.batch_size, iteration, seed)
+        for blob, array in zip(entry.tops, arrays):
+            batch[blob] = np.asarray(array, np.float32)
+        if clock is not None:
+            clock[i] += time.perf_counter() - started
+    return batch
+
+
+class LayerTimer:
+    """Times one net the way `caffe time` does, on cgp's per-chunk path."""
+
+    def __init__(self, net, chunks, seed):
+        import numpy as np
+
+        from cgp.engine import chunk_bounds
+        from cgp.net import Workspace
+
+        self.net, self.seed = net, seed
+        self.bounds = chunk_bounds(net.batch_size, chunks)
+        self.plan = backward_plan(net)
+        self.has_backward = any(b for b, _ in self.plan)
+        self.ws = Workspace(net, max(n for _, n in self.bounds), with_diff=self.has_backward)
+        if not net.loss_weights:  # a deploy net: a gradient of ones on every output
+            read = {b for e in net.entries for b in e.bottoms}
+            for blob, d in enumerate(self.ws.diff or []):
+                if blob not in read:
+                    d[...] = 1
+        self.params = net.param_views(net.params)
+        self.grads = np.zeros(net.n_params, np.float32)
+        self.grad_views = net.param_views(self.grads)
+        self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
+        self.forward = np.zeros(len(net.entries))
+        self.backward = np.zeros(len(net.entries))
+        self.data = np.zeros(len(net.sources))
+        self.loss = None
+
+    def iteration(self, iteration):
+        """One forward-backward over all chunks: (forward seconds, backward seconds)."""
+        from cgp.layers import Chunk
+
+        net = self.net
+        started = time.perf_counter()
+        batch = load_batch(net, iteration, self.seed, self.data)
+        by_name = {self.source_names[b]: a for b, a in batch.items()}
+        loss, t_forward, t_backward = 0.0, time.perf_counter() - started, 0.0
+        for first, n in self.bounds:
+            chunk = Chunk(n=n, first=first, batch=net.batch_size, iteration=iteration,
+                          seed=self.seed, batch_tops=by_name)
+            started = time.perf_counter()
+            data = timed_forward(net, self.ws, chunk, batch, self.params, self.forward)
+            t_forward += time.perf_counter() - started
+            loss += sum(w * float(data[b]) for b, w in net.loss_weights.items())
+            if self.has_backward:
+                self.grads.fill(0)
+                started = time.perf_counter()
+                timed_backward(net, self.ws, chunk, data, self.params, self.grad_views,
+                               self.plan, self.backward)
+                t_backward += time.perf_counter() - started
+        self.loss = loss
+        return t_forward, t_backward
+
+    def reset(self):
+        self.forward[:] = 0
+        self.backward[:] = 0
+        self.data[:] = 0
+
+
+def engine_time(net, threads, chunks, iterations, seed):
+    """Wall-clock milliseconds per forward-backward of the real engine on `threads` threads
+    (gradient reduction included)."""
+    from cgp.comm import ThreadCommunicator
+    from cgp.engine import Engine, Pool
+
+    pool = Pool(threads)
+    try:
+        engine = Engine(net, chunks, pool, ThreadCommunicator(pool),
+                        backward=bool(net.loss_weights))
+        engine.run(load_batch(net, 0, seed), 0, seed)  # warm-up
+        total = 0.0
+        for it in range(iterations):
+            started = time.perf_counter()
+            engine.run(load_batch(net, it, seed), it, seed)
+            total += time.perf_counter() - started
+    finally:
+        pool.close()
+    return 1e3 * total / iterations
+
+
+# -- the command -------------------------------------------------------------------
+def cmd_time(args, log=print):
+    from threadpoolctl import threadpool_limits
+
+    from cgp.errors import CgpError
+    from cgp.net import Net, RunOptions
+    from cgp.proto import caffe_pb2
+    from cgp.prototxt import read_net
+
+    if args.iterations < 1:
+        raise CgpError("--iterations must be at least 1")
+    if args.threads < 1:
+        raise CgpError(f"--threads must be at least 1, got {args.threads}")
+    phase = caffe_pb2.TRAIN if args.phase == "TRAIN" else caffe_pb2.TEST
+    net = Net(read_net(args.model), phase, RunOptions(args.data_dir, not args.no_download),
+              stages=args.stage, level=args.level)
+    net.init_params(args.seed)
+    fill_inputs(net, args.seed)
+    timer = LayerTimer(net, args.chunks, args.seed)
+    log(f"cgp time: net '{net.name}' ({args.model}), phase {args.phase}, batch "
+        f"{net.batch_size} in {len(timer.bounds)} chunks, layers timed on 1 thread")
+    if not net.loss_weights and timer.has_backward:
+        log("The net has no loss: backward is timed with a gradient of ones on every output, "
+            "as if each had a loss.")
+    with threadpool_limits(limits=1), compile_notice(log):
+        log("Performing Forward-Backward (warm-up)")
+        timer.iteration(0)
+        if net.loss_weights:
+            log(f"Initial loss: {timer.loss:.6g}")
+        timer.reset()
+        log("*** Benchmark begins ***")
+        log(f"Testing for {args.iterations} iterations.")
+        t_forward = t_backward = 0.0
+        for it in range(args.iterations):
+            f, b = timer.iteration(it + 1)
+            t_forward, t_backward = t_forward + f, t_backward + b
+            log(f"Iteration: {it + 1} forward-backward time: {1e3 * (f + b):.3f} ms.")
+        log("Average time per layer: ")
+        per = 1e3 / args.iterations
+        names = ([e.layer.name for e in net.sources] + [e.layer.name for e in net.entries])
+        width = max(10, max(len(n) for n in names))
+        rows = ([(e.layer.name, t, 0.0) for e, t in zip(net.sources, timer.data)]
+                + [(e.layer.name, f, b) for e, f, b in zip(net.entries, timer.forward,
+                                                         timer.backward)])
+        for name, f, b in rows:
+            log(f"{name:>{width}}  forward: {per * f:.4f} ms.")
+            log(f"{name:>{width}}  backward: {per * b:.4f} ms.")
+        log(f"Average Forward pass: {per * t_forward:.3f} ms.")
+        log(f"Average Backward pass: {per * t_backward:.3f} ms.")
+        log(f"Average Forward-Backward: {per * (t_forward + t_backward):.3f} ms.")
+        log(f"Total Time: {1e3 * (t_forward + t_backward):.1f} ms.")
+        engine_ms = engine_time(net, args.threads, args.chunks, args.iterations, args.seed)
+        log(f"Average Forward-Backward, engine on {args.threads} thread(s): {engine_ms:.3f} ms "
+            f"({1e3 * net.batch_size / engine_ms:.0f} images/s).")
+    log("*** Benchmark ends ***")
+    return 0

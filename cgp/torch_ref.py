@@ -1,0 +1,244 @@
+"""The same network in PyTorch, built from a cgp Net (and so from the same prototxt, with the
+same layers, shapes and weights), for `cgp bench speedup --compare torch` and as an independent
+check of cgp's forward and backward. Optional: importing this module needs PyTorch.
+
+It covers the layers of the bundled models (Convolution, Pooling MAX/AVE with Caffe's rounding,
+InnerProduct, ReLU, LRN, Sigmoid, TanH, Dropout, SoftmaxWithLoss, Accuracy and the Split layers
+the net builder inserts); any other layer is refused by name. It does not read data: callers
+pass the batches that cgp's data layers produce.
+"""
+import numpy as np
+
+from cgp.errors import CgpError
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # an optional extra: say how to get it
+    raise CgpError("the PyTorch comparison needs PyTorch: pip install 'cgp[torch]' "
+                   "(or pip install torch)") from None
+
+from cgp.proto import caffe_pb2
+
+PP = caffe_pb2.PoolingParameter
+LossP = caffe_pb2.LossParameter
+SUPPORTED = ("Convolution", "Pooling", "InnerProduct", "ReLU", "LRN", "Sigmoid", "TanH",
+             "Dropout", "SoftmaxWithLoss", "Accuracy", "Split")
+LAYOUTS = ("channels_last", "contiguous")
+
+
+def memory_format(layout):
+    if layout not in LAYOUTS:
+        raise CgpError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    return torch.channels_last if layout == "channels_last" else torch.contiguous_format
+
+
+class TorchNet(torch.nn.Module):
+    """net.entries as PyTorch ops over blob ids. Parameters start as copies of `params`
+    (default net.params), one torch Parameter per cgp ParamBlob, so shared blobs stay shared.
+    `layout`: the memory format of 4-d blobs and weights, channels_last or contiguous."""
+
+    def __init__(self, net, params=None, layout="channels_last"):
+        super().__init__()
+        unsupported = sorted({e.layer.type_name for e in net.entries} - set(SUPPORTED))
+        if unsupported:
+            raise CgpError(f"net '{net.name}': the PyTorch comparison does not support layer "
+                           f"type(s) {', '.join(unsupported)}; supported: {', '.join(SUPPORTED)}")
+        self.net = net
+        self.format = memory_format(layout)
+        flat = net.params if params is None else params
+        self.blobs = torch.nn.ParameterList()
+        for b in net.param_blobs:
+            value = torch.from_numpy(np.array(flat[b.offset:b.offset + b.size], np.float32)
+                                     .reshape(b.shape))
+            if value.dim() == 4:
+                value = value.contiguous(memory_format=self.format)
+            self.blobs.append(torch.nn.Parameter(value, requires_grad=b.lr_mult != 0))
+        self.ops = [self._op(e.layer) for e in net.entries]
+        self.label_blobs = {e.bottoms[1] for e in net.entries
+                            if e.layer.type_name in ("SoftmaxWithLoss", "Accuracy")}
+
+    # -- building ----------------------------------------------------------------
+    def _op(self, layer):
+        """fn(bottoms, params) -> tops for one layer."""
+        kind = layer.type_name
+        if kind == "Split":
+            return lambda xs, ps: [xs[0]] * len(layer.lp.top)
+        if kind == "Convolution":
+            geometry = dict(stride=(layer.stride_h, layer.stride_w),
+                            padding=(layer.pad_h, layer.pad_w),
+                            dilation=(layer.dil_h, layer.dil_w), groups=layer.group)
+            return lambda xs, ps: [F.conv2d(x, ps[0], ps[1] if len(ps) > 1 else None, **geometry)
+                                   for x in xs]
+        if kind == "Pooling":
+            return self._pool(layer)
+        if kind == "InnerProduct":
+            def inner_product(xs, ps):
+                x = xs[0].reshape(xs[0].shape[:layer.axis] + (-1,))
+                w = ps[0].t() if layer.transpose else ps[0]
+                return [F.linear(x, w, ps[1] if len(ps) > 1 else None)]
+            return inner_product
+        if kind == "ReLU":
+            if layer.slope:
+                return lambda xs, ps: [F.leaky_relu(xs[0], layer.slope)]
+            return lambda xs, ps: [F.relu(xs[0])]
+        if kind == "Sigmoid":
+            return lambda xs, ps: [torch.sigmoid(xs[0])]
+        if kind == "TanH":
+            return lambda xs, ps: [torch.tanh(xs[0])]
+        if kind == "Dropout":
+            return lambda xs, ps: [F.dropout(xs[0], layer.ratio, training=layer.train)]
+        if kind == "LRN":
+            return self._lrn(layer)
+        if kind == "SoftmaxWithLoss":
+            return self._softmax_loss(layer)
+        if kind == "Accuracy":
+            return self._accuracy(layer)
+        raise CgpError(f"layer '{layer.name}': type {kind} has no PyTorch op")  # SUPPORTED lies
+
+    def _pool(self, layer):
+        if len(layer.lp.top) != 1:
+            raise layer.error("the PyTorch comparison does not support the MAX mask top")
+        if 2 * layer.pad_h > layer.R or 2 * layer.pad_w > layer.S:
+            raise layer.error(f"pad {layer.pad_h}x{layer.pad_w} is more than half the kernel "
+                              f"{layer.R}x{layer.S}, which PyTorch's pooling refuses")
+        p = layer.lp.pooling_param
+        # PyTorch's ceil_mode drops a last window that starts in the padding and divides an
+        # average by the window clipped to the padded input, exactly as Caffe does.
+        args = dict(kernel_size=(layer.R, layer.S), stride=(layer.stride_h, layer.stride_w),
+                    padding=(layer.pad_h, layer.pad_w), ceil_mode=p.round_mode == PP.CEIL)
+        if layer.max:
+            return lambda xs, ps: [F.max_pool2d(xs[0], **args)]
+        return lambda xs, ps: [F.avg_pool2d(xs[0], count_include_pad=True, **args)]
+
+    def _lrn(self, layer):
+        size, alpha, beta, k = layer.size, layer.alpha, layer.beta, layer.k
+        if layer.across:
+            return lambda xs, ps: [F.local_response_norm(xs[0], size, alpha, beta, k)]
+
+        def within(xs, ps):
+            # Caffe: x * (1 + alpha * (average of x^2 over a size x size window))^-beta
+            x = xs[0]
+            mean = F.avg_pool2d(x * x, size, stride=1, padding=(size - 1) // 2,
+                                count_include_pad=True)
+            return [x * (1 + alpha * mean) ** -beta]
+        return within
+
+    def _softmax_loss(self, layer):
+        if len(layer.lp.top) != 1:
+            raise layer.error("the PyTorch comparison does not support the probabilities top")
+        ignore = layer.ignore if layer.has_ignore else -100
+
+        def softmax_loss(xs, ps):
+            scores, labels = xs[0].movedim(layer.axis, 1), xs[1]
+            labels = labels.reshape(scores.shape[:1] + scores.shape[2:]).long()
+            total = F.cross_entropy(scores, labels, ignore_index=ignore, reduction="sum")
+            positions = labels.numel()
+            mode = layer.normalization
+            if mode == LossP.VALID and layer.has_ignore:
+                count = float((labels != ignore).sum())
+            elif mode in (LossP.VALID, LossP.FULL):
+                count = positions
+            elif mode == LossP.BATCH_SIZE:
+                count = scores.shape[0] * layer.per_sample
+            else:
+                count = 1
+            return [total / max(1.0, float(count))]
+        return softmax_loss
+
+    def _accuracy(self, layer):
+        def accuracy(xs, ps):
+            with torch.no_grad():
+                scores = xs[0].movedim(layer.axis, -1).reshape(-1, xs[0].shape[layer.axis])
+                labels = xs[1].reshape(-1).long()
+                keep = labels != layer.ignore if layer.has_ignore else torch.ones_like(labels, dtype=bool)
+                mine = scores.gather(1, labels.clamp(min=0)[:, None])
+                # Caffe: correct when fewer than top_k classes score at least as high.
+                better = (scores >= mine).sum(1) - 1
+                hits = (better < layer.top_k) & keep
+                return [hits.sum() / max(1, int(keep.sum()))]
+        return accuracy
+
+    # -- running -----------------------------------------------------------------
+    def inputs(self, batch):
+        """batch: source blob id -> whole-batch numpy array (from cgp's data layers) ->
+        tensors: images in this net's memory format, labels as they are."""
+        out = {}
+        for blob, array in batch.items():
+            x = torch.from_numpy(np.asarray(array, np.float32))
+            if x.dim() == 4 and blob not in self.label_blobs:
+                x = x.contiguous(memory_format=self.format)
+            out[blob] = x
+        return out
+
+    def forward(self, batch):
+        """Returns (loss tensor, {blob id: tensor}) for one whole batch."""
+        data = self.inputs(batch)
+        for entry, op in zip(self.net.entries, self.ops):
+            params = [self.blobs[p] for p in entry.params]
+            for blob, value in zip(entry.tops, op([data[b] for b in entry.bottoms], params)):
+                data[blob] = value
+        loss = sum(weight * data[blob] for blob, weight in self.net.loss_weights.items())
+        return loss, data
+
+    def flat_grad(self):
+        """The parameter gradients in cgp's flat layout (zeros where none was computed)."""
+        grad = np.zeros(self.net.n_params, np.float32)
+        for b, p in zip(self.net.param_blobs, self.blobs):
+            if p.grad is not None:
+                grad[b.offset:b.offset + b.size] = p.grad.detach().contiguous().numpy().reshape(-1)
+        return grad
+
+
+class TorchTrainer:
+    """Caffe's SGD training step in PyTorch: forward, backward, momentum SGD with weight
+    decay (lr * lr_mult, weight_decay * decay_mult per blob) at the solver's base_lr. For a
+    constant rate PyTorch's momentum form equals Caffe's; the rate schedule is left out, as
+    it changes no amount of work."""
+
+    def __init__(self, net, sp, layout="channels_last"):
+        self.model = TorchNet(net, layout=layout)
+        self.model.train()
+        groups = {}
+        for b, p in zip(net.param_blobs, self.model.blobs):
+            if p.requires_grad:
+                groups.setdefault((b.lr_mult, b.decay_mult), []).append(p)
+        self.optimizer = torch.optim.SGD(
+            [dict(params=ps, lr=sp.base_lr * lr, weight_decay=sp.weight_decay * decay)
+             for (lr, decay), ps in groups.items()],
+            lr=sp.base_lr, momentum=sp.momentum)
+
+    def save(self):
+        """A copy of the weights and momenta, for restore()."""
+        with torch.no_grad():
+            return [(p.detach().clone(), self._momentum(p)) for p in self.model.blobs]
+
+    def restore(self, saved):
+        with torch.no_grad():
+            for p, (value, momentum) in zip(self.model.blobs, saved):
+                p.copy_(value)
+                state = self.optimizer.state.get(p)
+                if state is not None and momentum is not None:
+                    state["momentum_buffer"] = momentum.clone()
+                elif state is not None:
+                    state.pop("momentum_buffer", None)
+
+    def _momentum(self, p):
+        buffer = self.optimizer.state.get(p, {}).get("momentum_buffer")
+        return None if buffer is None else buffer.clone()
+
+    def step(self, batch):
+        """One training iteration on a whole batch; returns the loss."""
+        self.optimizer.zero_grad(set_to_none=False)
+        loss, _ = self.model(batch)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+
+def version():
+    return torch.__version__
+
+
+def set_threads(n):
+    torch.set_num_threads(n)

@@ -1,0 +1,339 @@
+"""The measuring tools: `cgp bench speedup`, `cgp time`, the first-run compile note, and the
+PyTorch copy of a net (which must compute what cgp computes, or its timings mean nothing)."""
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import njit
+from threadpoolctl import threadpool_limits
+
+from cgp import cli
+from cgp.bench import default_threads, summarise, Config
+from cgp.engine import chunk_bounds
+from cgp.layers import Chunk
+from cgp.models import FOLDER, solver_path
+from cgp.net import Net, RunOptions, Workspace
+from cgp.prototxt import parse_net, read_net, read_solver
+from cgp.proto import caffe_pb2
+from cgp.timing import COMPILING, backward_plan, compile_notice, timed_backward, timed_forward
+from cgp.train import RunConfig, Trainer
+
+LENET = FOLDER / "lenet_train_test.prototxt"
+LENET_LAYERS = ("mnist", "conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
+
+DEPLOY = """
+name: "tiny_deploy"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 6 dim: 2 dim: 12 dim: 12 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "prob" type: "Softmax" bottom: "fc" top: "prob" }
+"""
+
+# Every layer kind of the PyTorch copy, with the awkward settings: padding, stride, groups,
+# Caffe's ceil rounding with a clipped last window, both LRN regions, a shared label blob.
+ALL_KINDS = """
+name: "all_kinds"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 5 dim: 4 dim: 11 dim: 11 } shape { dim: 5 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 6 kernel_size: 3 pad: 1 stride: 2 group: 2
+                            weight_filler { type: "gaussian" std: 0.3 }
+                            bias_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "lrn1" type: "LRN" bottom: "conv1" top: "lrn1"
+        lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 } }
+layer { name: "pool1" type: "Pooling" bottom: "lrn1" top: "pool1"
+        pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 } }
+layer { name: "tanh" type: "TanH" bottom: "pool1" top: "pool1" }
+layer { name: "lrn2" type: "LRN" bottom: "pool1" top: "lrn2"
+        lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL } }
+layer { name: "pool2" type: "Pooling" bottom: "lrn2" top: "pool2"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "sig" type: "Sigmoid" bottom: "pool2" top: "sig" }
+layer { name: "drop" type: "Dropout" bottom: "sig" top: "sig" dropout_param { dropout_ratio: 0 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "sig" top: "ip1"
+        param { lr_mult: 1 decay_mult: 1 } param { lr_mult: 2 decay_mult: 0 }
+        inner_product_param { num_output: 7 weight_filler { type: "gaussian" std: 0.5 }
+                              bias_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "ip1" top: "ip1" relu_param { negative_slope: 0.1 } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip2" bottom: "label" top: "accuracy" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+
+
+def run_cli(capsys, *args):
+    code = cli.main([str(a) for a in args])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
+    return out.out
+
+
+def mnist_trainer(mnist_dir, **config):
+    path = str(solver_path("mnist"))
+    return Trainer(read_solver(path), path,
+                   RunConfig(data_dir=str(mnist_dir), progress=False, **config), log=lambda s: None)
+
+
+# -- bench speedup -------------------------------------------------------------------
+def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "cgp", "bench", "speedup", "mnist", "--threads", "2",
+         "--iters", "1", "--repeats", "2", "--warmup", "1", "--data-dir", str(mnist_dir),
+         "--out", str(tmp_path / "res")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "speedup" in out.stdout and "efficiency" in out.stdout
+    [report_path] = (tmp_path / "res").glob("speedup_mnist_*Z.json")
+    report = json.loads(report_path.read_text())
+    assert report["model"] == "mnist" and report["net"] == "LeNet" and report["batch"] == 64
+    assert report["threads"] == [1, 2]   # 1 is added: the baseline
+    machine = report["machine"]
+    for key in ("cpu", "physical_cores", "logical_cores", "simd", "versions", "blas", "command",
+                "foreign_load_cores"):
+        assert key in machine
+    assert {"python", "numpy", "numba", "scipy"} <= set(machine["versions"])
+    assert "bench speedup mnist" in machine["command"]
+    rows = {r["threads"]: r for r in report["results"]}
+    assert set(rows) == {1, 2}
+    assert rows[1]["speedup"] == 1.0 and rows[1]["efficiency"] == 1.0
+    for row in rows.values():
+        assert len(row["images_per_s"]) == 2 and row["min"] <= row["median"] <= row["max"]
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["threads"], abs=1e-3)
+    with open(report_path.with_suffix(".csv")) as f:
+        table = list(csv.DictReader(f))
+    assert [int(r["threads"]) for r in table] == [1, 2]
+    assert {"median", "min", "max", "speedup", "efficiency"} <= set(table[0])
+    png = report_path.with_suffix(".png")
+    try:
+        import matplotlib  # noqa: F401
+        assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        assert not png.exists() and "PNG plot was skipped" in out.stdout
+
+
+def test_speedup_interleaves_in_rotated_order(monkeypatch):
+    from cgp import bench
+    order = []
+    configs = [Config("cgp", t) for t in (1, 2, 4)]
+    for c in configs:
+        c.run = lambda n, c=c: order.append(c.threads) if n else None
+        c.context = lambda: threadpool_limits(limits=None)
+        c.save = c.restore = lambda: None
+    bench.interleaved(configs, iters=1, repeats=3, warmup=0, images_per_iter=1,
+                      log=lambda s: None)
+    assert order == [1, 2, 4, 2, 4, 1, 4, 1, 2]
+    rows, best = summarise(configs)
+    assert [r["speedup"] for r in rows if r["threads"] == 1] == [1.0] and best == {}
+
+
+def test_every_timing_trains_from_the_same_state(mnist_dir):
+    """restore() rewinds weights, solver history and iteration: repetitions do equal work."""
+    from cgp.bench import cgp_config
+
+    trainer = mnist_trainer(mnist_dir, threads=2)
+    try:
+        config = cgp_config(2, trainer)
+        config.save()
+        finals = []
+        for _ in range(2):
+            config.restore()
+            with config.context():
+                config.run(2)
+            finals.append((trainer.iter, trainer.net.params.copy()))
+        assert finals[0][0] == finals[1][0] == 2
+        assert np.array_equal(finals[0][1], finals[1][1])
+    finally:
+        trainer.close()
+
+
+def test_default_threads_reach_the_core_count(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    assert default_threads() == [1, 2, 4, 6]
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert default_threads() == [1, 2]
+
+
+# -- cgp time ------------------------------------------------------------------------
+def layer_times(text, name):
+    """(forward ms, backward ms) of a layer in `cgp time` output."""
+    values = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == name and parts[1] in ("forward:", "backward:"):
+            values[parts[1][:-1]] = float(parts[2])
+    return values["forward"], values["backward"]
+
+
+def test_time_train_net_prints_every_layer(capsys, mnist_dir):
+    text = run_cli(capsys, "time", "--model", LENET, "--iterations", "2",
+                   "--data-dir", mnist_dir)
+    for name in LENET_LAYERS:
+        forward, backward = layer_times(text, name)
+        assert forward >= 0 and backward >= 0
+    assert layer_times(text, "conv2")[1] > 0
+    for line in ("Average Forward pass:", "Average Backward pass:", "Average Forward-Backward:",
+                 "Initial loss:", "Iteration: 2 forward-backward time:", "engine on 1 thread"):
+        assert line in text
+
+
+def test_time_deploy_net_with_random_input(capsys, tmp_path):
+    model = tmp_path / "deploy.prototxt"
+    model.write_text(DEPLOY)
+    text = run_cli(capsys, "time", "--model", model, "--iterations", "2", "--threads", "2",
+                   "--chunks", "3", "--phase", "TEST")
+    for name in ("data", "conv", "relu", "pool", "fc", "prob"):
+        layer_times(text, name)
+    assert "no loss" in text and "engine on 2 thread(s)" in text
+    assert layer_times(text, "conv")[1] > 0   # weight gradients are timed, as in Caffe
+
+
+def test_timed_loops_compute_what_the_net_computes(mnist_dir):
+    """The timed copies of Net.forward/backward must not drift from the real ones."""
+    net = Net(read_net(LENET), caffe_pb2.TRAIN, RunOptions(str(mnist_dir)))
+    net.init_params(3)
+    batch = {e.tops[i]: a for e in net.sources for i, a in enumerate(e.layer.load(0, 0, 3))}
+    by_name = {"data": batch[net.sources[0].tops[0]], "label": batch[net.sources[0].tops[1]]}
+    params = net.param_views(net.params)
+    results = []
+    for timed in (False, True):
+        grads = np.zeros(net.n_params, np.float32)
+        views = net.param_views(grads)
+        outputs = []
+        for first, n in chunk_bounds(net.batch_size, 3):
+            ws = Workspace(net, 22)
+            chunk = Chunk(n=n, first=first, batch=net.batch_size, batch_tops=by_name)
+            clock = np.zeros(len(net.entries))
+            with threadpool_limits(limits=1):
+                if timed:
+                    data = timed_forward(net, ws, chunk, batch, params, clock)
+                    timed_backward(net, ws, chunk, data, params, views, backward_plan(net), clock)
+                else:
+                    data = net.forward(ws, chunk, batch, params)
+                    net.backward(ws, chunk, data, params, views)
+            outputs.append(np.array(data[net.entries[-1].tops[0]]))
+        results.append((outputs, grads))
+    assert np.array_equal(results[0][1], results[1][1])
+    assert all(np.array_equal(a, b) for a, b in zip(results[0][0], results[1][0]))
+
+
+# -- the first-run note --------------------------------------------------------------
+def test_compile_notice_only_when_numba_compiles():
+    lines = []
+
+    @njit
+    def first(x):
+        return x + 1
+
+    @njit
+    def second(x):
+        return x * 2
+
+    with compile_notice(lines.append, prefix=first.py_func.__module__):
+        first(1)
+        second(1)
+    assert lines == [COMPILING]
+    lines.clear()
+    with compile_notice(lines.append, prefix=first.py_func.__module__):
+        first(2)          # compiled already: no note
+    with compile_notice(lines.append):   # cgp's kernels only
+        first(2.0)
+    assert lines == []
+
+
+# -- the PyTorch copy ----------------------------------------------------------------
+def test_torch_lenet_has_cgp_loss_and_gradient(mnist_dir):
+    pytest.importorskip("torch")
+    from cgp.torch_ref import TorchNet
+
+    trainer = mnist_trainer(mnist_dir, chunks=4)
+    try:
+        batch = trainer._batch(trainer.net, 0, 0)
+        with threadpool_limits(limits=1):
+            loss, _, grad = trainer.forward_backward()
+        for layout in ("channels_last", "contiguous"):
+            model = TorchNet(trainer.net, layout=layout)
+            torch_loss, _ = model(batch)
+            assert abs(float(torch_loss.detach()) - loss) < 1e-4
+            torch_loss.backward()
+            assert np.allclose(model.flat_grad(), grad, rtol=1e-3, atol=1e-5 * np.abs(grad).max())
+    finally:
+        trainer.close()
+
+
+def test_torch_training_state_is_restored(mnist_dir):
+    torch = pytest.importorskip("torch")
+    from cgp.torch_ref import TorchTrainer
+
+    trainer = mnist_trainer(mnist_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # a fixed reduction order
+    try:
+        copy = TorchTrainer(trainer.net, trainer.sp)
+        batches = [trainer._batch(trainer.net, i * 64, i) for i in range(3)]
+        copy.step(batches[0])
+        saved = copy.save()
+        losses = []
+        for _ in range(2):
+            copy.restore(saved)
+            losses.append([copy.step(b) for b in batches[1:]])
+        assert losses[0] == losses[1]
+    finally:
+        torch.set_num_threads(threads)
+        trainer.close()
+
+
+def test_torch_copy_of_every_supported_layer():
+    pytest.importorskip("torch")
+    from cgp.comm import ThreadCommunicator
+    from cgp.engine import Engine, Pool
+    from cgp.timing import fill_inputs
+    from cgp.torch_ref import TorchNet
+
+    net = Net(parse_net(ALL_KINDS), caffe_pb2.TRAIN)
+    net.init_params(5)
+    fill_inputs(net, 5)
+    batch = {t: v for e in net.sources for t, v in zip(e.tops, e.layer.values)}
+    pool = Pool(1)
+    with threadpool_limits(limits=1):
+        outputs, loss, grad = Engine(net, 2, pool, ThreadCommunicator(pool)).run(batch, 0, 5)
+    model = TorchNet(net)
+    torch_loss, data = model(batch)
+    torch_loss.backward()
+    assert abs(float(torch_loss.detach()) - loss) < 1e-5
+    accuracy = net.scalar_outputs()[0][0]
+    assert float(data[accuracy]) == pytest.approx(outputs["accuracy"], abs=1e-6)
+    assert np.allclose(model.flat_grad(), grad, rtol=1e-3, atol=1e-5 * np.abs(grad).max())
+
+
+def test_torch_refuses_other_layers_by_name():
+    pytest.importorskip("torch")
+    from cgp.errors import CgpError
+    from cgp.torch_ref import TorchNet
+
+    net = Net(parse_net(DEPLOY), caffe_pb2.TEST)
+    with pytest.raises(CgpError, match="Softmax.*supported: Convolution"):
+        TorchNet(net)
+
+
+def test_speedup_compares_with_torch(capsys, tmp_path, mnist_dir):
+    pytest.importorskip("torch")
+    text = run_cli(capsys, "bench", "speedup", "mnist", "--threads", "1", "--iters", "1",
+                   "--repeats", "1", "--warmup", "0", "--compare", "torch",
+                   "--data-dir", mnist_dir, "--out", tmp_path)
+    assert "cgp/torch" in text
+    [report_path] = Path(tmp_path).glob("speedup_mnist_*.json")
+    report = json.loads(report_path.read_text())
+    layouts = {r["layout"] for r in report["results"] if r["impl"] == "torch"}
+    assert layouts == {"channels_last", "contiguous"}
+    assert "torch" in report["machine"]["versions"]
+    [cgp_row] = [r for r in report["results"] if r["impl"] == "cgp"]
+    assert cgp_row["cgp_over_torch"] > 0
