@@ -64,6 +64,18 @@ def resolve(name, base_dir, what):
     raise CgpError(f"{what} '{name}' not found (looked in {where})")
 
 
+def check_solver_fields(sp, solver_path, log):
+    """Solver fields that would change what Caffe writes or prints and that cgp does not
+    implement: refused, or said once, never silently ignored. (solver_mode, device_id
+    and layer_wise_reduce choose Caffe's hardware and change no result.)"""
+    if sp.snapshot_diff:
+        raise CgpError(f"solver {solver_path}: snapshot_diff is not supported (cgp snapshots "
+                       "weights, not gradients); remove it")
+    if sp.debug_info:
+        log("Note: debug_info is not supported; training runs without Caffe's per-layer "
+            "debug output")
+
+
 def solver_nets(sp, solver_path):
     """(train NetParameter, [test NetParameter, ...]) named by a SolverParameter, with
     Caffe's rules: one train net source; test nets from test_net_param, test_net, then
@@ -125,6 +137,7 @@ class Trainer:
     def __init__(self, sp, solver_path=None, config=RunConfig(), log=print):
         self.sp, self.config, self.log = sp, config, log
         self.solver_path = solver_path
+        check_solver_fields(sp, solver_path, log)
         self.seed = config.seed if config.seed is not None else (
             sp.random_seed if sp.random_seed >= 0 else DEFAULT_SEED)
         options = RunOptions(config.data_dir, config.download)

@@ -63,3 +63,12 @@ def test_train_small_run_end_to_end(tmp_path, mnist_dir):
     assert (tmp_path / "snap_iter_4.caffemodel").is_file()
     assert (tmp_path / "snap_iter_4.solverstate").is_file()
     assert "weights written to" in out.stdout
+
+
+def test_unsupported_solver_field_is_refused(tmp_path, mnist_dir):
+    from cgp import models
+    path = tmp_path / "solver.prototxt"
+    path.write_text(f'net: "{models.FOLDER / "lenet_train_test.prototxt"}"\nbase_lr: 0.01\n'
+                    'lr_policy: "fixed"\nsnapshot_diff: true\n')
+    assert_user_error(cgp("train", "--solver", str(path), "--data-dir", str(mnist_dir)),
+                      "snapshot_diff")
