@@ -17,7 +17,7 @@ from google.protobuf import text_format
 from threadpoolctl import threadpool_limits
 
 from cgp.engine import chunk_bounds
-from cgp.layers import REGISTRY, Chunk
+from cgp.layers import REGISTRY, Chunk, alloc_scratch
 from cgp.proto import caffe_pb2
 
 NETS = {"lenet": ("lenet_train_test.prototxt", (64, 1, 28, 28)),
@@ -54,7 +54,7 @@ def time_layer(layer, shape, chunks, reps, first):
     diffs = [np.zeros_like(p) for p in params]
     top = np.zeros(top_shape, np.float32)
     dx = np.zeros(shape, np.float32)
-    scratch = {k: np.zeros(s, np.float32) for k, s in layer.scratch_shapes(n_max).items()}
+    scratch = alloc_scratch(layer, n_max, np.float32)
     best_f = best_b = float("inf")
     for _ in range(reps):
         t_f = t_b = 0.0

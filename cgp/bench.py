@@ -358,15 +358,15 @@ def cmd_speedup(args, log=print):
         from cgp import torch_ref
     check_threads(max(threads), log)
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    started = time.gmtime()
     sp = read_solver(path)
-    quiet = lambda line: None  # noqa: E731
     trainers = {}
     try:
         for t in threads:
             config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
                                data_dir=args.data_dir, download=not args.no_download,
                                progress=False)
-            trainers[t] = Trainer(sp, path, config, log=quiet)
+            trainers[t] = Trainer(sp, path, config, log=lambda line: None)
         net = trainers[1].net
         images = net.batch_size * sp.iter_size
         configs = [cgp_config(t, trainers[t]) for t in threads]
@@ -400,11 +400,11 @@ def cmd_speedup(args, log=print):
               "chunks": len(trainers[1].engine.bounds), "iters": args.iters,
               "repeats": args.repeats, "warmup": args.warmup, "seed": trainers[1].seed,
               "threads": threads, "compare": args.compare,
-              "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", started),
               "machine": {**machine_info(extra), "load_average_before": load_before,
                           "foreign_load_cores": round(foreign.cores, 3)},
               "results": rows}
-    stem = f"speedup_{model}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    stem = f"speedup_{model}_{time.strftime('%Y%m%dT%H%M%SZ', started)}"
     for written in write_results(Path(args.out), stem, report, rows, log):
         log(f"cgp bench: wrote {written}")
     return 0

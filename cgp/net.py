@@ -11,7 +11,7 @@ import numpy as np
 
 from cgp.errors import NetError
 from cgp.fillers import fill
-from cgp.layers import REGISTRY, Chunk, supported_types
+from cgp.layers import REGISTRY, Chunk, alloc_scratch, supported_types
 from cgp.proto import caffe_pb2
 
 PHASES = {caffe_pb2.TRAIN: "TRAIN", caffe_pb2.TEST: "TEST"}
@@ -356,8 +356,7 @@ class Workspace:
         sources = {t for e in net.sources for t in e.tops}
         self.data = [None if b in sources else alloc(b) for b in range(len(net.blob_names))]
         self.diff = [alloc(b) for b in range(len(net.blob_names))] if with_diff else None
-        self.scratch = [{k: np.zeros(s, dtype) for k, s in e.layer.scratch_shapes(n_max).items()}
-                        for e in net.entries]
+        self.scratch = [alloc_scratch(e.layer, n_max, dtype) for e in net.entries]
         self._views = {}
 
     def _sliced(self, arrays, n):

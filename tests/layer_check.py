@@ -11,7 +11,7 @@ A new layer's test is a few lines:
 import numpy as np
 from google.protobuf import text_format
 
-from cgp.layers import REGISTRY, Chunk
+from cgp.layers import REGISTRY, Chunk, alloc_scratch
 from cgp.proto import caffe_pb2
 
 
@@ -41,7 +41,7 @@ def forward(layer, bottom, params, chunk=None):
     dtype = bottom[0].dtype
     chunk = chunk or Chunk(n=n)
     tops = [np.zeros(_top_shape(layer, s, n), dtype) for s in layer.top_shapes]
-    scratch = {k: np.zeros(s, dtype) for k, s in layer.scratch_shapes(n).items()}
+    scratch = alloc_scratch(layer, n, dtype)
     layer.forward(bottom, tops, params, scratch, chunk)
     return tops, scratch
 

@@ -12,7 +12,7 @@ from numba import njit
 from threadpoolctl import threadpool_limits
 
 from cgp import cli
-from cgp.bench import default_threads, summarise, Config
+from cgp.bench import Config, default_threads, summarise
 from cgp.engine import chunk_bounds
 from cgp.layers import Chunk
 from cgp.models import FOLDER, solver_path

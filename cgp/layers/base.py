@@ -28,6 +28,19 @@ def supported_types():
     return sorted(REGISTRY)
 
 
+def alloc_scratch(layer, n, dtype):
+    """A layer's scratch buffers for chunks of up to n samples. scratch_shapes gives a
+    shape (the run's float dtype) or a (shape, dtype) pair, e.g. int32 argmax indices."""
+    buffers = {}
+    for name, spec in layer.scratch_shapes(n).items():
+        if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], tuple):
+            shape, kind = spec
+        else:
+            shape, kind = spec, dtype
+        buffers[name] = np.zeros(shape, kind)
+    return buffers
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Where one chunk sits in its iteration: what layers that couple samples need.
@@ -59,7 +72,8 @@ class Layer:
         layer's parameters and bottom shapes here and raise self.error(...).
     param_shapes() -> [shape, ...]   learnable blobs, in Caffe's blob order
     param_fillers() -> [FillerParameter, ...]   one per learnable blob
-    scratch_shapes(n) -> {name: shape}   per-worker scratch for chunks of up to n samples
+    scratch_shapes(n) -> {name: shape or (shape, dtype)}   per-worker scratch for chunks
+        of up to n samples; a bare shape takes the run's float dtype
     forward(bottom, top, params, scratch, chunk)
     backward(top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk)
 
