@@ -1,42 +1,134 @@
 """Inner-product (fully connected) kernels, Caffe's InnerProduct: y = x @ W^T + b, or x @ W when
 the weight is stored transposed. Only the 2-d matrix product; the layer flattens the axes.
 
-Forward and the input gradient run one BLAS matrix-vector product per row. A GEMM over the
-chunk's rows would be faster for large chunks, but BLAS takes other paths, with other
-rounding, for other row counts (OpenBLAS sends one or two rows through other kernels), so a
-sample's result would depend on its chunk; a row-by-row product depends on the row alone. For
-the few rows per chunk that the default chunking gives, it is also the faster choice: a GEMM
-repacks the whole weight matrix on every call. The weight gradient needs no such care (it
-sums over the chunk anyway, and the chunks are fixed): small chunks add one row at a time,
-large ones form dy^T @ x with one GEMM and add it.
+A chunk holds few rows (4 to 7 with the default chunking), so the cost is streaming the
+weight matrix through the cache, not arithmetic: each kernel reads the weight (or writes its
+gradient) once per chunk, for all rows together, where a BLAS matrix-vector product per row
+would read it once per row, and a BLAS GEMM would first copy it into its packed layout.
+Two loop shapes do all the work:
+
+- rows_dot: out[m, r] = <a[m], w[r]>, dot products along the rows of w (forward; the input
+  gradient of a transposed weight). Four rows of a against two of w per pass; the sums are
+  vectorised, so their order is the compiler's (fixed for a build and a machine), and it is
+  the same for every row: rows past the end of a chunk repeat its last row instead of taking
+  another code path, so a sample's result never depends on its chunk.
+- rows_axpy: out[m] = sum over r, in order, of a[m, r] * w[r] (the input gradient; forward of a
+  transposed weight). Four rows of w at a time, applied to every row of out while they sit in
+  cache; each output element adds its terms in r order, so rows never mix either.
+
+The weight gradient adds dy^T @ x (x^T @ dy when transposed) one gradient row at a time, over
+the chunk's rows in row order. Multiply-adds may be fused (FMA): one rounding fewer, the same
+on every run.
 
 Dimension letters: M rows in the chunk (samples times rows per sample), C inputs per row,
 K outputs per row.
 """
-import numpy as np
-# Numba's np.dot calls the BLAS that SciPy ships, and loads it only when a kernel first runs.
-# Loading it now, on import, puts it in place before the trainer pins BLAS to one thread
-# (threadpoolctl limits only libraries already loaded); loaded later, it would run threads of
-# its own inside each worker, with results that then depend on the thread count.
-import scipy.linalg.cython_blas  # noqa: F401
 from numba import njit
 
-# Chunks of up to this many rows add their weight gradient row by row (one pass over the
-# gradient, in row order); larger ones go through one GEMM, which then wins despite its
-# repacking.
-ROWWISE_GRADIENT_ROWS = 8
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _dot_4x2(a0, a1, a2, a3, b0, b1):
+    """The eight dot products <a_i, b_j> of four rows a_i and two rows b_j, all of one length:
+    ((a0.b0, a1.b0, a2.b0, a3.b0), (a0.b1, a1.b1, a2.b1, a3.b1)). reassoc lets the sums be
+    vectorised; each is summed the same way, whatever the other rows hold."""
+    zero = a0.dtype.type(0)
+    s00 = s10 = s20 = s30 = s01 = s11 = s21 = s31 = zero
+    for c in range(a0.size):
+        u = b0[c]
+        v = b1[c]
+        x0, x1, x2, x3 = a0[c], a1[c], a2[c], a3[c]
+        s00 += x0 * u
+        s10 += x1 * u
+        s20 += x2 * u
+        s30 += x3 * u
+        s01 += x0 * v
+        s11 += x1 * v
+        s21 += x2 * v
+        s31 += x3 * v
+    return (s00, s10, s20, s30), (s01, s11, s21, s31)
+
+
+@njit(cache=True, nogil=True)
+def rows_dot(a, w, out):
+    """a: (M, L); w: (R, L); out: (M, R), OVERWRITTEN: out[m, r] = <a[m], w[r]>. Blocks of four
+    rows of a and two of w; a short last block repeats its last row (of a or w), whose copies
+    all give the same sums, so every element comes from the same code."""
+    M = a.shape[0]
+    R = w.shape[0]
+    for m0 in range(0, M, 4):
+        m1, m2, m3 = min(m0 + 1, M - 1), min(m0 + 2, M - 1), min(m0 + 3, M - 1)
+        for r0 in range(0, R, 2):
+            r1 = min(r0 + 1, R - 1)
+            s0, s1 = _dot_4x2(a[m0], a[m1], a[m2], a[m3], w[r0], w[r1])
+            out[m3, r1], out[m2, r1], out[m1, r1], out[m0, r1] = s1[3], s1[2], s1[1], s1[0]
+            out[m3, r0], out[m2, r0], out[m1, r0], out[m0, r0] = s0[3], s0[2], s0[1], s0[0]
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _axpy_4(o, g0, g1, g2, g3, w0, w1, w2, w3):
+    """o += g0*w0, then g1*w1, g2*w2, g3*w3, in that order, element by element (one load and
+    store of o for four terms)."""
+    for l in range(o.size):
+        v = o[l]
+        v += g0 * w0[l]
+        v += g1 * w1[l]
+        v += g2 * w2[l]
+        v += g3 * w3[l]
+        o[l] = v
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _axpy_1(o, g, w):
+    """o += g*w, element by element."""
+    for l in range(o.size):
+        o[l] += g * w[l]
+
+
+@njit(cache=True, nogil=True)
+def rows_axpy(a, w, out):
+    """a: (M, R); w: (R, L); out: (M, L), OVERWRITTEN: out[m] = sum over r = 0, 1, ... of
+    a[m, r] * w[r], each element adding its terms in r order."""
+    M = a.shape[0]
+    R = w.shape[0]
+    R4 = R - R % 4
+    out[:] = 0
+    for r in range(0, R4, 4):
+        w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+        for m in range(M):
+            am = a[m]
+            _axpy_4(out[m], am[r], am[r + 1], am[r + 2], am[r + 3], w0, w1, w2, w3)
+    for r in range(R4, R):
+        for m in range(M):
+            _axpy_1(out[m], a[m, r], w[r])
+
+
+@njit(cache=True, nogil=True)
+def add_outer_rows(a, b, g):
+    """a: (M, J); b: (M, L); g: (J, L) ADDED to: g[j] += a[m, j] * b[m] for m = 0, 1, ... in
+    order. Four rows m per load and store of g (the order stays m = 0, 1, ...), and each row
+    of g finishes every m before the next, while it sits in cache."""
+    M, J = a.shape
+    M4 = M - M % 4
+    for j in range(J):
+        gj = g[j]
+        for m in range(0, M4, 4):
+            _axpy_4(gj, a[m, j], a[m + 1, j], a[m + 2, j], a[m + 3, j],
+                    b[m], b[m + 1], b[m + 2], b[m + 3])
+        for m in range(M4, M):
+            _axpy_1(gj, a[m, j], b[m])
 
 
 @njit(cache=True, nogil=True)
 def fc_forward(x, w, b, y, transpose):
     """x: (M, C); w: (K, C), or (C, K) when transpose; b: (K,), or (0,) for no bias;
-    y: (M, K). y[m] = w @ x[m] (x[m] @ w when transpose), then y[m] += b."""
+    y: (M, K), overwritten. y[m] = w @ x[m] (x[m] @ w when transpose), then y[m] += b."""
     M, K = y.shape
-    for m in range(M):
-        if transpose:
-            np.dot(x[m], w, y[m])
-        else:
-            np.dot(w, x[m], y[m])
+    if M == 0:
+        return
+    if transpose:
+        rows_axpy(x, w, y)
+    else:
+        rows_dot(x, w, y)
     if b.size > 0:
         for m in range(M):
             ym = y[m]
@@ -45,64 +137,25 @@ def fc_forward(x, w, b, y, transpose):
 
 
 @njit(cache=True, nogil=True)
-def _add_outer_rows(a, b, g):
-    """g (J, L) += sum over rows m of a[m, j] * b[m, :], adding row m = 0, 1, 2, ... in order.
-    Four rows go into each element per load and store of g (the order stays m = 0, 1, ...),
-    and each gradient row finishes every m before the next, while it sits in cache."""
-    M, J = a.shape
-    L = b.shape[1]
-    M4 = M - M % 4
-    for j in range(J):
-        gj = g[j]
-        for m in range(0, M4, 4):
-            a0, a1, a2, a3 = a[m, j], a[m + 1, j], a[m + 2, j], a[m + 3, j]
-            b0, b1, b2, b3 = b[m], b[m + 1], b[m + 2], b[m + 3]
-            for l in range(L):
-                v = gj[l]
-                v += a0 * b0[l]
-                v += a1 * b1[l]
-                v += a2 * b2[l]
-                v += a3 * b3[l]
-                gj[l] = v
-        for m in range(M4, M):
-            amj = a[m, j]
-            bm = b[m]
-            for l in range(L):
-                gj[l] += amj * bm[l]
-
-
-@njit(cache=True, nogil=True)
-def fc_backward(x, w, dy, dx, dw, db, wtmp, transpose, need_dx):
+def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx):
     """x: (M, C); w: (K, C), or (C, K) when transpose; dy: (M, K); dx: (M, C), OVERWRITTEN
-    (any array when not need_dx); dw: like w and db: (K,) or (0,) are ADDED to; wtmp: like w,
-    scratch. db += the rows of dy in row order; dw += dy^T @ x (x^T @ dy when transpose), row
-    by row in row order for up to ROWWISE_GRADIENT_ROWS rows, else formed by one GEMM in wtmp
-    and then added; dx[m] = dy[m] @ w (w @ dy[m] when transpose)."""
+    (any array when not need_dx); dw: like w and db: (K,) or (0,) are ADDED to.
+    db += the rows of dy in row order; dw += dy^T @ x (x^T @ dy when transpose), over the rows
+    in row order; dx[m] = dy[m] @ w (w @ dy[m] when transpose)."""
     M, K = dy.shape
+    if M == 0:
+        return
     if db.size > 0:
         for m in range(M):
             dym = dy[m]
             for k in range(K):
                 db[k] += dym[k]
-    if M <= ROWWISE_GRADIENT_ROWS:
-        if transpose:
-            _add_outer_rows(x, dy, dw)
-        else:
-            _add_outer_rows(dy, x, dw)
+    if transpose:
+        add_outer_rows(x, dy, dw)
     else:
-        if transpose:
-            np.dot(x.T, dy, wtmp)
-        else:
-            np.dot(dy.T, x, wtmp)
-        R, L = dw.shape
-        for r in range(R):
-            dwr = dw[r]
-            tr = wtmp[r]
-            for l in range(L):
-                dwr[l] += tr[l]
+        add_outer_rows(dy, x, dw)
     if need_dx:
-        for m in range(M):
-            if transpose:
-                np.dot(w, dy[m], dx[m])
-            else:
-                np.dot(dy[m], w, dx[m])
+        if transpose:
+            rows_dot(dy, w, dx)
+        else:
+            rows_axpy(dy, w, dx)

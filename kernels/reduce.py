@@ -17,20 +17,30 @@ def tree_sum(bufs, lo, hi, scratch):
     fixed binary tree over the chunk index (stride 1, 2, 4, ...) for columns [lo, hi);
     the total ends in bufs[0, lo:hi]. The other rows are left as they were."""
     k = bufs.shape[0]
+    k4 = k - k % 4
     for start in range(lo, hi, TILE):
         n = min(TILE, hi - start)
-        # Stride 1 reads the buffers; odd rows out have no partner at this level.
-        for c in range(0, k, 2):
+        # Strides 1 and 2 at once, four buffers per pass: ((a + b) + (d + e)) is exactly what
+        # those two levels compute, and each buffer is still read once, with a quarter of the
+        # scratch traffic. The last group may hold fewer than four rows.
+        for c in range(0, k4, 4):
             s = scratch[c]
-            a = bufs[c]
-            if c + 1 < k:
-                b = bufs[c + 1]
-                for j in range(n):
-                    s[j] = a[start + j] + b[start + j]
-            else:
-                for j in range(n):
-                    s[j] = a[start + j]
-        stride = 2
+            a, b, d, e = bufs[c], bufs[c + 1], bufs[c + 2], bufs[c + 3]
+            for j in range(n):
+                s[j] = (a[start + j] + b[start + j]) + (d[start + j] + e[start + j])
+        if k - k4 == 1:
+            s, a = scratch[k4], bufs[k4]
+            for j in range(n):
+                s[j] = a[start + j]
+        elif k - k4 == 2:
+            s, a, b = scratch[k4], bufs[k4], bufs[k4 + 1]
+            for j in range(n):
+                s[j] = a[start + j] + b[start + j]
+        elif k - k4 == 3:
+            s, a, b, d = scratch[k4], bufs[k4], bufs[k4 + 1], bufs[k4 + 2]
+            for j in range(n):
+                s[j] = (a[start + j] + b[start + j]) + d[start + j]
+        stride = 4
         while stride < k:
             for c in range(0, k - stride, 2 * stride):
                 s = scratch[c]

@@ -42,7 +42,7 @@ def test_chunk_bounds_cover_the_batch_in_order():
 @pytest.mark.parametrize("threads", [1, 3])
 def test_tree_reduction_matches_reference_bitwise(threads):
     rng = np.random.default_rng(0)
-    for k in (1, 2, 5, 16):
+    for k in (1, 2, 3, 5, 7, 16, 33):
         bufs = rng.standard_normal((k, 70001)).astype(np.float32)
         want = reference_reduce(bufs)
         pool = Pool(threads)

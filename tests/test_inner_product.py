@@ -1,11 +1,10 @@
 """InnerProduct against float64 einsum references (axis 1, 2, -1, transpose, no bias),
-gradient checks (both of the kernel's weight-gradient paths: row by row and one GEMM), split
-invariance at many cuts, shape rules and Caffe's parameter rules."""
+gradient checks (row counts around the kernels' blocks of four), split invariance at many cuts,
+shape rules and Caffe's parameter rules."""
 import numpy as np
 import pytest
 
 from cgp.errors import NetError
-from cgp.kernels.fc import ROWWISE_GRADIENT_ROWS as SMALL
 from cgp.layers import Chunk
 from layer_check import (backward, build, check_forward, check_gradients,
                          check_split_invariance, random_params)
@@ -55,14 +54,14 @@ def test_gradients(name):
     check_gradients(layer, [data(shape)])
 
 
-@pytest.mark.parametrize("rows", [SMALL, SMALL + 1, 3 * SMALL])
+@pytest.mark.parametrize("n, outputs, inputs", [(2, 5, 3), (3, 6, 9), (5, 7, 4)])
 @pytest.mark.parametrize("transpose", ["false", "true"])
-def test_gradients_both_weight_paths(rows, transpose):
-    # Chunks of up to SMALL rows add the weight gradient row by row, larger ones by a GEMM;
-    # with axis 2 each sample has 2 rows.
-    n = (rows + 1) // 2
-    layer = build(ip_text(f"num_output: 2 axis: 2 transpose: {transpose}"), [(n, 2, 3)])
-    check_gradients(layer, [data((n, 2, 3))])
+def test_gradients_around_the_blocks(n, outputs, inputs, transpose):
+    # The kernels take rows in fours (weight rows in fours or twos), then the rest; with axis 2
+    # each sample has 2 rows: 4, 6 and 10 rows.
+    layer = build(ip_text(f"num_output: {outputs} axis: 2 transpose: {transpose}"),
+                  [(n, 2, inputs)])
+    check_gradients(layer, [data((n, 2, inputs))])
 
 
 def test_gradients_without_bias_or_dx():

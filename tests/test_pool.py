@@ -54,6 +54,10 @@ CONFIGS = {
     "rect": ("kernel_h: 3 kernel_w: 2 stride_h: 1 stride_w: 2 pad_h: 1 pad_w: 1", (2, 2, 4, 5),
              (3, 2), (1, 2), (1, 1), (4, 3)),
     "stride1": ("kernel_size: 2", (2, 2, 3, 4), (2, 2), (1, 1), (0, 0), (2, 3)),
+    # Windows that tile the rows (W == stride * Q) with padding: the kernels' one-loop path
+    # with border windows on both sides.
+    "pad_tiles": ("kernel_size: 4 stride: 2 pad: 1", (2, 2, 8, 8), (4, 4), (2, 2), (1, 1),
+                  (4, 4)),
 }
 
 
@@ -90,10 +94,31 @@ def test_mask_top():
     fields, shape, kernel, stride, pad, out = CONFIGS["pad"]
     layer = build(pool_text(f"pool: MAX {fields}", tops=("y", "mask")), [shape])
     assert layer.top_shapes == [shape[:2] + out] * 2
-    assert layer.scratch_shapes(2) == {}
+    assert layer.scratch_shapes(2)["arg"] == ((2,) + shape[1:2] + out, np.int32)
     check_forward(layer, [data(shape)], lambda x: pool_ref(x, kernel, stride, pad, out, "MAX"),
                   params=[])
     check_gradients(layer, [data(shape)], params=[])
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_forward_sweep(method):
+    # Many window geometries (both of the kernels' first-pass paths, every border case), on
+    # data full of ties; MAX checks the mask too.
+    rng = np.random.default_rng(3)
+    for size in [(5, 5), (6, 8), (8, 8), (9, 7), (12, 12)]:
+        for kernel, stride, pad in [(2, 2, 0), (3, 2, 0), (3, 2, 1), (2, 1, 0), (3, 3, 1),
+                                    (4, 2, 1), (5, 2, 2), (3, 1, 1)]:
+            for mode in ("CEIL", "FLOOR"):
+                fields = (f"pool: {method} kernel_size: {kernel} stride: {stride} pad: {pad} "
+                          f"round_mode: {mode}")
+                shape = (2, 3) + size
+                tops = ("y", "mask") if method == "MAX" else ("y",)
+                layer = build(pool_text(fields, tops), [shape])
+                out = layer.top_shapes[0][2:]
+                x = rng.integers(-3, 4, shape) * 0.5
+                want = pool_ref(x, (kernel,) * 2, (stride,) * 2, (pad,) * 2, out, method)
+                check_forward(layer, [x], lambda x: want if method == "MAX" else want[0],
+                              params=[])
 
 
 def test_ties_go_to_the_first_cell():

@@ -1,7 +1,7 @@
 """The InnerProduct layer: Caffe's fully connected layer over the axes from `axis` on.
 
-Rows never mix and each row's product is its own BLAS call, so a sample's output does not
-depend on its chunk (see cgp.kernels.fc). Axis 0 is refused.
+Rows never mix and every row goes through the same code, so a sample's output does not depend
+on its chunk (see cgp.kernels.fc). Axis 0 is refused.
 """
 import numpy as np
 
@@ -22,8 +22,6 @@ class InnerProduct(Layer):
     on, C = d_axis * ... * dk inputs each and N * d1 * ... * d(axis-1) rows; top is
     (N, d1, ..., d(axis-1), num_output). Weight (num_output, C), or (C, num_output) when
     transpose; bias (num_output,).
-
-    Scratch: "wtmp", the weight gradient of a chunk of many rows before it is added.
     """
 
     def setup(self, bottom_shapes):
@@ -48,12 +46,6 @@ class InnerProduct(Layer):
         p = self.lp.inner_product_param
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
 
-    def scratch_shapes(self, n):
-        # Chunks of few rows add their weight gradient row by row and need no wtmp.
-        if n * self.rows <= K.ROWWISE_GRADIENT_ROWS:
-            return {"wtmp": (0, 0)}
-        return {"wtmp": (self.C, self.K) if self.transpose else (self.K, self.C)}
-
     def forward(self, bottom, top, params, scratch, chunk):
         m = chunk.n * self.rows
         w = params[0]
@@ -68,4 +60,4 @@ class InnerProduct(Layer):
         # Without dx the kernel never touches its dx argument; x stands in for the type.
         dx = matrix(bottom_diff[0], m) if need_dx else x
         K.fc_backward(x, params[0], matrix(top_diff[0], m), dx, param_diff[0], db,
-                      scratch["wtmp"], self.transpose, need_dx)
+                      self.transpose, need_dx)

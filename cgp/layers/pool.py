@@ -3,13 +3,15 @@
 STOCHASTIC pooling is refused. Each sample is pooled on its own, so chunks need nothing from
 each other; the `engine` field chooses an implementation in Caffe and is ignored.
 """
+import numpy as np
+
 from cgp.kernels import pool as K
 from cgp.layers.base import Layer, register
 from cgp.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
 
-# The max's index is kept as a float (the blobs' type, like Caffe's top mask): exact below 2^24.
+# Caffe's mask top holds the max's index as a float (the blobs' type): exact below 2^24.
 MAX_PLANE = 1 << 24
 
 
@@ -42,7 +44,10 @@ class Pooling(Layer):
     padded and the last window would start at or past H + pad_h; likewise Q. MAX may have a
     second top, Caffe's mask: the max's index h*W + w in its plane, as a float.
 
-    Scratch: "arg", the max's index per output (MAX with one top), for backward.
+    Scratch: "arg" (MAX), the max's index per output as int32, for backward (and copied into
+    the mask top; the kernel's vectorised loops run much faster on integer indices); and
+    the per-plane row results of the kernels' first pass, "rowmax" and "rowarg" (MAX) or
+    "rowsum" (AVE), H*Q each.
     """
     tops = (1, 2)
 
@@ -92,37 +97,40 @@ class Pooling(Layer):
                              f"({H + 2 * self.pad_h}x{W + 2 * self.pad_w}) of bottom shape {shape}")
         if p.round_mode not in (PP.CEIL, PP.FLOOR):
             raise self.error(f"unknown round_mode {p.round_mode} (supported: CEIL, FLOOR)")
-        if self.max and H * W > MAX_PLANE:
-            raise self.error(f"MAX pooling keeps the max's index as a float, exact for planes "
+        if len(self.lp.top) == 2 and H * W > MAX_PLANE:
+            raise self.error(f"the mask top holds the max's index as a float, exact for planes "
                              f"of up to {MAX_PLANE} cells; got {H}x{W}")
         ceil = p.round_mode == PP.CEIL
         self.P = pooled_size(H, self.pad_h, self.R, self.stride_h, ceil)
         self.Q = pooled_size(W, self.pad_w, self.S, self.stride_w, ceil)
-        self.C = C
+        self.C, self.H = C, H
         top = (shape[0], C, self.P, self.Q)
         return [top] * len(self.lp.top)
 
     def scratch_shapes(self, n):
-        if self.max and len(self.lp.top) == 1:
-            return {"arg": (n, self.C, self.P, self.Q)}
-        return {}
+        rows = (self.H * self.Q,)
+        if self.max:
+            return {"arg": ((n, self.C, self.P, self.Q), np.int32), "rowmax": rows,
+                    "rowarg": (rows, np.int32)}
+        return {"rowsum": rows}
 
     def _window(self):
         return self.R, self.S, self.stride_h, self.stride_w, self.pad_h, self.pad_w
 
-    def _arg(self, top, scratch, chunk):
-        return top[1] if len(top) == 2 else scratch["arg"][:chunk.n]
-
     def forward(self, bottom, top, params, scratch, chunk):
         if self.max:
-            K.max_pool_forward(bottom[0], top[0], self._arg(top, scratch, chunk), *self._window())
+            arg = scratch["arg"][:chunk.n]
+            K.max_pool_forward(bottom[0], top[0], arg, scratch["rowmax"], scratch["rowarg"],
+                               *self._window())
+            if len(top) == 2:
+                top[1][...] = arg
         else:
-            K.ave_pool_forward(bottom[0], top[0], *self._window())
+            K.ave_pool_forward(bottom[0], top[0], scratch["rowsum"], *self._window())
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
         if bottom_diff[0] is None:
             return
         if self.max:
-            K.max_pool_backward(top_diff[0], self._arg(top, scratch, chunk), bottom_diff[0])
+            K.max_pool_backward(top_diff[0], scratch["arg"][:chunk.n], bottom_diff[0])
         else:
             K.ave_pool_backward(top_diff[0], bottom_diff[0], *self._window())
