@@ -1,22 +1,46 @@
-"""2-d convolution kernels (Caffe's Convolution): im2col into a scratch matrix, then one BLAS
-GEMM per sample and group; col2im brings the input gradient back. No N-d convolution here.
+"""2-d convolution kernels (Caffe's Convolution). No N-d convolution here.
 
-Every GEMM has the same shape for every sample, so a sample's output never depends on which
-other samples share its chunk, and parameter gradients add up one sample at a time in sample
-order (each sample's product goes through a scratch matrix, then is added).
+Two paths. Stride 1 (any padding, dilation and groups; every convolution of LeNet and
+cifar10) runs the direct kernels: the input is widened S times, one zero-padded copy per kernel
+column s, so that every product reads whole rows of it and the column matrix of im2col (R*S
+times the input) is never formed. The products run through `tile` (cgp.kernels.tile), a
+register-tiled loop of 512-bit fused multiply-adds: the forward pass and the input gradient
+with output positions along the vectors, stored straight into NCHW, the weight gradient with
+output channels along the vectors, from dy transposed. Other strides run im2col and one BLAS
+GEMM per sample (cgp.kernels.blas).
+
+Determinism. Every element of the forward pass and of the input gradient is one chain of
+multiply-adds over its own sample's data, in an order fixed by the layer's shape: it never
+depends on the other samples of the chunk, and splitting a batch leaves it bitwise the same.
+The direct weight gradient sums the whole chunk in one chain per element (samples in order,
+then positions), so it depends on the chunk's composition; chunk boundaries are fixed by the
+batch size and the chunk count, never by threads, timing or memory addresses, so the result is
+the same for any thread count. Tile shapes, buffer alignment and the CPU's vector width change
+the speed, never a result.
+
+Memory. The direct forward keeps its widened input in scratch ("e") for the backward pass:
+per worker and bottom, samples * C*S*(H + 2*pad_h)*Q elements (S times the padded input, where
+im2col's column matrix would be R*S times), so backward must follow forward on the same
+scratch, as the engine runs them. Backward adds the chunk's dy transposed (samples * P*Q * K,
+K rounded up to whole vectors).
 
 Dimension letters: N samples in the chunk, C input channels, K output channels (filters),
 G groups (C/G and K/G channels per group), H W input height and width, P Q output height and
 width, R S kernel height and width. CRS = C*R*S is the column matrix's height, and
-CgRS = (C/G)*R*S the length of one filter.
+CgRS = (C/G)*R*S the length of one filter. V is the number of lanes of a SIMD vector (16 for
+float32, 8 for float64), T and KV a tile's shape (see cgp.kernels.tile).
 """
 import numpy as np
-# Numba's np.dot calls the BLAS that SciPy ships, and loads it only when a kernel first runs.
-# Loading it now, on import, puts it in place before the trainer pins BLAS to one thread
-# (threadpoolctl limits only libraries already loaded); loaded later, it would run threads of
-# its own inside each worker, with results that then depend on the thread count.
-import scipy.linalg.cython_blas  # noqa: F401
 from numba import njit
+
+from cgp.kernels.blas import gemm
+from cgp.kernels.tile import SHAPES, choose, lanes, shifted_copy, tile, transpose_block
+
+# The largest T of a tile shape: how many rows a tile may run past the end of what it covers.
+T_MAX = max(shape[0] for shape in SHAPES)
+# Output positions per block of the weight gradient: the block of dycl that every tile of
+# the block reads stays in the L1 cache.
+POSITION_BLOCK = 128
 
 
 @njit(cache=True, nogil=True)
@@ -32,6 +56,346 @@ def _valid_range(off, stride, size, count):
         hi = lo
     return lo, hi
 
+
+# ---------------------------------------------------------------------------------------------
+# Direct path (stride 1)
+
+@njit(cache=True, nogil=True)
+def direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
+    """How the direct path runs for vectors of V lanes, a function of the layer's shape only:
+    (T, KV) of the forward pass (T output channels by KV vectors of positions), of the weight
+    gradient (T rows (c, s) of the widened input by KV vectors of output channels) and of the
+    input gradient (T input channels by KV vectors of positions), and whether the input
+    gradient scatters (_dx_scatter) or gathers (_dx_gather). Every output is the same chain
+    of multiply-adds whatever the tile shape: the shapes change the speed, not the results."""
+    Cg, Kg = C // group, K // group
+    P = H + 2 * pad_h - dil_h * (R - 1)
+    Q = W + 2 * pad_w - dil_w * (S - 1)
+    T_f, KV_f = choose(Kg, P * Q, V, True)
+    T_w, KV_w = choose(Cg * S, Kg, V, False)
+    # Gathering computes every input position from all R*S taps, padding included; scattering
+    # computes P rows of W + 2*pad_w. Scatter where that is clearly less (unpadded layers).
+    scatter = 5 * P * (W + 2 * pad_w) < 4 * H * W
+    T_x, KV_x = choose(Cg, P * (W + 2 * pad_w) if scatter else H * W, V, True)
+    return T_f, KV_f, T_w, KV_w, T_x, KV_x, scatter
+
+
+@njit(cache=True, nogil=True)
+def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
+    """Scratch sizes (elements) of the direct path for vectors of V lanes, as the tuple
+    (e per sample, e extra, wpt, dycl per sample, dycl extra, dwt, dbacc, eb, wft, dxp): see
+    conv_forward_direct and conv_backward_direct. Every buffer that feeds vectors has V
+    elements to spare, for _aligned."""
+    Cg, Kg = C // group, K // group
+    P = H + 2 * pad_h - dil_h * (R - 1)
+    Q = W + 2 * pad_w - dil_w * (S - 1)
+    Hp, Wp = H + 2 * pad_h, W + 2 * pad_w
+    Hb = H + dil_h * (R - 1)
+    T_f, KV_f, T_w, KV_w, T_x, KV_x, scatter = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
+                                                             dil_h, dil_w, group, V)
+    Kp = group * _round_up(Kg, KV_w * V)
+    eb = K * P * Wp if scatter else K * S * Hb * W
+    dxp = C * Hp * Wp + S * dil_w + 4 * V + V if scatter else 0
+    return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, group * R * Cg * S * _round_up(Kg, T_f) + V,
+            P * Q * Kp, V, Kp * R * _round_up(Cg * S, T_w), Kp, eb + 4 * V + V,
+            group * R * Kg * S * _round_up(Cg, T_x) + V, dxp)
+
+
+@njit(cache=True, nogil=True)
+def _round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+@njit(cache=True, nogil=True)
+def _e_slack(row, V):
+    """Elements after the last sample's widened input that tiles may read: weight-gradient
+    tiles run up to T_MAX rows (of `row` elements) past the last row, and forward tiles up to
+    four vectors past the last position."""
+    return T_MAX * row + 4 * V
+
+
+@njit(cache=True, nogil=True)
+def _aligned(a, V):
+    """a[i:] for the first i that puts the view on a vector boundary (V elements): a vector
+    load that straddles two cache lines costs two. Scratch sizes allow V extra elements."""
+    return a[(-a.ctypes.data // a.itemsize) % V:]
+
+
+@njit(cache=True, nogil=True)
+def widen(src, out, off, S, dil_w, shift_h, shift_w, rows, cols):
+    """src: (C', Hs, Ws) one sample, C-contiguous; out: flat, rows C'*S*rows*cols from `off`
+    (overwritten). out[off + ((c*S + s)*rows + h)*cols + q] = src[c, h - shift_h,
+    q + s*dil_w - shift_w], or 0 outside src: for each kernel column s, the (shifted,
+    zero-padded) input that output column q reads, so that kernel row r reads rows
+    h + r*dil_h of it, contiguous along (h, q)."""
+    Cs, Hs, Ws = src.shape
+    sf = src.reshape(Cs * Hs * Ws)
+    h_lo, h_hi = _valid_range(-shift_h, 1, Hs, rows)
+    for c in range(Cs):
+        for s in range(S):
+            base = off + (c * S + s) * rows * cols
+            col_shift = s * dil_w - shift_w
+            q_lo, q_hi = _valid_range(col_shift, 1, Ws, cols)
+            shifted_copy(out, base, sf, 0, 0, 0, h_lo * cols)
+            for h in range(h_lo, h_hi):
+                shifted_copy(out, base + h * cols, sf, (c * Hs + h - shift_h) * Ws + col_shift,
+                             q_lo, q_hi, cols)
+            shifted_copy(out, base + h_hi * cols, sf, 0, 0, 0, (rows - h_hi) * cols)
+
+
+@njit(cache=True, nogil=True)
+def _tile_unit(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_gstep,
+               a_step, b, b_off, b_gstep, b_step, nseg, nstep):
+    """`tile` with a_ts = 1, compiled once for all its callers (each call site of the intrinsic
+    compiles every tile shape)."""
+    tile(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, 1, a_gstep,
+         a_step, b, b_off, b_gstep, b_step, nseg, nstep)
+
+
+@njit(cache=True, nogil=True)
+def _convolve_rows(e, e_off, row_len, r_step, wt, wt_off, KoT, out, out_off, Ko, PQo, R, steps,
+                   T, KV, V):
+    """One sample and group of a stride-1 convolution over widened rows (flat arrays):
+    out[out_off + k*PQo + j] = sum over r < R, then i < steps, of
+        wt[wt_off + (r*steps + i)*KoT + k] * e[e_off + r*r_step + i*row_len + j]
+    for k < Ko output channels (wt rows padded to KoT) and j < PQo positions, one chain per
+    element, in tiles of T channels by KV vectors of positions. (Cutting the reduction into
+    blocks that fit the L1 cache gained nothing measurable: the tiles stream it from L2.)"""
+    KVV = KV * V
+    for j0 in range(0, PQo, KVV):
+        for k0 in range(0, Ko, T):
+            _tile_unit(T, KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0, False,
+                       wt, wt_off + k0, steps * KoT, KoT,
+                       e, e_off + j0, r_step, row_len, R, steps)
+
+
+@njit(cache=True, nogil=True)
+def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
+    """Stride-1 forward. x: (N, C, H, W); w: (K, C/G, R, S); b: (K,), or (0,) for no bias;
+    y: (N, K, P, Q), C-contiguous. Scratch, flat, sizes from direct_sizes: e, the widened input
+    (kept for conv_backward_direct); wpt, the weights with output channels innermost.
+    y[n, k, p, q] = (sum over (r, c, s) of w[k, c, r, s] * x[n, c, p + r*dil_h - pad_h,
+    q + s*dil_w - pad_w]) + b[k], the sum one fused multiply-add chain in that order."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    P, Q = y.shape[2], y.shape[3]
+    PQ = P * Q
+    Kg = K // group
+    V = lanes(x.itemsize)
+    T, KV, _, _, _, _, _ = direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group,
+                                         V)
+    KgT = _round_up(Kg, T)
+    Hp = H + 2 * pad_h
+    HpQ = Hp * Q
+    CSg = Cg * S
+    esz = C * S * HpQ
+    e, wpt = _aligned(e, V), _aligned(wpt, V)
+    if e.size < N * esz + _e_slack(HpQ, V) or wpt.size < group * R * CSg * KgT:
+        raise ValueError("conv_forward_direct: scratch too small")
+    # Weights by (group, r, c, s), output channels innermost (padded with zeros to KgT).
+    for gr in range(group):
+        for r in range(R):
+            for c in range(Cg):
+                for s in range(S):
+                    base = ((gr * R + r) * CSg + c * S + s) * KgT
+                    for k in range(Kg):
+                        wpt[base + k] = w[gr * Kg + k, c, r, s]
+    yf = y.reshape(N * K * PQ)
+    for n in range(N):
+        widen(x[n], e, n * esz, S, dil_w, pad_h, pad_w, Hp, Q)
+        for gr in range(group):
+            _convolve_rows(e, n * esz + gr * CSg * HpQ, HpQ, dil_h * Q, wpt, gr * R * CSg * KgT,
+                           KgT, yf, (n * K + gr * Kg) * PQ, Kg, PQ, R, CSg, T, KV, V)
+        if b.size > 0:
+            for k in range(K):
+                bk = b[k]
+                base = (n * K + k) * PQ
+                for j in range(PQ):
+                    yf[base + j] += bk
+
+
+@njit(cache=True, nogil=True)
+def _channels_last(dy, dycl, dbacc, db, Kg, Kgp, V):
+    """dy: (N, K, P, Q), C-contiguous -> dycl[(n*P*Q + j)*Kp + gr*Kgp + kk] = dy[n, gr*Kg + kk,
+    j] (flat positions j, Kp = G*Kgp; the padding columns are left alone), in V x V blocks;
+    and db[k] += the sum of dy[n, k] over j, summed in j order, one sample at a time (dbacc:
+    (Kp,) scratch), from the transposed blocks."""
+    N, K, P, Q = dy.shape
+    PQ = P * Q
+    group = K // Kg
+    Kp = group * Kgp
+    dyf = dy.reshape(N * K * PQ)
+    add = db.size > 0
+    for n in range(N):
+        base = n * PQ * Kp
+        for k in range(Kp):
+            dbacc[k] = 0
+        for j0 in range(0, PQ, V):
+            for gr in range(group):
+                for k0 in range(0, Kg, V):
+                    transpose_block(dycl, base + j0 * Kp + gr * Kgp + k0, Kp,
+                                    dyf, (n * K + gr * Kg + k0) * PQ + j0, PQ,
+                                    min(V, Kg - k0), min(V, PQ - j0), dbacc, gr * Kgp + k0, add)
+        if add:
+            for gr in range(group):
+                for kk in range(Kg):
+                    db[gr * Kg + kk] += dbacc[gr * Kgp + kk]
+
+
+@njit(cache=True, nogil=True)
+def conv_backward_direct(x, w, dy, dx, dw, db, e, dycl, dwt, dbacc, eb, wft, dxp,
+                         pad_h, pad_w, dil_h, dil_w, group, need_dx):
+    """Stride-1 backward, after conv_forward_direct on the same e. x: (N, C, H, W) (its shape
+    only: e holds its widened copy); w: (K, C/G, R, S); dy: (N, K, P, Q); dx: like x,
+    C-contiguous (any array when not need_dx), OVERWRITTEN; dw: like w, and db: (K,) or (0,),
+    ADDED to. Scratch, flat (direct_sizes): dycl, dy with channels innermost; dwt, the chunk's
+    weight gradient by channel block; dbacc, one sample's bias gradient; eb, one sample's dy
+    widened; wft, the weights with input channels innermost; dxp, one sample's padded dx
+    (scattering only).
+    db[k] += sums of dy[n, k] over positions, one sample at a time in sample order;
+    dw[k, c, r, s] += one chain over the chunk's (n, p, q) of dy[n, k, p, q] *
+    x[n, c, p + r*dil_h - pad_h, q + s*dil_w - pad_w]; dx: see _dx_gather and _dx_scatter."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    P, Q = dy.shape[2], dy.shape[3]
+    PQ = P * Q
+    Kg = K // group
+    V = lanes(x.itemsize)
+    _, _, T, KV, T_x, KV_x, scatter = direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w,
+                                                    group, V)
+    if N == 0:
+        return
+    KVV = KV * V
+    Kgp = _round_up(Kg, KVV)
+    Kp = group * Kgp
+    nkb = Kgp // KVV
+    Hp = H + 2 * pad_h
+    HpQ = Hp * Q
+    CSg = Cg * S
+    CSp = _round_up(CSg, T)
+    esz = C * S * HpQ
+    e, dycl = _aligned(e, V), _aligned(dycl, V)
+    if (dycl.size < N * PQ * Kp or dwt.size < Kp * R * CSp or dbacc.size < Kp
+            or e.size < N * esz + _e_slack(HpQ, V)):
+        raise ValueError("conv_backward_direct: scratch too small")
+    _channels_last(dy, dycl, dbacc, db, Kg, Kgp, V)
+    # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
+    # chain over the chunk's samples, then positions. Blocks of positions keep that block of
+    # dycl in cache for all the tiles, which continue their chains across blocks.
+    for n in range(N):
+        for p0 in range(0, PQ, POSITION_BLOCK):
+            steps = min(POSITION_BLOCK, PQ - p0)
+            for gr in range(group):
+                for kb in range(nkb):
+                    blk = gr * nkb + kb
+                    for r in range(R):
+                        for cs0 in range(0, CSg, T):
+                            tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV, CSg - cs0,
+                                 KVV, n > 0 or p0 > 0,
+                                 e, n * esz + (gr * CSg + cs0) * HpQ + r * dil_h * Q + p0, HpQ,
+                                 0, 1, dycl, (n * PQ + p0) * Kp + blk * KVV, 0, Kp, 1, steps)
+    for gr in range(group):
+        for kb in range(nkb):
+            blk = gr * nkb + kb
+            for kk in range(min(KVV, Kg - kb * KVV)):
+                k = gr * Kg + kb * KVV + kk
+                for c in range(Cg):
+                    for r in range(R):
+                        base = (blk * R + r) * CSp + c * S
+                        for s in range(S):
+                            dw[k, c, r, s] += dwt[(base + s) * KVV + kk]
+    if not need_dx:
+        return
+    eb, wft = _aligned(eb, V), _aligned(wft, V)
+    if scatter:
+        _dx_scatter(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
+                    T_x, KV_x, V)
+    else:
+        _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, V)
+
+
+@njit(cache=True, nogil=True)
+def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, V):
+    """dx[n, c, h, w] = sum over (r', k, s') of w[k, c, R-1-r', S-1-s'] * dy[n, k,
+    h + r'*dil_h - shift_h, w + s'*dil_w - shift_w] (0 outside dy), one chain per element:
+    the forward pattern on dy widened with these shifts (eb), the weights flipped (wft). It
+    multiplies the zeros around dy too: H*W positions by all R*S taps."""
+    N, C, H, W = dx.shape
+    K, Cg, R, S = w.shape
+    Kg = K // group
+    CgT = _round_up(Cg, T)
+    Hb = H + dil_h * (R - 1)
+    HbW = Hb * W
+    KSg = Kg * S
+    HW = H * W
+    if eb.size < K * S * HbW + 4 * V or wft.size < group * R * KSg * CgT:
+        raise ValueError("conv_backward_direct: scratch too small")
+    for gr in range(group):
+        for r in range(R):
+            for k in range(Kg):
+                for s in range(S):
+                    base = ((gr * R + r) * KSg + k * S + s) * CgT
+                    for c in range(Cg):
+                        wft[base + c] = w[gr * Kg + k, c, R - 1 - r, S - 1 - s]
+    shift_h = dil_h * (R - 1) - pad_h
+    shift_w = dil_w * (S - 1) - pad_w
+    dxf = dx.reshape(N * C * HW)
+    for n in range(N):
+        widen(dy[n], eb, 0, S, dil_w, shift_h, shift_w, Hb, W)
+        for gr in range(group):
+            _convolve_rows(eb, gr * KSg * HbW, HbW, dil_h * W, wft, gr * R * KSg * CgT, CgT,
+                           dxf, (n * C + gr * Cg) * HW, Cg, HW, R, KSg, T, KV, V)
+
+
+@njit(cache=True, nogil=True)
+def _dx_scatter(w, dy, dx, dyw, wsc, dxp, pad_h, pad_w, dil_h, dil_w, group, T, KV, V):
+    """dx by scattering: dy's rows are widened with zeros to the padded input width Wp
+    (dyw), so that output position (p, q) and tap (r, s) land on the padded input position
+    (p + r*dil_h)*Wp + q + s*dil_w: each tap adds w[:, :, r, s]^T @ dy to a shifted window of
+    the padded dx (dxp, one sample), taps in (r, s) order, each a chain over k. It multiplies
+    only the zeros of the widened rows: P rows of Wp positions per tap."""
+    N, C, H, W = dx.shape
+    K, Cg, R, S = w.shape
+    P, Q = dy.shape[2], dy.shape[3]
+    Kg = K // group
+    CgT = _round_up(Cg, T)
+    Hp, Wp = H + 2 * pad_h, W + 2 * pad_w
+    HpWp = Hp * Wp
+    PW = P * Wp
+    if (dyw.size < K * PW + 4 * V or wsc.size < group * R * S * Kg * CgT
+            or dxp.size < C * HpWp + S * dil_w + 4 * V):
+        raise ValueError("conv_backward_direct: scratch too small")
+    for gr in range(group):
+        for r in range(R):
+            for s in range(S):
+                for k in range(Kg):
+                    base = (((gr * R + r) * S + s) * Kg + k) * CgT
+                    for c in range(Cg):
+                        wsc[base + c] = w[gr * Kg + k, c, r, s]
+    KVV = KV * V
+    for n in range(N):
+        widen(dy[n], dyw, 0, 1, 1, 0, 0, P, Wp)
+        for i in range(dxp.size):
+            dxp[i] = 0
+        for gr in range(group):
+            for r in range(R):
+                for s in range(S):
+                    shift = r * dil_h * Wp + s * dil_w
+                    for j0 in range(0, PW, KVV):
+                        for c0 in range(0, Cg, T):
+                            _tile_unit(T, KV, dxp, (gr * Cg + c0) * HpWp + shift + j0, HpWp,
+                                       Cg - c0, PW - j0, True,
+                                       wsc, ((gr * R + r) * S + s) * Kg * CgT + c0, 0, CgT,
+                                       dyw, gr * Kg * PW + j0, 0, PW, 1, Kg)
+        for c in range(C):
+            for h in range(H):
+                src = (c * Hp + h + pad_h) * Wp + pad_w
+                for q in range(W):
+                    dx[n, c, h, q] = dxp[src + q]
+
+
+# ---------------------------------------------------------------------------------------------
+# im2col path (any stride)
 
 @njit(cache=True, nogil=True)
 def im2col(x, col, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, P, Q):
@@ -133,7 +497,8 @@ def conv_forward(x, w, b, y, col, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w
             cols = col
         yn = y[n].reshape((K, P * Q))
         for g in range(group):
-            np.dot(w2[g * Kg:(g + 1) * Kg], cols[g * CgRS:(g + 1) * CgRS], yn[g * Kg:(g + 1) * Kg])
+            gemm(1.0, w2[g * Kg:(g + 1) * Kg], cols[g * CgRS:(g + 1) * CgRS], 0.0,
+                 yn[g * Kg:(g + 1) * Kg])
         if b.size > 0:
             for k in range(K):
                 bk = b[k]
@@ -143,13 +508,12 @@ def conv_forward(x, w, b, y, col, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w
 
 
 @njit(cache=True, nogil=True)
-def conv_backward(x, w, dy, dx, dw, db, col, wtmp, stride_h, stride_w, pad_h, pad_w,
+def conv_backward(x, w, dy, dx, dw, db, col, stride_h, stride_w, pad_h, pad_w,
                   dil_h, dil_w, group, need_dx):
     """x: (N, C, H, W); w: (K, C/G, R, S); dy: (N, K, P, Q); dx: like x (any array when not
     need_dx), OVERWRITTEN; dw: like w and db: (K,) or (0,) are ADDED to, one sample at a time
-    in sample order; col: (C*R*S, P*Q) and wtmp: (K, C/G*R*S) scratch. Per sample n:
-    db += sums of dy[n] over (P, Q); dw += dy[n] @ col^T by group (through wtmp, so that the
-    sum runs in sample order); dx[n] = col2im(w^T @ dy[n]) by group."""
+    in sample order; col: (C*R*S, P*Q) scratch. Per sample n: db += sums of dy[n] over (P, Q);
+    dw += dy[n] @ col^T by group (BLAS adding into dw); dx[n] = col2im(w^T @ dy[n]) by group."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
@@ -174,18 +538,13 @@ def conv_backward(x, w, dy, dx, dw, db, col, wtmp, stride_h, stride_w, pad_h, pa
             im2col(x[n], col, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, P, Q)
             cols = col
         for g in range(group):
-            np.dot(dyn[g * Kg:(g + 1) * Kg], cols[g * CgRS:(g + 1) * CgRS].T,
-                   wtmp[g * Kg:(g + 1) * Kg])
-        for k in range(K):
-            dwk = dw2[k]
-            tk = wtmp[k]
-            for j in range(CgRS):
-                dwk[j] += tk[j]
+            gemm(1.0, dyn[g * Kg:(g + 1) * Kg], cols[g * CgRS:(g + 1) * CgRS].T, 1.0,
+                 dw2[g * Kg:(g + 1) * Kg])
         if need_dx:
             # The column gradient goes straight into dx when the columns are the input itself.
             dcols = dx[n].reshape((C, H * W)) if pointwise else col
             for g in range(group):
-                np.dot(w2[g * Kg:(g + 1) * Kg].T, dyn[g * Kg:(g + 1) * Kg],
-                       dcols[g * CgRS:(g + 1) * CgRS])
+                gemm(1.0, w2[g * Kg:(g + 1) * Kg].T, dyn[g * Kg:(g + 1) * Kg], 0.0,
+                     dcols[g * CgRS:(g + 1) * CgRS])
             if not pointwise:
                 col2im(col, dx[n], R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, P, Q)

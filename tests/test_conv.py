@@ -3,10 +3,15 @@ padded input), gradient checks, split invariance, shape rules and Caffe's parame
 import numpy as np
 import pytest
 
+from numba import njit
+
 from cgp.errors import NetError
-from cgp.layers import Chunk
+from cgp.kernels import conv as K
+from cgp.kernels.blas import gemm
+from cgp.kernels.tile import SHAPES, shifted_copy, tile, transpose_block
+from cgp.layers import Chunk, alloc_scratch
 from layer_check import (backward, build, check_forward, check_gradients,
-                         check_split_invariance, random_params)
+                         check_split_invariance, forward, random_params)
 
 
 def conv_text(extra, num_output=4, bottoms=("x",), tops=("y",)):
@@ -61,6 +66,10 @@ CONFIGS = {
     "pointwise_group": ("kernel_size: 1 group: 2", (2, 4, 3, 3), dict(group=2)),
     "pointwise_stride": ("kernel_size: 1 stride: 2 pad: 1", (2, 3, 4, 3),
                          dict(stride=(2, 2), pad=(1, 1))),
+    # Unpadded stride-1 layers scatter their input gradient (conv_backward_direct).
+    "group_unpadded": ("kernel_size: 2 group: 2", (2, 4, 4, 5), dict(group=2)),
+    "dilation_unpadded": ("kernel_h: 2 kernel_w: 3 dilation: 2", (2, 2, 5, 7),
+                          dict(dilation=(2, 2))),
 }
 
 
@@ -100,12 +109,13 @@ def test_two_bottoms_share_weights():
 
 
 def test_parameter_gradients_add():
-    """Parameter gradients are added to what the buffers hold; dx may be skipped."""
+    """Parameter gradients are added to what the buffers hold; dx may be skipped. Backward
+    runs after forward on the same scratch (the stride-1 path keeps its input there)."""
     layer = build(conv_text("kernel_size: 3"), [(2, 3, 5, 5)])
     x, params = data((2, 3, 5, 5)), random_params(layer)
     top_diff = [data((2, 4, 3, 3), 3)]
-    tops, _, once = backward(layer, [x], params, top_diff)
-    scratch = {k: np.zeros(s) for k, s in layer.scratch_shapes(2).items()}
+    _, _, once = backward(layer, [x], params, top_diff)
+    tops, scratch = forward(layer, [x], params)
     diffs = [np.ones_like(p) for p in params]
     layer.backward(tops, top_diff, [x], [None], params, diffs, scratch, Chunk(n=2))
     for got, want in zip(diffs, once):
@@ -121,10 +131,200 @@ def test_split_invariance(name):
 
 
 def test_split_invariance_lenet_conv2():
-    # Real sizes, so that BLAS runs its full GEMM kernels.
+    # Real sizes, so that the kernels run their full-sized tiles.
     layer = build(conv_text("kernel_size: 5", num_output=50), [(5, 20, 12, 12)])
     for cut in (1, 2, 4):
         check_split_invariance(layer, [data((5, 20, 12, 12))], cut=cut)
+
+
+def conv_ref_grads(x, w, dy, stride=(1, 1), pad=(0, 0), dilation=(1, 1), group=1):
+    """dx, dw, db of sum(conv_ref(x, w, b) * dy), from the same shifted slices as conv_ref:
+    each tap's slice of the padded input meets dy."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, pad, dilation
+    P, Q = dy.shape[2:]
+    xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw))
+    xp[:, :, ph:ph + H, pw:pw + W] = x
+    dxp, dwr = np.zeros_like(xp), np.zeros(w.shape)
+    Kg = K // group
+    for k in range(K):
+        g = k // Kg
+        for r in range(R):
+            for s in range(S):
+                window = (slice(None), slice(g * Cg, (g + 1) * Cg),
+                          slice(r * dh, r * dh + sh * (P - 1) + 1, sh),
+                          slice(s * dw, s * dw + sw * (Q - 1) + 1, sw))
+                dwr[k, :, r, s] = np.einsum("nchw,nhw->c", xp[window], dy[:, k])
+                dxp[window] += np.einsum("nhw,c->nchw", dy[:, k], w[k, :, r, s])
+    return dxp[:, :, ph:ph + H, pw:pw + W], dwr, dy.sum(axis=(0, 2, 3))
+
+
+# Real-sized channel counts, which the small configurations never reach: the stride-1 kernels'
+# other tile shapes, several channel blocks, both ways to the input gradient; and the im2col path.
+LARGE = [
+    (50, "kernel_size: 5", (3, 20, 12, 12), {}),   # LeNet conv2: scatters dx
+    (32, "kernel_size: 5 pad: 2", (2, 3, 10, 10), dict(pad=(2, 2))),  # gathers dx
+    (40, "kernel_size: 3 pad: 1 group: 2", (2, 6, 9, 7), dict(pad=(1, 1), group=2)),
+    (70, "kernel_size: 3 dilation: 2 pad: 2", (2, 17, 7, 9),
+     dict(pad=(2, 2), dilation=(2, 2))),
+    (36, "kernel_size: 2 dilation: 2 group: 3", (2, 9, 6, 7),
+     dict(dilation=(2, 2), group=3)),
+    (24, "kernel_size: 1", (2, 40, 5, 6), {}),
+    (20, "kernel_size: 3 stride: 2 pad: 1", (2, 12, 9, 8), dict(stride=(2, 2), pad=(1, 1))),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("num_output, fields, shape, kw", LARGE)
+def test_large_against_reference(num_output, fields, shape, kw, dtype):
+    layer = build(conv_text(fields, num_output), [shape])
+    x = data(shape)
+    params = random_params(layer)
+    dy = data(layer.top_shapes[0], 3)
+    cast = [np.asarray(a, dtype) for a in [x] + params + [dy]]
+    tops, (dx,), (dw, db) = backward(layer, [cast[0]], cast[1:3], [cast[3]])
+    x, w, b, dy = (np.asarray(a, np.float64) for a in cast)
+    want = (conv_ref(x, w, b, **kw),) + conv_ref_grads(x, w, dy, **kw)
+    tol = dict(rtol=1e-4, atol=1e-3) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-9)
+    for got, ref in zip((tops[0], dx, dw, db), want):
+        np.testing.assert_allclose(got, ref, **tol)
+
+
+def test_results_ignore_scratch_contents_and_alignment():
+    """Scratch full of NaN, and every buffer moved by a few elements, give bitwise the same
+    tops and gradients: the kernels read only what they wrote (padding lanes and tiles that
+    hang over an edge are never stored), and alignment changes only the speed."""
+    for num_output, fields, shape, _ in LARGE[:5]:
+        layer = build(conv_text(fields, num_output), [shape])
+        x = data(shape).astype(np.float32)
+        params = [p.astype(np.float32) for p in random_params(layer)]
+        dy = data(layer.top_shapes[0], 3).astype(np.float32)
+        results = []
+        for shift, fill in ((0, 0.0), (3, np.nan), (5, np.nan)):
+            scratch = {}
+            for name, buf in alloc_scratch(layer, shape[0], np.float32).items():
+                moved = np.full(buf.size + shift, fill, np.float32)[shift:].reshape(buf.shape)
+                scratch[name] = moved
+            top = np.zeros(layer.top_shapes[0], np.float32)
+            layer.forward([x], [top], params, scratch, Chunk(n=shape[0]))
+            dx = np.full_like(x, 7.0)
+            diffs = [np.zeros_like(p) for p in params]
+            layer.backward([top], [dy], [x], [dx], params, diffs, scratch, Chunk(n=shape[0]))
+            results.append([top, dx] + diffs)
+        for other in results[1:]:
+            for a, b in zip(results[0], other):
+                assert np.array_equal(a, b), fields
+
+
+def test_direct_path_choices_are_covered():
+    """The configurations above reach both ways to the input gradient and several tile
+    shapes of each stride-1 kernel, in both SIMD widths."""
+    seen = set()
+    for num_output, fields, shape, _ in [(4,) + c for c in CONFIGS.values()] + LARGE:
+        layer = build(conv_text(fields, num_output), [shape])
+        if layer.stride_h == layer.stride_w == 1:
+            for V in (8, 16):
+                seen.add(K.direct_shapes(layer.C, layer.H, layer.W, layer.K, layer.R, layer.S,
+                                         layer.pad_h, layer.pad_w, layer.dil_h, layer.dil_w,
+                                         layer.group, V))
+    assert {shapes[-1] for shapes in seen} == {True, False}
+    for i in (0, 2, 4):
+        assert len({shapes[i:i + 2] for shapes in seen}) >= 3
+
+
+# -- the SIMD and BLAS helpers of the kernels -------------------------------------------------
+
+@njit
+def _tile_product(T, KV, out, a, b, M, N, nseg, nstep, V, accumulate):
+    """out (M, N) = sum over (g, i) of a[g, i, :M] (outer) b[g, i, :N], in T x KV*V tiles;
+    a: (nseg, nstep, M + T), b: (nseg, nstep, N + KV*V), flat."""
+    ma, nb = M + T, N + KV * V
+    for t0 in range(0, M, T):
+        for j0 in range(0, N, KV * V):
+            tile(T, KV, out, t0 * N + j0, N, M - t0, N - j0, accumulate,
+                 a, t0, 1, nstep * ma, ma, b, j0, nstep * nb, nb, nseg, nstep)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tile_shapes_agree(dtype):
+    """Every tile shape gives the same bits (one chain per element) and the product; tiles
+    hang over both edges; with accumulate the chain continues from what out holds."""
+    rng = np.random.default_rng(0)
+    M, N, nseg, nstep = 13, 37, 2, 5
+    V = 64 // np.dtype(dtype).itemsize
+    results = []
+    for T, KV in SHAPES:
+        a = rng.standard_normal((nseg, nstep, M + T))
+        b = rng.standard_normal((nseg, nstep, N + KV * V))
+        a[:, :, :M], b[:, :, :N] = data((nseg, nstep, M), 1), data((nseg, nstep, N), 2)
+        out = np.full(M * N + 5, 9.0, dtype)
+        _tile_product(T, KV, out, a.astype(dtype).ravel(), b.astype(dtype).ravel(), M, N, nseg,
+                      nstep, V, False)
+        assert np.all(out[M * N:] == 9.0)  # nothing stored past the edges
+        results.append(out[:M * N].copy())
+        _tile_product(T, KV, out, a.astype(dtype).ravel(), b.astype(dtype).ravel(), M, N, nseg,
+                      nstep, V, True)
+        np.testing.assert_allclose(out[:M * N], 2 * results[-1], rtol=1e-5, atol=1e-5)
+    want = np.einsum("gim,gin->mn", data((nseg, nstep, M), 1), data((nseg, nstep, N), 2))
+    np.testing.assert_allclose(results[0].reshape(M, N), want,
+                               rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+    for other in results[1:]:
+        assert np.array_equal(other, results[0])
+
+
+@njit
+def _transpose(dst, src, sums, rows, cols, add):
+    transpose_block(dst, 3, 37, src, 2, 31, rows, cols, sums, 1, add)
+
+
+@njit
+def _copy(out, src, lo, hi, n):
+    shifted_copy(out, 2, src, 5, lo, hi, n)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transpose_and_copy(dtype):
+    V = 64 // np.dtype(dtype).itemsize
+    src = data(2 + 31 * V).astype(dtype)
+    for rows, cols in ((V, V), (5, V), (V, 3), (1, 1)):
+        dst, sums = np.full(3 + 37 * V, -1.0, dtype), np.ones(V + 2, dtype)
+        _transpose(dst, src, sums, rows, cols, True)
+        block = src[2:2 + 31 * V].reshape(V, 31)[:rows, :cols]
+        want = np.full_like(dst, -1.0)
+        want[3:3 + 37 * V].reshape(V, 37)[:cols, :rows] = block.T
+        assert np.array_equal(dst, want)
+        total = np.ones(V + 2, dtype)
+        for j in range(cols):  # the sums run in column order
+            total[1:1 + rows] += block[:, j]
+        assert np.array_equal(sums, total)
+    for lo, hi, n in ((0, 0, 5), (2, 7, 20), (0, 3, 3), (4, 40, 40)):
+        out = np.full(50, -1.0, dtype)
+        _copy(out, src, lo, hi, n)
+        want = np.full(50, -1.0, dtype)
+        want[2:2 + n] = [src[5 + i] if lo <= i < hi else 0 for i in range(n)]
+        assert np.array_equal(out, want)
+
+
+@njit
+def _gemm(alpha, a, b, beta, c):
+    gemm(alpha, a, b, beta, c)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm(dtype):
+    """c = alpha*a@b + beta*c in place, for row-major views and transposed ones; beta=0
+    ignores what c holds (NaN included)."""
+    a, b = data((6, 4)).astype(dtype), data((5, 6), 1).astype(dtype)
+    for x, y in ((a.T, b.T), (np.ascontiguousarray(a.T), b.T), (a.T, np.ascontiguousarray(b.T))):
+        c = np.full((4, 5), np.nan, dtype)
+        _gemm(1.0, x, y, 0.0, c)
+        np.testing.assert_allclose(c, a.T @ b.T, rtol=1e-5)
+        ct = np.ones((5, 4), dtype).T  # a column-major target
+        _gemm(2.0, x, y, 1.0, ct)
+        np.testing.assert_allclose(ct, 2 * a.T @ b.T + 1, rtol=1e-5)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        _gemm(1.0, a, a, 0.0, np.zeros((6, 4), dtype))
 
 
 @pytest.mark.parametrize("fields, shape, top, weight", [
@@ -217,7 +417,7 @@ def test_lenet_test_forward_matches_caffe(caffe_dir):
     def run(name, x):
         layer = REGISTRY[params[name].type](params[name])
         y = np.zeros(layer.setup([x.shape])[0], np.float32)
-        scratch = {k: np.zeros(s, np.float32) for k, s in layer.scratch_shapes(len(x)).items()}
+        scratch = alloc_scratch(layer, len(x), np.float32)
         layer.forward([x], [y], weights.get(name, []), scratch, Chunk(n=len(x)))
         return y
 

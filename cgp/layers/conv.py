@@ -8,6 +8,7 @@ no result, so they are accepted and ignored.
 import numpy as np
 
 from cgp.kernels import conv as K
+from cgp.kernels.tile import lanes
 from cgp.layers.base import Layer, check_axis, register
 
 
@@ -45,8 +46,12 @@ class Convolution(Layer):
     (rounded down), likewise Q. Several bottoms may share the weights, each giving the top at
     the same position, all of one shape (Caffe's rule).
 
-    Scratch: "col", the im2col matrix of one sample (C*R*S, P*Q), and "wtmp", one sample's
-    weight gradient before it is added (weight-shaped, 2-d).
+    Stride 1 runs the direct kernels (cgp.kernels.conv), whose scratch "e" keeps each
+    bottom's input, widened S times, from forward to backward: (bottoms,
+    N*C*S*(H + 2*pad_h)*Q + slack) per worker, the one buffer besides "dycl" (dy transposed,
+    N*P*Q*K rounded up to whole SIMD vectors) that grows with the chunk; the others hold the
+    weights repacked or one sample. Sizes suit both float32 and float64. Other strides run
+    im2col: "col", the column matrix of one sample (C*R*S, P*Q).
     """
     bottoms = (1, None)
     tops = (1, None)
@@ -110,30 +115,52 @@ class Convolution(Layer):
         p = self.lp.convolution_param
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
 
-    def _pointwise(self):
-        return (self.R == 1 and self.S == 1 and self.stride_h == 1 and self.stride_w == 1
-                and self.pad_h == 0 and self.pad_w == 0)
+    def _direct(self):
+        return self.stride_h == 1 and self.stride_w == 1
 
     def scratch_shapes(self, n):
-        # A 1x1 convolution reads its columns straight from the input.
-        col = (0, 0) if self._pointwise() else (self.C * self.R * self.S, self.P * self.Q)
-        return {"col": col, "wtmp": (self.K, self.C // self.group * self.R * self.S)}
+        if self._direct():
+            # Sizes depend on the SIMD width, which differs by dtype: take the larger of the
+            # float32 and float64 needs.
+            sizes = [max(pair) for pair in zip(*(
+                K.direct_sizes(self.C, self.H, self.W, self.K, self.R, self.S, self.pad_h,
+                               self.pad_w, self.dil_h, self.dil_w, self.group,
+                               lanes(np.dtype(t).itemsize))
+                for t in (np.float32, np.float64)))]
+            e, e_extra, wpt, dycl, dycl_extra, dwt, dbacc, eb, wft, dxp = sizes
+            return {"e": (len(self.lp.bottom), n * e + e_extra), "wpt": (wpt,),
+                    "dycl": (n * dycl + dycl_extra,), "dwt": (dwt,), "dbacc": (dbacc,),
+                    "eb": (eb,), "wft": (wft,), "dxp": (dxp,)}
+        return {"col": (self.C * self.R * self.S, self.P * self.Q)}
 
     def _geometry(self):
+        if self._direct():
+            return self.pad_h, self.pad_w, self.dil_h, self.dil_w, self.group
         return (self.stride_h, self.stride_w, self.pad_h, self.pad_w, self.dil_h, self.dil_w,
                 self.group)
 
     def forward(self, bottom, top, params, scratch, chunk):
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
-        for x, y in zip(bottom, top):
-            K.conv_forward(x, w, b, y, scratch["col"], *self._geometry())
+        for i, (x, y) in enumerate(zip(bottom, top)):
+            if self._direct():
+                K.conv_forward_direct(x, w, b, y, scratch["e"][i], scratch["wpt"],
+                                      *self._geometry())
+            else:
+                K.conv_forward(x, w, b, y, scratch["col"], *self._geometry())
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
         w, dw = params[0], param_diff[0]
         db = param_diff[1] if self.bias_term else np.empty(0, w.dtype)
-        for x, dy, dx in zip(bottom, top_diff, bottom_diff):
+        for i, (x, dy, dx) in enumerate(zip(bottom, top_diff, bottom_diff)):
             need_dx = dx is not None
-            # Without dx the kernel never touches its dx argument; x stands in for the type.
-            K.conv_backward(x, w, dy, dx if need_dx else x, dw, db, scratch["col"],
-                            scratch["wtmp"], *self._geometry(), need_dx)
+            # Without dx the kernels never touch their dx argument; x stands in for the type.
+            dx = dx if need_dx else x
+            if self._direct():
+                K.conv_backward_direct(x, w, dy, dx, dw, db, scratch["e"][i], scratch["dycl"],
+                                       scratch["dwt"], scratch["dbacc"], scratch["eb"],
+                                       scratch["wft"], scratch["dxp"], *self._geometry(),
+                                       need_dx)
+            else:
+                K.conv_backward(x, w, dy, dx, dw, db, scratch["col"], *self._geometry(),
+                                need_dx)

@@ -1,0 +1,341 @@
+"""SIMD building blocks for Numba kernels, written with explicit 64-byte vectors (16 float32 or
+8 float64 lanes): `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix
+product), and two data movers, `shifted_copy` (a row copy with zero fill) and
+`transpose_block`. No packing, no blocking for caches, no threads: callers lay their operands
+out so that these loops stream them.
+
+Numba's own vectorised loops use 256-bit registers on CPUs that LLVM tunes for "prefer 256-bit"
+(most AVX-512 Xeons), half the arithmetic width. Vectors written out as LLVM vector types are
+kept at 512 bits where the CPU has them (and split into narrower ones, with the same results,
+where it does not). The accumulators live in registers across the whole reduction, and every
+product is a fused multiply-add: one rounding per term, each output summed in reduction order,
+so the result depends only on the operands and the loop bounds.
+
+    tile(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate,
+         a, a_off, a_ts, a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep)
+
+For t < T and KV vectors v of V lanes (V = lanes(itemsize)), over nseg segments g of nstep
+steps i, in that order:
+    acc[t][v] = sum of a[a_off + g*a_gstep + i*a_step + t*a_ts]
+                       * b[b_off + g*b_gstep + i*b_step + v*V : +V]
+    out[out_off + t*out_ts + v*V : +V] = acc[t][v]       (overwrites)
+storing only rows t < t_valid and, along the vectors, elements v*V + lane < v_valid, so a
+tile may hang over the end of its output (its operands must still be readable there). With
+`accumulate`, acc starts from those elements of out instead of 0: a reduction cut into pieces
+(to keep each piece's operands in cache) continues the same chain, with the same result.
+(T, KV) is one of SHAPES, chosen at run time (`choose`; any other pair stores nothing). a, b
+and out are 1-d arrays of one float dtype. Nothing is bounds-checked: the caller guarantees
+every index lies in its array. Pass a_ts as the constant 1 where the T operands lie side by
+side: they are then constant displacements from one address. Every call site compiles every
+shape: wrap `tile` in an @njit function where several sites share it.
+
+Numba caches compiled kernels per source file and does not notice when a function they call
+from another file changes: after editing this module, delete the callers' cache files
+(kernels/__pycache__/*.nbi, *.nbc).
+"""
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Bytes per SIMD vector: the lanes per vector are this over the element size.
+VECTOR_BYTES = 64
+
+# The (T, KV) tile shapes compiled into every call: at most 24 accumulators, which with KV
+# operand vectors and a broadcast fits the 32 vector registers of AVX-512. (Each shape costs
+# compile time at every call site; shapes with one vector were slower everywhere measured.)
+SHAPES = ((12, 2), (8, 2), (6, 2), (8, 3), (6, 4), (3, 4))
+# Their measured speeds, relative (multiply-adds per second in convolution kernels on a Xeon
+# with AVX-512, operands streaming from L2), where the T broadcast operands lie side by side
+# (a_ts = 1) and where they lie a run-time stride apart: fewer accumulators hide less latency
+# and load more operands per multiply-add, and strided operands cost address arithmetic.
+SPEEDS_UNIT = (0.93, 1.00, 0.90, 0.97, 0.97, 0.75)
+SPEEDS_STRIDED = (0.95, 1.00, 0.98, 0.70, 0.75, 0.75)
+
+
+@njit(cache=True, nogil=True)
+def lanes(itemsize):
+    """Lanes per vector for elements of `itemsize` bytes (16 for float32, 8 for float64)."""
+    return VECTOR_BYTES // itemsize
+
+
+@njit(cache=True, nogil=True)
+def choose(nt, nv, V, unit):
+    """The tile shape (T, KV) of SHAPES that covers nt outputs along T and nv along the vectors
+    (V lanes each) in the least estimated time: the multiply-adds of the padded tiles over the
+    shape's speed (SPEEDS_UNIT where a_ts will be 1, SPEEDS_STRIDED otherwise)."""
+    best_t, best_kv, best = 0, 0, -1.0
+    for i in range(len(SHAPES)):
+        T, KV = SHAPES[i]
+        speed = SPEEDS_UNIT[i] if unit else SPEEDS_STRIDED[i]
+        work = ((nt + T - 1) // T * T) * ((nv + KV * V - 1) // (KV * V) * KV * V)
+        cost = work / speed
+        if best < 0 or cost < best:
+            best_t, best_kv, best = T, KV, cost
+    return best_t, best_kv
+
+
+@intrinsic
+def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
+         a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep):
+    arrays = (out, a, b)
+    if not all(isinstance(x, types.Array) for x in arrays):
+        return None
+    dtype = out.dtype
+    if dtype not in (types.float32, types.float64) or any(x.dtype != dtype for x in arrays):
+        return None
+    sig = types.void(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
+                     a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep)
+
+    def codegen(context, builder, signature, args):
+        tys = signature.args
+        fty = context.get_value_type(dtype)
+        width = VECTOR_BYTES // context.get_abi_sizeof(fty)
+        vty = ir.VectorType(fty, width)
+        i32 = ir.IntType(32)
+        i32v = ir.VectorType(i32, width)
+        intp = context.get_value_type(types.intp)
+
+        def pointer(i):
+            return cgutils.create_struct_proxy(tys[i])(context, builder, args[i]).data
+
+        def index(i):
+            if isinstance(tys[i], types.IntegerLiteral):
+                return ir.Constant(intp, tys[i].literal_value)
+            return context.cast(builder, args[i], tys[i], types.intp)
+
+        out_p, a_p, b_p = pointer(2), pointer(8), pointer(13)
+        n_t, n_kv = index(0), index(1)
+        out_off_, out_ts_, t_valid_, v_valid_ = index(3), index(4), index(5), index(6)
+        accumulate_ = context.cast(builder, args[7], tys[7], types.boolean)
+        a_off_, a_ts_, a_gstep_, a_step_ = index(9), index(10), index(11), index(12)
+        b_off_, b_gstep_, b_step_ = index(14), index(15), index(16)
+        nseg_, nstep_ = index(17), index(18)
+        bits = "32" if dtype == types.float32 else "64"
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
+                                             f"llvm.fma.v{width}f{bits}")
+        mask_ty = ir.VectorType(ir.IntType(1), width)
+        masked_load = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mask_ty, vty]),
+            f"llvm.masked.load.v{width}f{bits}.p0")
+        masked_store = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32,
+                                            ir.VectorType(ir.IntType(1), width)]),
+            f"llvm.masked.store.v{width}f{bits}.p0")
+
+        def vector_at(base, offset):
+            # Unaligned: operands start anywhere in their arrays.
+            return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
+
+        def splat(scalar, ty):
+            one = builder.insert_element(ir.Constant(ty, ir.Undefined), scalar,
+                                         ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, ir.Constant(ty, ir.Undefined),
+                                          ir.Constant(i32v, [0] * width))
+
+        def emit(n_t, n_v):
+            """The loop for one tile shape, at the builder's position."""
+            valid = splat(builder.trunc(v_valid_, i32), i32v)
+            masks = [builder.icmp_signed(
+                "<", ir.Constant(i32v, [v * width + i for i in range(width)]), valid)
+                for v in range(n_v)]
+            zero = ir.Constant(vty, None)
+
+            def target(t, v):
+                o_t = builder.add(out_off_, builder.mul(ir.Constant(intp, t), out_ts_))
+                return vector_at(out_p, builder.add(o_t, ir.Constant(intp, v * width)))
+
+            # Allocas go to the entry block, where LLVM promotes them to registers.
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_v)]
+                   for _ in range(n_t)]
+            for t in range(n_t):
+                for v in range(n_v):
+                    builder.store(zero, acc[t][v])
+            with builder.if_then(accumulate_):
+                for t in range(n_t):
+                    with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, t),
+                                                             t_valid_)):
+                        for v in range(n_v):
+                            builder.store(builder.call(masked_load, [
+                                target(t, v), ir.Constant(i32, 1), masks[v], zero]), acc[t][v])
+            a_t = [builder.mul(ir.Constant(intp, t), a_ts_) for t in range(n_t)]
+            with cgutils.for_range(builder, nseg_) as seg:
+                a_g = builder.add(a_off_, builder.mul(seg.index, a_gstep_))
+                b_g = builder.add(b_off_, builder.mul(seg.index, b_gstep_))
+                with cgutils.for_range(builder, nstep_) as step:
+                    a_i = builder.add(a_g, builder.mul(step.index, a_step_))
+                    b_i = builder.add(b_g, builder.mul(step.index, b_step_))
+                    bv = []
+                    for v in range(n_v):
+                        at = builder.add(b_i, ir.Constant(intp, v * width))
+                        bv.append(builder.load(vector_at(b_p, at), align=1))
+                    for t in range(n_t):
+                        s = splat(builder.load(builder.gep(a_p, [builder.add(a_i, a_t[t])])), vty)
+                        for v in range(n_v):
+                            builder.store(builder.call(fma, [s, bv[v], builder.load(acc[t][v])]),
+                                          acc[t][v])
+            for t in range(n_t):
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, t), t_valid_)):
+                    for v in range(n_v):
+                        builder.call(masked_store, [builder.load(acc[t][v]), target(t, v),
+                                                    ir.Constant(i32, 1), masks[v]])
+
+        # One case per shape, on T * 8 + KV; an unknown shape does nothing (`choose` never
+        # returns one).
+        key = builder.add(builder.mul(n_t, ir.Constant(intp, 8)), n_kv)
+        done = builder.append_basic_block("tile.done")
+        switch = builder.switch(key, done)
+        for shape_t, shape_kv in SHAPES:
+            case = builder.append_basic_block(f"tile.{shape_t}x{shape_kv}")
+            switch.add_case(ir.Constant(intp, shape_t * 8 + shape_kv), case)
+            builder.position_at_end(case)
+            emit(shape_t, shape_kv)
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def shifted_copy(typingctx, out, out_off, src, src_off, lo, hi, n):
+    """out[out_off + i] = src[src_off + i] for lo <= i < hi, else 0, for i < n: a row copy with
+    zero fill, in vectors with masked loads (src is read only at lo <= i < hi) and stores."""
+    if not (isinstance(out, types.Array) and isinstance(src, types.Array)
+            and out.dtype == src.dtype and out.dtype in (types.float32, types.float64)):
+        return None
+    dtype = out.dtype
+    sig = types.void(out, out_off, src, src_off, lo, hi, n)
+
+    def codegen(context, builder, signature, args):
+        tys = signature.args
+        fty = context.get_value_type(dtype)
+        width = VECTOR_BYTES // context.get_abi_sizeof(fty)
+        vty = ir.VectorType(fty, width)
+        intp = context.get_value_type(types.intp)
+        ivty = ir.VectorType(intp, width)
+        mask_ty = ir.VectorType(ir.IntType(1), width)
+        i32 = ir.IntType(32)
+        bits = "32" if dtype == types.float32 else "64"
+        masked_load = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mask_ty, vty]),
+            f"llvm.masked.load.v{width}f{bits}.p0")
+        masked_store = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32, mask_ty]),
+            f"llvm.masked.store.v{width}f{bits}.p0")
+        out_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
+        src_p = cgutils.create_struct_proxy(tys[2])(context, builder, args[2]).data
+        out_off_, src_off_, lo_, hi_, n_ = [context.cast(builder, args[i], tys[i], types.intp)
+                                            for i in (1, 3, 4, 5, 6)]
+
+        def splat(value):
+            one = builder.insert_element(ir.Constant(ivty, ir.Undefined), value,
+                                         ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, ir.Constant(ivty, ir.Undefined),
+                                          ir.Constant(ir.VectorType(i32, width), [0] * width))
+
+        lane = ir.Constant(ivty, list(range(width)))
+        lo_v, hi_v, n_v = splat(lo_), splat(hi_), splat(n_)
+        count = builder.udiv(builder.add(n_, ir.Constant(intp, width - 1)),
+                             ir.Constant(intp, width))
+        with cgutils.for_range(builder, count) as loop:
+            i0 = builder.mul(loop.index, ir.Constant(intp, width))
+            idx = builder.add(splat(i0), lane)
+            inside = builder.and_(builder.icmp_signed(">=", idx, lo_v),
+                                  builder.icmp_signed("<", idx, hi_v))
+            src_at = builder.bitcast(builder.gep(src_p, [builder.add(src_off_, i0)]),
+                                     vty.as_pointer())
+            value = builder.call(masked_load, [src_at, ir.Constant(i32, 1), inside,
+                                               ir.Constant(vty, None)])
+            out_at = builder.bitcast(builder.gep(out_p, [builder.add(out_off_, i0)]),
+                                     vty.as_pointer())
+            builder.call(masked_store, [value, out_at, ir.Constant(i32, 1),
+                                        builder.icmp_signed("<", idx, n_v)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def transpose_block(typingctx, dst, dst_off, dst_ld, src, src_off, src_ld, rows, cols, sums,
+                    sums_off, add):
+    """dst[dst_off + j*dst_ld + i] = src[src_off + i*src_ld + j] for i < rows, j < cols, both
+    at most V (a lane count): one V x V block through vector registers (log2(V) rounds of
+    interleaving rows i and i + V/2), with masked loads and stores at the edges. With `add`,
+    also sums[sums_off + i] += src[src_off + i*src_ld + j] for j = 0, 1, ... in that order."""
+    arrays = (dst, src, sums)
+    if not (all(isinstance(x, types.Array) for x in arrays)
+            and all(x.dtype == dst.dtype for x in arrays)
+            and dst.dtype in (types.float32, types.float64)):
+        return None
+    dtype = dst.dtype
+    sig = types.void(dst, dst_off, dst_ld, src, src_off, src_ld, rows, cols, sums, sums_off, add)
+
+    def codegen(context, builder, signature, args):
+        tys = signature.args
+        fty = context.get_value_type(dtype)
+        width = VECTOR_BYTES // context.get_abi_sizeof(fty)
+        vty = ir.VectorType(fty, width)
+        i32 = ir.IntType(32)
+        i32v = ir.VectorType(i32, width)
+        intp = context.get_value_type(types.intp)
+        mask_ty = ir.VectorType(ir.IntType(1), width)
+        bits = "32" if dtype == types.float32 else "64"
+        masked_load = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mask_ty, vty]),
+            f"llvm.masked.load.v{width}f{bits}.p0")
+        masked_store = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32, mask_ty]),
+            f"llvm.masked.store.v{width}f{bits}.p0")
+        dst_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
+        src_p = cgutils.create_struct_proxy(tys[3])(context, builder, args[3]).data
+        sums_p = cgutils.create_struct_proxy(tys[8])(context, builder, args[8]).data
+        dst_off_, dst_ld_, src_off_, src_ld_, rows_, cols_, sums_off_ = [
+            context.cast(builder, args[i], tys[i], types.intp) for i in (1, 2, 4, 5, 6, 7, 9)]
+        add_ = context.cast(builder, args[10], tys[10], types.boolean)
+
+        def lanes_below(count):
+            one = builder.insert_element(ir.Constant(i32v, ir.Undefined),
+                                         builder.trunc(count, i32), ir.Constant(i32, 0))
+            bound = builder.shuffle_vector(one, ir.Constant(i32v, ir.Undefined),
+                                           ir.Constant(i32v, [0] * width))
+            return builder.icmp_signed("<", ir.Constant(i32v, list(range(width))), bound)
+
+        zero = ir.Constant(vty, None)
+        load_mask, store_mask = lanes_below(cols_), lanes_below(rows_)
+        rows_v = []
+        for i in range(width):
+            slot = cgutils.alloca_once_value(builder, zero)
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, i), rows_)):
+                at = builder.add(src_off_, builder.mul(ir.Constant(intp, i), src_ld_))
+                ptr = builder.bitcast(builder.gep(src_p, [at]), vty.as_pointer())
+                builder.store(builder.call(masked_load, [ptr, ir.Constant(i32, 1), load_mask,
+                                                         zero]), slot)
+            rows_v.append(builder.load(slot))
+        half = width // 2
+        low = ir.Constant(i32v, [k // 2 + (width if k % 2 else 0) for k in range(width)])
+        high = ir.Constant(i32v, [half + k // 2 + (width if k % 2 else 0) for k in range(width)])
+        for _ in range(width.bit_length() - 1):
+            new = []
+            for i in range(half):
+                new.append(builder.shuffle_vector(rows_v[i], rows_v[i + half], low))
+                new.append(builder.shuffle_vector(rows_v[i], rows_v[i + half], high))
+            rows_v = new
+        for j in range(width):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, j), cols_)):
+                at = builder.add(dst_off_, builder.mul(ir.Constant(intp, j), dst_ld_))
+                ptr = builder.bitcast(builder.gep(dst_p, [at]), vty.as_pointer())
+                builder.call(masked_store, [rows_v[j], ptr, ir.Constant(i32, 1), store_mask])
+        with builder.if_then(add_):
+            ptr = builder.bitcast(builder.gep(sums_p, [sums_off_]), vty.as_pointer())
+            total = cgutils.alloca_once_value(builder, zero)
+            builder.store(builder.call(masked_load, [ptr, ir.Constant(i32, 1), store_mask, zero]),
+                          total)
+            for j in range(width):
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, j), cols_)):
+                    builder.store(builder.fadd(builder.load(total), rows_v[j]), total)
+            builder.call(masked_store, [builder.load(total), ptr, ir.Constant(i32, 1), store_mask])
+        return context.get_dummy_value()
+
+    return sig, codegen
