@@ -129,7 +129,9 @@ class Engine:
             for j, (blob, _) in enumerate(self.tracked):
                 self.shares[c, j] = data[blob]
             if self.backward:
-                self.chunk_grads[c].fill(0)
+                grads = self.chunk_grads[c]
+                for lo, hi in net.zero_ranges:  # layers that set their gradients need no zeros
+                    grads[lo:hi] = 0
                 net.backward(ws, chunk, data, self.params, self.chunk_grad_views[c])
 
         self.pool.run(work, len(self.bounds))

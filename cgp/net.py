@@ -105,6 +105,7 @@ class Net:
         self._layout_params()
         self.loss_weights = self._loss_weights()
         self._plan_backward()
+        self.zero_ranges = self._plan_param_overwrites()
 
     # -- building ----------------------------------------------------------------
     def _count_consumers(self, lps):
@@ -247,6 +248,31 @@ class Net:
                 entry.backward = False
                 entry.propagate = [False] * len(entry.bottoms)
 
+    def _plan_param_overwrites(self):
+        """Let layers that can set their parameter gradients do so where they alone write
+        them; returns the (lo, hi) ranges of the flat gradient that chunks must zero."""
+        users = {}
+        for entry in self.entries:
+            for p in entry.params:
+                users[p] = users.get(p, 0) + 1
+        set_by_layer = set()
+        for entry in self.entries:
+            layer = entry.layer
+            layer.overwrite_param_diff = (layer.can_overwrite_param_diff and entry.backward
+                                          and all(users[p] == 1 for p in entry.params))
+            if layer.overwrite_param_diff:
+                set_by_layer.update(entry.params)
+        ranges = []
+        for i, blob in enumerate(self.param_blobs):
+            if i in set_by_layer:
+                continue
+            lo, hi = blob.offset, blob.offset + blob.size
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+        return ranges
+
     def _loss_weights(self):
         """Blob id -> loss weight, for every top that contributes to the loss."""
         weights = {}
@@ -316,7 +342,8 @@ class Net:
         return data
 
     def backward(self, ws, chunk, data, params, param_diffs):
-        """Backward one chunk after forward; adds parameter gradients into param_diffs."""
+        """Backward one chunk after forward; adds parameter gradients into param_diffs
+        (layers with overwrite_param_diff set theirs: callers zero only self.zero_ranges)."""
         diff = ws.diff_views(chunk.n)
         for blob, weight in self.loss_weights.items():
             diff[blob][...] = weight

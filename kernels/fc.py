@@ -103,14 +103,18 @@ def rows_axpy(a, w, out):
 
 
 @njit(cache=True, nogil=True)
-def add_outer_rows(a, b, g):
+def add_outer_rows(a, b, g, overwrite):
     """a: (M, J); b: (M, L); g: (J, L) ADDED to: g[j] += a[m, j] * b[m] for m = 0, 1, ... in
     order. Four rows m per load and store of g (the order stays m = 0, 1, ...), and each row
-    of g finishes every m before the next, while it sits in cache."""
+    of g finishes every m before the next, while it sits in cache. overwrite: start each row
+    of g from 0 instead (bitwise the same as adding into zeros, without a separate pass that
+    zeroes g in memory first)."""
     M, J = a.shape
     M4 = M - M % 4
     for j in range(J):
         gj = g[j]
+        if overwrite:
+            gj[:] = 0
         for m in range(0, M4, 4):
             _axpy_4(gj, a[m, j], a[m + 1, j], a[m + 2, j], a[m + 3, j],
                     b[m], b[m + 1], b[m + 2], b[m + 3])
@@ -137,12 +141,17 @@ def fc_forward(x, w, b, y, transpose):
 
 
 @njit(cache=True, nogil=True)
-def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx):
+def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx, overwrite):
     """x: (M, C); w: (K, C), or (C, K) when transpose; dy: (M, K); dx: (M, C), OVERWRITTEN
-    (any array when not need_dx); dw: like w and db: (K,) or (0,) are ADDED to.
-    db += the rows of dy in row order; dw += dy^T @ x (x^T @ dy when transpose), over the rows
-    in row order; dx[m] = dy[m] @ w (w @ dy[m] when transpose)."""
+    (any array when not need_dx); dw: like w and db: (K,) or (0,) are ADDED to, or, with
+    overwrite, set (as if added to zeros). db += the rows of dy in row order; dw += dy^T @ x
+    (x^T @ dy when transpose), over the rows in row order; dx[m] = dy[m] @ w (w @ dy[m] when
+    transpose)."""
     M, K = dy.shape
+    if overwrite:
+        db[:] = 0
+        if M == 0:
+            dw[:] = 0
     if M == 0:
         return
     if db.size > 0:
@@ -151,9 +160,9 @@ def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx):
             for k in range(K):
                 db[k] += dym[k]
     if transpose:
-        add_outer_rows(x, dy, dw)
+        add_outer_rows(x, dy, dw, overwrite)
     else:
-        add_outer_rows(dy, x, dw)
+        add_outer_rows(dy, x, dw, overwrite)
     if need_dx:
         if transpose:
             rows_dot(dy, w, dx)

@@ -6,7 +6,7 @@ import pytest
 
 from cgp.errors import NetError
 from cgp.layers import Chunk
-from layer_check import (backward, build, check_forward, check_gradients,
+from layer_check import (backward, build, check_forward, check_gradients, forward,
                          check_split_invariance, random_params)
 
 
@@ -126,3 +126,21 @@ def test_fillers():
 def test_refused(fields, shape, message):
     with pytest.raises(NetError, match=message):
         build(ip_text(fields), [shape])
+
+
+def test_overwrite_mode_sets_gradients_bitwise_as_adding_to_zeros():
+    """With overwrite_param_diff the kernel sets dw/db (the engine then skips zeroing them):
+    bitwise the same as adding into zeros, whatever the buffer held before."""
+    layer = build('type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 5 }',
+                  [(7, 6)])
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 6)).astype(np.float32)
+    params = [p.astype(np.float32) for p in random_params(layer)]
+    dy = [rng.standard_normal((7, 5)).astype(np.float32)]
+    _, _, added = backward(layer, [x], params, dy)
+    layer.overwrite_param_diff = True
+    tops, scratch = forward(layer, [x], params)
+    garbage = [np.full_like(p, np.nan) for p in params]
+    layer.backward(tops, dy, [x], [np.zeros_like(x)], params, garbage, scratch, Chunk(n=7))
+    for got, want in zip(garbage, added):
+        assert np.array_equal(got, want)

@@ -80,13 +80,20 @@ class Layer:
     In forward/backward every array has axis 0 = chunk.n samples (a view of a buffer
     sized for the largest chunk), except the tops of layers with `reduces_batch`
     (losses, accuracy) whose shapes are exactly what setup returned. Accumulation
-    rule: param_diff arrays are *added to*; bottom_diff arrays are *overwritten*.
+    rule: param_diff arrays are *added to* (or set, when overwrite_param_diff is on);
+    bottom_diff arrays are *overwritten*.
     bottom_diff[i] is None when no gradient needs to flow into bottom i.
     """
     type_name = "?"
     bottoms = (1, 1)           # allowed number of bottoms (min, max); max None = any
     tops = (1, 1)              # allowed number of tops
     reduces_batch = False      # tops are batch values (a loss, an accuracy), not per sample
+    # A layer whose backward can *set* its parameter gradients (bitwise as if it added them
+    # to zeros) says so; the net turns that on where no other layer shares those blobs, and
+    # the engine then skips zeroing them in each chunk's private buffer: one pass less over
+    # memory per chunk.
+    can_overwrite_param_diff = False
+    overwrite_param_diff = False
     default_loss_weight = 0.0  # Caffe gives loss layers weight 1 on their first top
 
     def __init__(self, lp, index=0, phase=0):

@@ -18,6 +18,7 @@ def matrix(a, rows):
 
 @register("InnerProduct")
 class InnerProduct(Layer):
+    can_overwrite_param_diff = True
     """Caffe's InnerProduct: bottom (N, d1, ..., dk) is seen as rows of the axes from `axis`
     on, C = d_axis * ... * dk inputs each and N * d1 * ... * d(axis-1) rows; top is
     (N, d1, ..., d(axis-1), num_output). Weight (num_output, C), or (C, num_output) when
@@ -60,4 +61,4 @@ class InnerProduct(Layer):
         # Without dx the kernel never touches its dx argument; x stands in for the type.
         dx = matrix(bottom_diff[0], m) if need_dx else x
         K.fc_backward(x, params[0], matrix(top_diff[0], m), dx, param_diff[0], db,
-                      self.transpose, need_dx)
+                      self.transpose, need_dx, self.overwrite_param_diff)
