@@ -109,10 +109,6 @@ class Engine:
         self.shares = np.zeros((len(self.bounds), len(self.tracked)), np.float64)
         self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
 
-    @property
-    def gradient_bytes(self):
-        return self.chunk_grads.nbytes if self.backward else 0
-
     def run(self, batch, iteration, seed):
         """batch: source blob id -> whole-batch array. Returns ({output name: value},
         loss, gradient or None). The gradient is the fixed-order sum over chunks."""
@@ -135,12 +131,12 @@ class Engine:
                 net.backward(ws, chunk, data, self.params, self.chunk_grad_views[c])
 
         self.pool.run(work, len(self.bounds))
-        # Shares add up in chunk order, in float32 like the blobs they came from.
+        # Shares add up in chunk order, in the dtype of the blobs they came from.
         totals = np.zeros(len(self.tracked), self.dtype)
         for row in self.shares:
             totals += row.astype(self.dtype)
         values = {name: float(v) for (_, name), v in zip(self.tracked, totals)}
-        loss = float(sum(self.dtype.type(w) * totals[j] for j, (blob, _) in enumerate(self.tracked)
-                         for b, w in net.loss_weights.items() if b == blob))
+        loss = float(sum(self.dtype.type(net.loss_weights[blob]) * totals[j]
+                         for j, (blob, _) in enumerate(self.tracked) if blob in net.loss_weights))
         grad = self.comm.reduce(self.chunk_grads) if self.backward else None
         return values, loss, grad
