@@ -98,6 +98,12 @@ def blob_to_array(blob, where):
     return np.array(values, np.float32).reshape(shape)
 
 
+def read_blob(path, what):
+    """A .binaryproto file (one BlobProto, e.g. Caffe's mean image) as a float32 array."""
+    blob = _parse(_read_bytes(path, what), caffe_pb2.BlobProto(), path, what)
+    return blob_to_array(blob, f"{what} {path}")
+
+
 def array_to_blob(array, blob):
     blob.shape.dim.extend(array.shape)
     blob.data.extend(np.asarray(array, np.float32).ravel().tolist())

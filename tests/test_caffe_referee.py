@@ -119,10 +119,13 @@ def test_first_loss_and_test_scores(lenet, here):
     """Forward with Caffe's weights: the first training loss, and `caffe test` scores."""
     trainer, losses = train(lenet, weights=lenet / "lenet_iter_0.caffemodel", max_iter=1)
     assert losses[0] == pytest.approx(2.32814, abs=1e-5)
+    print(f"\nreferee: first loss from lenet_iter_0 {losses[0]:.8g} (Caffe 2.32814)")
     model = lenet / "lenet_train_test_fixture.prototxt"
     lines = []
     means, loss = run_test(model, str(lenet / "lenet_iter_100.caffemodel"), 10,
                            log=lines.append)
+    print(f"referee: test of lenet_iter_100: accuracy {means['accuracy']:.6g}, loss "
+          f"{means['loss']:.8g} (Caffe 0.91, 0.286794)")
     assert f"{means['accuracy']:.6g}" == "0.91"     # exact, to the digits Caffe prints
     assert means["loss"] == pytest.approx(0.286794, abs=1e-5)
     assert loss == pytest.approx(0.286794, abs=1e-5)
@@ -150,6 +153,7 @@ def test_one_sgd_step_matches_caffe(lenet, here):
         for blob, array in zip(trainer.net.blob_param(name), arrays):
             ours = trainer.net.params[blob.offset:blob.offset + blob.size].reshape(blob.shape)
             worst = max(worst, float(np.abs(ours - array).max()))
+    print(f"\nreferee: one SGD step, max |w - Caffe's lenet_iter_1| = {worst:.3g} (bound 1e-6)")
     assert worst <= 1e-6
 
 
@@ -176,6 +180,8 @@ def test_hundred_iterations_follow_caffe(lenet, hundred):
     for threads, (trainer, losses, _) in hundred.items():
         assert sorted(losses) == list(range(101))
         spread = max(abs(losses[i] - expected[i]) for i in expected)
+        print(f"\nreferee: {threads} thread(s), 100 iterations, max |loss - Caffe's| = "
+              f"{spread:.3g} (Caffe against itself: {CAFFE_SPREAD})")
         assert spread <= CAFFE_SPREAD, (threads, spread)
         assert losses[0] == expected[0] and losses[1] == expected[1]
     (one, losses_1, _), (three, losses_3, _) = hundred[1], hundred[3]

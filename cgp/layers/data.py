@@ -16,6 +16,7 @@ from cgp.errors import DataError
 from cgp.layers.base import Layer, register
 from cgp.lmdb_data import ArrayRecords, LmdbRecords
 from cgp.proto import caffe_pb2
+from cgp.snapshot import read_blob
 
 DATASET_SCHEME = ("mnist", "cifar10")
 
@@ -158,20 +159,12 @@ class DataLayer(Layer):
 
 
 def read_mean_file(path):
-    """A Caffe mean .binaryproto (BlobProto) as a float32 array (C, H, W)."""
-    try:
-        with open(path, "rb") as f:
-            blob = caffe_pb2.BlobProto.FromString(f.read())
-    except OSError as e:
-        raise DataError(f"mean_file {path}: cannot read: {e.strerror}") from None
-    except Exception as e:  # protobuf's DecodeError
-        raise DataError(f"mean_file {path}: not a Caffe BlobProto: {e}") from None
-    shape = tuple(blob.shape.dim) or (blob.channels, blob.height, blob.width)
-    shape = shape[1:] if len(shape) == 4 else shape
-    values = np.array(blob.data, np.float32)
-    if values.size != int(np.prod(shape)):
-        raise DataError(f"mean_file {path}: {values.size} values for shape {shape}")
-    return values.reshape(shape)
+    """A Caffe mean .binaryproto as a float32 array (C, H, W): its leading num axis of 4-d
+    blobs (compute_image_mean writes 1 x C x H x W) is dropped."""
+    mean = read_blob(path, "mean_file")
+    if mean.ndim == 4 and mean.shape[0] != 1:
+        raise DataError(f"mean_file {path}: holds {mean.shape[0]} images; a mean file holds one")
+    return mean[0] if mean.ndim == 4 else mean
 
 
 @register("Input")
