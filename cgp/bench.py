@@ -146,6 +146,55 @@ def command_line():
     return shlex.join(argv)
 
 
+# -- arithmetic rate -----------------------------------------------------------------
+# Layers counted in a training step's floating-point work: the standard count is the
+# multiply-adds of convolutions and inner products, two FLOPs each; the other layers add
+# little arithmetic.
+COUNTED = {"Convolution": "convolution_param", "InnerProduct": "inner_product_param"}
+
+
+def training_flops(net):
+    """FLOPs per image of one training step: per convolution or inner product, its forward
+    multiply-adds (each output element takes weight size / num_output of them), as many again
+    for the weight gradient, and as many again for the input gradient where one flows; two
+    FLOPs per multiply-add."""
+    import math
+
+    total = 0
+    for entry in net.entries:
+        field = COUNTED.get(entry.layer.type_name)
+        if field is None or not entry.params:
+            continue
+        weight = net.param_blobs[entry.params[0]]
+        outputs = math.prod(net.blob_shapes[entry.tops[0]][1:])
+        macs = outputs * weight.size // getattr(entry.layer.lp, field).num_output
+        passes = 1 + (entry.backward + bool(entry.propagate and entry.propagate[0])
+                      if net.loss_weights else 0)
+        total += 2 * macs * passes
+    return total
+
+
+def matmul_gflops(size=1024, repeats=7):
+    """NumPy's single-threaded float32 matrix product rate on this machine, in GFLOP/s
+    (2 n^3 FLOPs per n x n product): the median of `repeats` timings of a few products."""
+    import statistics
+
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    a = np.random.default_rng(0).random((size, size), dtype=np.float32)
+    out = np.empty_like(a)
+    rates = []
+    with threadpool_limits(limits=1):
+        np.matmul(a, a, out=out)  # warm-up
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(3):
+                np.matmul(a, a, out=out)
+            rates.append(3 * 2 * size ** 3 / (time.perf_counter() - started) / 1e9)
+    return statistics.median(rates)
+
+
 # -- timing ------------------------------------------------------------------------
 @dataclass
 class Config:
@@ -383,13 +432,25 @@ def cmd_speedup(args, log=print):
             f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}; {args.warmup} warm-up "
             f"+ {args.repeats} x {args.iters} iterations each, interleaved")
         with ForeignLoad() as foreign:
+            # NumPy's matmul rate is taken before and after, to catch a machine that changed.
+            matmul = [matmul_gflops()]
             interleaved(configs, args.iters, args.repeats, args.warmup, images, log)
+            matmul.append(matmul_gflops())
     finally:
         for trainer in trainers.values():
             trainer.close()
     rows, best = summarise(configs)
     for line in table(rows, best):
         log(line)
+    flops = training_flops(net)
+    numpy_rate = sum(matmul) / 2
+    one = next(r for r in rows if r["impl"] == "cgp" and r["threads"] == 1)
+    rate = one["median"] * flops / 1e9
+    log(f"arithmetic: {flops / 1e6:.1f} MFLOP per training image (convolution and "
+        f"inner-product multiply-adds, 2 FLOPs each); cgp on 1 thread {rate:.1f} GFLOP/s = "
+        f"{100 * rate / numpy_rate:.0f}% of NumPy's single-threaded float32 matmul "
+        f"({numpy_rate:.1f} GFLOP/s on 1024 x 1024; {matmul[0]:.1f} before, "
+        f"{matmul[1]:.1f} after)")
     if foreign.cores > 0.25:
         log(f"cgp bench: note: other processes kept {foreign.cores:.1f} of "
             f"{os.cpu_count()} cores busy during the run; timings with more threads than "
@@ -400,6 +461,10 @@ def cmd_speedup(args, log=print):
               "chunks": len(trainers[1].engine.bounds), "iters": args.iters,
               "repeats": args.repeats, "warmup": args.warmup, "seed": trainers[1].seed,
               "threads": threads, "compare": args.compare,
+              "training_flops_per_image": flops,
+              "numpy_matmul_gflops": {"before": round(matmul[0], 2), "after": round(matmul[1], 2)},
+              "cgp_1_thread_gflops": round(rate, 2),
+              "cgp_1_thread_share_of_matmul": round(rate / numpy_rate, 4),
               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", started),
               "machine": {**machine_info(extra), "load_average_before": load_before,
                           "foreign_load_cores": round(foreign.cores, 3)},

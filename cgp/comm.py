@@ -4,16 +4,46 @@ The sum runs over chunk index in a fixed binary tree, so the result depends on t
 number of chunks alone, never on threads (or, later, on how chunks map to MPI ranks:
 a rank will own a contiguous range of chunks).
 """
+from typing import NamedTuple
+
 import numpy as np
 
-from cgp.kernels.reduce import TILE, tree_sum
+from cgp.kernels.reduce import OUTER_SCRATCH, TILE, outer_tree_sum, tree_sum
+from cgp.kernels.tile import VECTOR_BYTES
 
 BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enough to balance
+# Rows of a factored gradient per task: a multiple of every register tile's height.
+ROW_GRAIN = 24
+
+
+class FactoredGrad(NamedTuple):
+    """A parameter gradient held as factors: chunk c's share is A_c^T @ B_c, over rows
+    starts[c]:starts[c + 1] of A (M, J) and B (M, L), whose row-major elements lead the flat
+    arrays a and b (see kernels.reduce.outer_tree_sum). It fills the (J, L) block of the
+    flat gradient at offset."""
+    offset: int
+    J: int
+    L: int
+    a: np.ndarray
+    b: np.ndarray
+    starts: np.ndarray
 
 
 def blocks(size, block=BLOCK):
     """A fixed cut of range(size) into (lo, hi) blocks; independent of the thread count."""
     return [(lo, min(lo + block, size)) for lo in range(0, size, block)]
+
+
+def uncovered(size, factored):
+    """The (lo, hi) ranges of range(size) that no factored gradient covers, in order."""
+    ranges, lo = [], 0
+    for f in sorted(factored, key=lambda f: f.offset):
+        if f.offset > lo:
+            ranges.append((lo, f.offset))
+        lo = f.offset + f.J * f.L
+    if lo < size:
+        ranges.append((lo, size))
+    return ranges
 
 
 class ThreadCommunicator:
@@ -23,14 +53,33 @@ class ThreadCommunicator:
         self.pool = pool
         self._scratch = {}
 
-    def reduce(self, bufs):
-        """bufs: (K, P), one row per chunk. Returns the sum, written into row 0."""
-        parts = blocks(bufs.shape[1])
-        key = (bufs.shape[0], bufs.dtype)
-        if key not in self._scratch:  # one tile of partial sums per worker
-            self._scratch[key] = np.zeros((self.pool.threads, bufs.shape[0], TILE), bufs.dtype)
-        scratch = self._scratch[key]
-        self.pool.run(lambda worker, i: tree_sum(bufs, *parts[i], scratch[worker]), len(parts))
+    def _worker_scratch(self, k, dtype):
+        """Per worker: the tree's tile of partial sums, and a factored gradient's register
+        tiles for k chunks."""
+        key = (k, dtype)
+        if key not in self._scratch:
+            threads = self.pool.threads
+            lanes = VECTOR_BYTES // np.dtype(dtype).itemsize
+            self._scratch[key] = (np.zeros((threads, k, TILE), dtype),
+                                  np.zeros((threads, k, OUTER_SCRATCH * lanes), dtype))
+        return self._scratch[key]
+
+    def reduce(self, bufs, factored=()):
+        """bufs: (K, P), one row per chunk; factored: FactoredGrad blocks of the gradient that
+        the rows of bufs leave out. Returns the sum, written into row 0, in one fixed tree
+        over chunk index for every element."""
+        sums, partials = self._worker_scratch(bufs.shape[0], bufs.dtype)
+        tasks = []  # each a function of the worker that runs it (whose scratch it uses)
+        for lo, hi in uncovered(bufs.shape[1], factored):
+            for a, b in blocks(hi - lo):
+                tasks.append(lambda w, lo=lo + a, hi=lo + b: tree_sum(bufs, lo, hi, sums[w]))
+        for f in factored:
+            out = bufs[0, f.offset:f.offset + f.J * f.L]
+            rows = max(ROW_GRAIN, BLOCK // f.L // ROW_GRAIN * ROW_GRAIN)
+            for j0, j1 in blocks(f.J, rows):
+                tasks.append(lambda w, f=f, out=out, j0=j0, j1=j1: outer_tree_sum(
+                    f.a, f.b, f.J, f.L, f.starts, j0, j1, partials[w], sums[w], out))
+        self.pool.run(lambda w, i: tasks[i](w), len(tasks))
         return bufs[0]
 
 

@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from cgp.comm import FactoredGrad
 from cgp.errors import CgpError
-from cgp.layers import Chunk
+from cgp.kernels.reduce import OUTER_PAD
+from cgp.layers import Chunk, Factors
 from cgp.net import Workspace
 
 
@@ -86,9 +88,12 @@ class Pool:
 class Engine:
     """Runs forward (and backward) of one net over the chunks of each batch."""
 
-    def __init__(self, net, chunks, pool, comm, backward=True, params=None):
+    def __init__(self, net, chunks, pool, comm, backward=True, params=None, factor=True):
         """params: the flat parameter array to run with (default net.params); a float64
-        copy runs the same kernels in float64 (the equivalence harness's reference)."""
+        copy runs the same kernels in float64 (the equivalence harness's reference).
+        factor: let layers that can (see Layer.can_factor_param_diff) hand their weight
+        gradient over as factors, which the communicator multiplies out while it sums the
+        chunks; the same bits either way, with far less memory traffic."""
         self.net, self.pool, self.comm = net, pool, comm
         self.bounds = chunk_bounds(net.batch_size, chunks)
         n_max = max(n for _, n in self.bounds)
@@ -98,9 +103,13 @@ class Engine:
                            for _ in range(pool.threads)]
         self.params = net.param_views(flat)
         self.backward = backward
+        self.factored = []
         if backward:
             self.chunk_grads = np.zeros((len(self.bounds), net.n_params), self.dtype)
             self.chunk_grad_views = [net.param_views(g) for g in self.chunk_grads]
+            if factor:
+                for index in net.factorable:
+                    self.factored.append(self._factor(index))
         # The batch values reported: loss tops and unread scalar outputs (accuracy, ...).
         tracked = dict(net.scalar_outputs())
         for blob in net.loss_weights:
@@ -108,6 +117,23 @@ class Engine:
         self.tracked = list(tracked.items())
         self.shares = np.zeros((len(self.bounds), len(self.tracked)), np.float64)
         self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
+
+    def _factor(self, index):
+        """Batch-wide buffers for the factors of entry `index`'s weight gradient; each chunk's
+        gradient view of that weight becomes a Factors over the chunk's rows of them."""
+        entry = self.net.entries[index]
+        rows, J, L = entry.layer.factor_shape()
+        blob = self.net.param_blobs[entry.params[0]]
+        M = self.net.batch_size * rows
+        # Register tiles read up to OUTER_PAD elements past the last row.
+        a = np.zeros(M * J + OUTER_PAD, self.dtype)
+        b = np.zeros(M * L + OUTER_PAD, self.dtype)
+        for c, (first, n) in enumerate(self.bounds):
+            lo, hi = first * rows, (first + n) * rows
+            self.chunk_grad_views[c][index][0] = Factors(a[lo * J:hi * J].reshape(-1, J),
+                                                         b[lo * L:hi * L].reshape(-1, L))
+        starts = np.array([first * rows for first, _ in self.bounds] + [M], np.int64)
+        return FactoredGrad(blob.offset, J, L, a, b, starts)
 
     def run(self, batch, iteration, seed):
         """batch: source blob id -> whole-batch array. Returns ({output name: value},
@@ -138,5 +164,5 @@ class Engine:
         values = {name: float(v) for (_, name), v in zip(self.tracked, totals)}
         loss = float(sum(self.dtype.type(net.loss_weights[blob]) * totals[j]
                          for j, (blob, _) in enumerate(self.tracked) if blob in net.loss_weights))
-        grad = self.comm.reduce(self.chunk_grads) if self.backward else None
+        grad = self.comm.reduce(self.chunk_grads, self.factored) if self.backward else None
         return values, loss, grad

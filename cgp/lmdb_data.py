@@ -91,35 +91,48 @@ def decode_datum(value, where):
 # One lmdb.Environment per database folder, shared by every reader in the process: LMDB
 # forbids opening one database twice in a process.
 _ENVS = {}
-_ENVS_LOCK = threading.Lock()
+_ENVS_LOCK = threading.RLock()
+# Releases that arrived while this thread held the lock: a reader's finalizer can run from
+# the garbage collector inside _open_env (lmdb.open allocates), and closing an environment
+# there would re-enter lmdb; they run when the lock is let go.
+_DEFERRED = []
+_HOLDING = threading.local()
 
 
 def _open_env(path):
     lmdb = require_lmdb(f"LMDB {path}")
     key = os.path.realpath(path)
     with _ENVS_LOCK:
-        if key in _ENVS:
-            _ENVS[key][1] += 1
-            return _ENVS[key][0]
+        _HOLDING.depth = getattr(_HOLDING, "depth", 0) + 1
         try:
-            # lock=False: never write lock.mdb, so read-only folders work; cgp only reads.
-            env = lmdb.open(str(path), readonly=True, lock=False, readahead=False,
-                            max_readers=512)
-        except lmdb.Error as e:
-            raise DataError(f"LMDB {path}: cannot open: {e}") from None
-        _ENVS[key] = [env, 1]
-        return env
+            if key in _ENVS:
+                _ENVS[key][1] += 1
+                return _ENVS[key][0]
+            try:
+                # lock=False: never write lock.mdb, so read-only folders work; cgp only reads.
+                env = lmdb.open(str(path), readonly=True, lock=False, readahead=False,
+                                max_readers=512)
+            except lmdb.Error as e:
+                raise DataError(f"LMDB {path}: cannot open: {e}") from None
+            _ENVS[key] = [env, 1]
+            return env
+        finally:
+            _HOLDING.depth -= 1
+            while _DEFERRED and not _HOLDING.depth:
+                _release_env(_DEFERRED.pop())
 
 
 def _release_env(path):
-    key = os.path.realpath(path)
     with _ENVS_LOCK:
-        entry = _ENVS.get(key)
+        if getattr(_HOLDING, "depth", 0):
+            _DEFERRED.append(path)
+            return
+        entry = _ENVS.get(os.path.realpath(path))
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] == 0:
-            del _ENVS[key]
+            del _ENVS[os.path.realpath(path)]
             entry[0].close()
 
 

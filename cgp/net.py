@@ -250,18 +250,23 @@ class Net:
 
     def _plan_param_overwrites(self):
         """Let layers that can set their parameter gradients do so where they alone write
-        them; returns the (lo, hi) ranges of the flat gradient that chunks must zero."""
+        them, and list in self.factorable those that may also hand their first parameter's
+        gradient over as factors; returns the (lo, hi) ranges of the flat gradient that
+        chunks must zero."""
         users = {}
         for entry in self.entries:
             for p in entry.params:
                 users[p] = users.get(p, 0) + 1
         set_by_layer = set()
-        for entry in self.entries:
+        self.factorable = []  # entry indices whose first parameter's gradient may be factored
+        for index, entry in enumerate(self.entries):
             layer = entry.layer
-            layer.overwrite_param_diff = (layer.can_overwrite_param_diff and entry.backward
-                                          and all(users[p] == 1 for p in entry.params))
+            alone = entry.backward and all(users[p] == 1 for p in entry.params)
+            layer.overwrite_param_diff = layer.can_overwrite_param_diff and alone
             if layer.overwrite_param_diff:
                 set_by_layer.update(entry.params)
+            if layer.can_factor_param_diff and alone and entry.params:
+                self.factorable.append(index)
         ranges = []
         for i, blob in enumerate(self.param_blobs):
             if i in set_by_layer:

@@ -103,23 +103,32 @@ def rows_axpy(a, w, out):
 
 
 @njit(cache=True, nogil=True)
+def outer_row_add(a, b, m0, m1, j, t0, t1, g):
+    """a: (M, J); b: (M, L); g: (t1 - t0,) ADDED to: g += a[m, j] * b[m, t0:t1] for m = m0,
+    m0 + 1, ..., m1 - 1 in order, four rows m per load and store of g. Each element of g gets
+    the same operations whatever the column range [t0, t1), so any cut of the columns gives
+    the same bits."""
+    m4 = m1 - (m1 - m0) % 4
+    for m in range(m0, m4, 4):
+        _axpy_4(g, a[m, j], a[m + 1, j], a[m + 2, j], a[m + 3, j],
+                b[m, t0:t1], b[m + 1, t0:t1], b[m + 2, t0:t1], b[m + 3, t0:t1])
+    for m in range(m4, m1):
+        _axpy_1(g, a[m, j], b[m, t0:t1])
+
+
+@njit(cache=True, nogil=True)
 def add_outer_rows(a, b, g, overwrite):
     """a: (M, J); b: (M, L); g: (J, L) ADDED to: g[j] += a[m, j] * b[m] for m = 0, 1, ... in
-    order. Four rows m per load and store of g (the order stays m = 0, 1, ...), and each row
-    of g finishes every m before the next, while it sits in cache. overwrite: start each row
-    of g from 0 instead (bitwise the same as adding into zeros, without a separate pass that
-    zeroes g in memory first)."""
+    order (outer_row_add), each row of g finishing every m before the next, while it sits in
+    cache. overwrite: start each row of g from 0 instead (bitwise the same as adding into
+    zeros, without a separate pass that zeroes g in memory first)."""
     M, J = a.shape
-    M4 = M - M % 4
+    L = b.shape[1]
     for j in range(J):
         gj = g[j]
         if overwrite:
             gj[:] = 0
-        for m in range(0, M4, 4):
-            _axpy_4(gj, a[m, j], a[m + 1, j], a[m + 2, j], a[m + 3, j],
-                    b[m], b[m + 1], b[m + 2], b[m + 3])
-        for m in range(M4, M):
-            _axpy_1(gj, a[m, j], b[m])
+        outer_row_add(a, b, 0, M, j, 0, L, gj)
 
 
 @njit(cache=True, nogil=True)
@@ -141,16 +150,16 @@ def fc_forward(x, w, b, y, transpose):
 
 
 @njit(cache=True, nogil=True)
-def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx, overwrite):
+def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx, need_dw, overwrite):
     """x: (M, C); w: (K, C), or (C, K) when transpose; dy: (M, K); dx: (M, C), OVERWRITTEN
-    (any array when not need_dx); dw: like w and db: (K,) or (0,) are ADDED to, or, with
-    overwrite, set (as if added to zeros). db += the rows of dy in row order; dw += dy^T @ x
-    (x^T @ dy when transpose), over the rows in row order; dx[m] = dy[m] @ w (w @ dy[m] when
-    transpose)."""
+    (any array when not need_dx); dw: like w (any array when not need_dw) and db: (K,) or (0,)
+    are ADDED to, or, with overwrite, set (as if added to zeros). db += the rows of dy in row
+    order; dw += dy^T @ x (x^T @ dy when transpose), over the rows in row order; dx[m] =
+    dy[m] @ w (w @ dy[m] when transpose)."""
     M, K = dy.shape
     if overwrite:
         db[:] = 0
-        if M == 0:
+        if M == 0 and need_dw:
             dw[:] = 0
     if M == 0:
         return
@@ -159,10 +168,11 @@ def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx, overwrite):
             dym = dy[m]
             for k in range(K):
                 db[k] += dym[k]
-    if transpose:
-        add_outer_rows(x, dy, dw, overwrite)
-    else:
-        add_outer_rows(dy, x, dw, overwrite)
+    if need_dw:
+        if transpose:
+            add_outer_rows(x, dy, dw, overwrite)
+        else:
+            add_outer_rows(dy, x, dw, overwrite)
     if need_dx:
         if transpose:
             rows_dot(dy, w, dx)

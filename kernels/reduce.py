@@ -4,7 +4,14 @@ Only the order of additions matters for bitwise results, never which thread adds
 each kernel call handles a column range [lo, hi) of every buffer, and any cut of the
 columns gives the same sums.
 """
-from numba import njit
+from numba import literal_unroll, literally, njit
+
+from cgp.kernels.tile import SHAPES, VECTOR_BYTES, choose, lanes, lanes_of, tile
+
+# Elements a factored operand must extend past its last row (tiles read up to T - 1 past a
+# row of A and KV vectors past a row of B), and scratch elements per chunk, in lanes.
+OUTER_PAD = max(max(T, KV * VECTOR_BYTES // 4) for T, KV in SHAPES)
+OUTER_SCRATCH = max(T * KV for T, KV in SHAPES)
 
 # Columns per pass of the whole tree: the partial sums of one tile stay in a small
 # cache-resident scratch, so each chunk buffer is read once and only row 0 is written.
@@ -16,6 +23,13 @@ def tree_sum(bufs, lo, hi, scratch):
     """bufs: (K, P) chunk gradients; scratch: (K, TILE). Sums the rows pairwise in a
     fixed binary tree over the chunk index (stride 1, 2, 4, ...) for columns [lo, hi);
     the total ends in bufs[0, lo:hi]. The other rows are left as they were."""
+    tree_sum_into(bufs, lo, hi, scratch, bufs[0], lo)
+
+
+@njit(cache=True, nogil=True)
+def tree_sum_into(bufs, lo, hi, scratch, out, out_lo):
+    """tree_sum, with the total written to out[out_lo:out_lo + hi - lo] instead (out may be
+    bufs[0] itself)."""
     k = bufs.shape[0]
     k4 = k - k % 4
     for start in range(lo, hi, TILE):
@@ -48,10 +62,67 @@ def tree_sum(bufs, lo, hi, scratch):
                 for j in range(n):
                     s[j] += t[j]
             stride *= 2
-        out = bufs[0]
         total = scratch[0]
+        o = out_lo + start - lo
         for j in range(n):
-            out[start + j] = total[j]
+            out[o + j] = total[j]
+
+
+@njit(cache=True, nogil=True)
+def outer_tree_sum(a, b, J, L, starts, j0, j1, partials, scratch, out):
+    """A factored gradient's tree sum. Chunk c's gradient is G_c = A_c^T @ B_c, where A_c and
+    B_c are rows starts[c]:starts[c + 1] of A (M, J) and B (M, L), held row-major in the flat
+    arrays a and b, which must extend OUTER_PAD elements past M * J and M * L (register tiles
+    read past the last row). Each element of G_c is one chain of fused multiply-adds over
+    the chunk's rows in order, from 0: what fc.add_outer_rows builds in a chunk's own buffer.
+    For rows j in [j0, j1): out[j * L:(j + 1) * L] = the tree sum over c of G_c[j], in
+    tree_sum's order: bitwise what tree_sum gives over the k materialised chunk gradients,
+    one register tile at a time, so that they are never written to memory.
+    partials: (k, OUTER_SCRATCH * lanes) and scratch: (k, TILE), for k chunks."""
+    T, KV = choose(j1 - j0, L, lanes(a.itemsize), True)
+    # One tile shape per compiled loop, given as a constant: a shape chosen inside the loop
+    # costs a dispatch per tile, which for chunks of a few rows takes longer than the tile.
+    # The cases are tile.SHAPES (checked at import below).
+    if T == 12 and KV == 2:
+        _outer_blocks(12, 2, a, b, J, L, starts, j0, j1, partials, scratch, out)
+    elif T == 8 and KV == 2:
+        _outer_blocks(8, 2, a, b, J, L, starts, j0, j1, partials, scratch, out)
+    elif T == 6 and KV == 2:
+        _outer_blocks(6, 2, a, b, J, L, starts, j0, j1, partials, scratch, out)
+    elif T == 8 and KV == 3:
+        _outer_blocks(8, 3, a, b, J, L, starts, j0, j1, partials, scratch, out)
+    elif T == 6 and KV == 4:
+        _outer_blocks(6, 4, a, b, J, L, starts, j0, j1, partials, scratch, out)
+    elif T == 3 and KV == 4:
+        _outer_blocks(3, 4, a, b, J, L, starts, j0, j1, partials, scratch, out)
+
+
+if SHAPES != ((12, 2), (8, 2), (6, 2), (8, 3), (6, 4), (3, 4)):
+    raise ImportError("outer_tree_sum's cases must list tile.SHAPES")
+
+
+@njit(cache=True, nogil=True)
+def _outer_blocks(T, KV, a, b, J, L, starts, j0, j1, partials, scratch, out):
+    literally(T)
+    literally(KV)
+    k = starts.size - 1
+    KVV = KV * lanes_of(a)
+    width = partials.shape[1]
+    flat = partials.reshape(-1)
+    for jb in range(j0, j1, T):
+        t_valid = min(T, j1 - jb)
+        for lb in range(0, L, KVV):
+            v_valid = min(KVV, L - lb)
+            for c in range(k):
+                tile(T, KV, flat, c * width, KVV, t_valid, v_valid, False,
+                     a, starts[c] * J + jb, 1, 0, J, b, starts[c] * L + lb, 0, L,
+                     1, starts[c + 1] - starts[c])
+            tree_sum(partials, 0, T * KVV, scratch)
+            total = partials[0]
+            for t in range(t_valid):
+                o = (jb + t) * L + lb
+                for v in range(v_valid):
+                    out[o + v] = total[t * KVV + v]
 
 
 @njit(cache=True, nogil=True)

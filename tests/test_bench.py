@@ -12,7 +12,7 @@ from numba import njit
 from threadpoolctl import threadpool_limits
 
 from cgp import cli
-from cgp.bench import Config, default_threads, summarise
+from cgp.bench import Config, default_threads, summarise, training_flops
 from cgp.engine import chunk_bounds
 from cgp.layers import Chunk
 from cgp.models import FOLDER, solver_path
@@ -85,6 +85,20 @@ def mnist_trainer(mnist_dir, **config):
 
 
 # -- bench speedup -------------------------------------------------------------------
+# LeNet's multiply-adds per image: conv1 20x24x24 outputs of 25 (forward and weight gradient;
+# no gradient flows into the data), conv2 50x8x8 of 500, ip1 500 of 800 and ip2 10 of 500
+# (forward, weight and input gradients); two FLOPs each.
+LENET_FLOPS = 2 * (2 * 20 * 24 * 24 * 25 + 3 * (50 * 8 * 8 * 500 + 500 * 800 + 10 * 500))
+
+
+def test_training_flops_count_each_pass_that_runs(mnist_dir):
+    train = Net(read_net(LENET), caffe_pb2.TRAIN, RunOptions(str(mnist_dir)))
+    assert training_flops(train) == LENET_FLOPS == 13_182_000
+    # A net without a loss only runs forward: conv 4x10x10 outputs of 2x3x3, fc 5 of 4x5x5.
+    deploy = Net(parse_net(DEPLOY), caffe_pb2.TEST, RunOptions())
+    assert training_flops(deploy) == 2 * (4 * 10 * 10 * 2 * 3 * 3 + 5 * 4 * 5 * 5)
+
+
 def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
     out = subprocess.run(
         [sys.executable, "-m", "cgp", "bench", "speedup", "mnist", "--threads", "2",
@@ -104,6 +118,14 @@ def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
     assert "bench speedup mnist" in machine["command"]
     rows = {r["threads"]: r for r in report["results"]}
     assert set(rows) == {1, 2}
+    # The arithmetic rate against NumPy's matmul, from the same run.
+    assert report["training_flops_per_image"] == LENET_FLOPS
+    matmul = report["numpy_matmul_gflops"]
+    rate = rows[1]["median"] * LENET_FLOPS / 1e9
+    assert report["cgp_1_thread_gflops"] == pytest.approx(rate, abs=0.01)
+    assert report["cgp_1_thread_share_of_matmul"] == pytest.approx(
+        rate / ((matmul["before"] + matmul["after"]) / 2), rel=1e-3)
+    assert "13.2 MFLOP per training image" in out.stdout
     assert rows[1]["speedup"] == 1.0 and rows[1]["efficiency"] == 1.0
     for row in rows.values():
         assert len(row["images_per_s"]) == 2 and row["min"] <= row["median"] <= row["max"]

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 
 from cgp import models
-from cgp.comm import ThreadCommunicator, blocks, reference_reduce
-from cgp.engine import Pool, chunk_bounds
+from cgp.comm import FactoredGrad, ThreadCommunicator, blocks, reference_reduce, uncovered
+from cgp.engine import Engine, Pool, chunk_bounds
+from cgp.kernels.fc import add_outer_rows
+from cgp.kernels.reduce import OUTER_PAD
+from cgp.kernels.tile import SHAPES, choose
+from cgp.net import Net, RunOptions
+from cgp.proto import caffe_pb2
+from cgp.prototxt import parse_net
 from cgp.equivalence import compare, train_run
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
@@ -50,6 +56,92 @@ def test_tree_reduction_matches_reference_bitwise(threads):
         pool.close()
         assert np.array_equal(got, want)
     assert blocks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+
+
+# (J, L) pairs for which kernels.tile.choose picks each tile shape, for 16 and 8 lanes.
+FACTOR_SHAPES = [(1, 1), (1, 33), (4, 33), (4, 49), (7, 1), (9, 1), (1, 17), (4, 17),
+                 (4, 25), (50, 70), (30, 130)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_factored_reduction_matches_materialised_chunk_gradients_bitwise(dtype):
+    """A factored gradient summed by the communicator equals, bit for bit, the chunk
+    gradients built the unfactored way (fc.add_outer_rows) and summed by the reference tree,
+    for every register tile shape, chunk counts around the tree's groups, and any threads."""
+    rng = np.random.default_rng(1)
+    lanes = 64 // np.dtype(dtype).itemsize
+    shapes_used = set()
+    for batch, chunks in ((13, 5), (16, 16), (7, 3), (100, 16), (5, 1)):
+        bounds = chunk_bounds(batch, chunks)
+        k = len(bounds)
+        starts = np.array([first for first, _ in bounds] + [batch], np.int64)
+        for J, L in FACTOR_SHAPES:
+            a = np.zeros(batch * J + OUTER_PAD, dtype)
+            b = np.zeros(batch * L + OUTER_PAD, dtype)
+            A, B = a[:batch * J].reshape(batch, J), b[:batch * L].reshape(batch, L)
+            A[:] = rng.standard_normal(A.shape)
+            B[:] = rng.standard_normal(B.shape)
+            # Dense rows around the factored block, as in a real net's flat gradient.
+            offset, size = 3, 3 + J * L + 5
+            bufs = rng.standard_normal((k, size)).astype(dtype)
+            for c, (first, n) in enumerate(bounds):
+                add_outer_rows(A[first:first + n], B[first:first + n],
+                               bufs[c, offset:offset + J * L].reshape(J, L), True)
+            want = reference_reduce(bufs)
+            shapes_used.add(choose(J, L, lanes, True))
+            for threads in (1, 3):
+                got = bufs.copy()
+                got[1:, offset:offset + J * L] = np.nan  # never read: the factors stand in
+                pool = Pool(threads)
+                ThreadCommunicator(pool).reduce(got, [FactoredGrad(offset, J, L, a, b, starts)])
+                pool.close()
+                assert np.array_equal(got[0], want), (batch, chunks, J, L, threads)
+    assert shapes_used == set(SHAPES)
+    assert uncovered(10, [FactoredGrad(2, 2, 2, None, None, None)]) == [(0, 2), (6, 10)]
+    assert uncovered(4, [FactoredGrad(0, 2, 2, None, None, None)]) == []
+
+
+FACTOR_NET = """
+name: "factored"
+layer { name: "data" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 10 dim: 3 dim: 4 } shape { dim: 10 } } }
+layer { name: "rows" type: "InnerProduct" bottom: "x" top: "h"
+        inner_product_param { num_output: 6 axis: 2 weight_filler { type: "xavier" } } }
+layer { name: "relu" type: "ReLU" bottom: "h" top: "h" }
+layer { name: "t" type: "InnerProduct" bottom: "h" top: "z"
+        inner_product_param { num_output: 5 transpose: true weight_filler { type: "xavier" }
+                              bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "shared_a" type: "InnerProduct" bottom: "z" top: "u" param { name: "w" }
+        inner_product_param { num_output: 5 bias_term: false weight_filler { type: "xavier" } } }
+layer { name: "shared_b" type: "InnerProduct" bottom: "u" top: "v" param { name: "w" }
+        inner_product_param { num_output: 5 bias_term: false weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "v" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_factored_engine_gives_the_unfactored_bits(dtype):
+    """Factoring the weight gradients (rows per sample > 1, a transposed weight) changes no
+    bit of the gradient; weights shared by two layers are not factored."""
+    net = Net(parse_net(FACTOR_NET, "factored.prototxt"), caffe_pb2.TRAIN, RunOptions())
+    net.init_params(3)
+    assert [net.entries[i].layer.name for i in net.factorable] == ["rows", "t"]
+    rng = np.random.default_rng(2)
+    batch = {net.sources[0].tops[0]: rng.standard_normal((10, 3, 4)),
+             net.sources[0].tops[1]: rng.integers(0, 5, 10).astype(np.float64)}
+    params = net.params.astype(dtype)
+    grads = []
+    for factor in (False, True):
+        for threads in (1, 2):
+            pool = Pool(threads)
+            engine = Engine(net, 4, pool, ThreadCommunicator(pool), params=params, factor=factor)
+            assert len(engine.factored) == (2 if factor else 0)
+            values, loss, grad = engine.run(batch, 0, 1)
+            grads.append(grad.copy())
+            pool.close()
+    assert np.count_nonzero(grads[0]) > 0.9 * grads[0].size
+    for g in grads[1:]:
+        assert np.array_equal(g, grads[0])
 
 
 @pytest.mark.parametrize("model,chunks", [("mnist", 16), ("mnist", 7), ("cifar10", 16)])

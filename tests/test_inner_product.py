@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cgp.errors import NetError
-from cgp.layers import Chunk
+from cgp.layers import Chunk, Factors
 from layer_check import (backward, build, check_forward, check_gradients, forward,
                          check_split_invariance, random_params)
 
@@ -144,3 +144,23 @@ def test_overwrite_mode_sets_gradients_bitwise_as_adding_to_zeros():
     layer.backward(tops, dy, [x], [np.zeros_like(x)], params, garbage, scratch, Chunk(n=7))
     for got, want in zip(garbage, added):
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_factored_weight_gradient(name):
+    """Handed Factors for its weight gradient, the layer copies its A and B there, whose product
+    A^T @ B is the weight gradient; dx and db are bitwise those of the unfactored path."""
+    fields, shape, _, weight, _ = CONFIGS[name]
+    layer = build(ip_text(fields), [shape])
+    rows, J, L = layer.factor_shape()
+    assert (J, L) == weight
+    x = data(shape)
+    params = random_params(layer)
+    tops, scratch = forward(layer, [x], params)
+    dy = [data(tops[0].shape, seed=1)]
+    _, dx, (dw, db) = backward(layer, [x], params, dy)
+    factors = Factors(np.full((shape[0] * rows, J), np.nan), np.full((shape[0] * rows, L), np.nan))
+    got_dx, got_db = np.zeros_like(x), np.zeros_like(db)
+    layer.backward(tops, dy, [x], [got_dx], params, [factors, got_db], scratch, Chunk(n=shape[0]))
+    np.testing.assert_allclose(factors.a.T @ factors.b, dw, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(got_dx, dx[0]) and np.array_equal(got_db, db)

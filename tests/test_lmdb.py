@@ -74,6 +74,29 @@ def test_raw_records_in_key_order_with_wrapping(raw_db, cache, monkeypatch):
     db.close()
 
 
+def test_release_from_a_finalizer_inside_open_waits_for_the_lock(tmp_path):
+    """A reader's finalizer can run from the garbage collector while this thread is inside
+    _open_env (lmdb.open allocates): its release is queued and done when the open ends,
+    never re-entering lmdb halfway through an open."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for path in (first, second):
+        write_db(path, [datum(i, l) for i, l in zip(*records(2))])
+    env = lmdb_data._open_env(first)
+    with lmdb_data._ENVS_LOCK:
+        lmdb_data._HOLDING.depth = 1  # as inside _open_env
+        try:
+            lmdb_data._release_env(first)
+            assert str(first.resolve()) in lmdb_data._ENVS  # queued, still open
+        finally:
+            lmdb_data._HOLDING.depth = 0
+    other = lmdb_data._open_env(second)  # the next open's end runs the queued release
+    assert str(first.resolve()) not in lmdb_data._ENVS and not lmdb_data._DEFERRED
+    with pytest.raises(Exception):
+        env.stat()  # closed
+    lmdb_data._release_env(second)
+    assert other is not None and str(second.resolve()) not in lmdb_data._ENVS
+
+
 def test_float_data_records(tmp_path):
     images, labels = records(9, (2, 3, 4), np.float32)
     path = write_db(tmp_path / "float_lmdb", [datum(i, l) for i, l in zip(images, labels)])

@@ -1,5 +1,5 @@
 """Layers by Caffe type name. Importing this package registers every layer family."""
-from cgp.layers.base import (REGISTRY, Chunk, Layer, alloc_scratch, check_axis, register,
+from cgp.layers.base import (REGISTRY, Chunk, Factors, Layer, alloc_scratch, check_axis, register,
                              supported_types)
 
 # Each family module registers its layers on import.

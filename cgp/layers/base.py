@@ -5,7 +5,7 @@ space live in buffers that the engine owns, one set per worker, so a single laye
 object serves every chunk of every iteration on every thread.
 """
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -64,6 +64,13 @@ class Chunk:
         return self.batch or self.n
 
 
+class Factors(NamedTuple):
+    """A chunk's factored parameter gradient A^T @ B: the layer copies its A and B here,
+    (rows, J) and (rows, L) for the chunk's rows, instead of forming the product."""
+    a: np.ndarray
+    b: np.ndarray
+
+
 class Layer:
     """Base class. Subclasses register with @register("CaffeType") and override:
 
@@ -94,6 +101,12 @@ class Layer:
     # memory per chunk.
     can_overwrite_param_diff = False
     overwrite_param_diff = False
+    # A layer whose first parameter's gradient for a chunk is a product A^T @ B of two
+    # per-row matrices it holds in backward (InnerProduct: the output gradient and the input)
+    # says so with factor_shape(); the engine may then pass it, in place of that gradient's
+    # array, a Factors to copy A and B into, and forms the products itself while it sums
+    # the chunks, with the same bits and no per-chunk copy of the gradient in memory.
+    can_factor_param_diff = False
     default_loss_weight = 0.0  # Caffe gives loss layers weight 1 on their first top
 
     def __init__(self, lp, index=0, phase=0):
@@ -127,6 +140,11 @@ class Layer:
 
     def scratch_shapes(self, n):
         return {}
+
+    def factor_shape(self):
+        """(rows per sample, J, L) of a factored gradient A^T @ B (see can_factor_param_diff):
+        A is (rows, J) and B (rows, L) per sample, and the gradient is (J, L)."""
+        raise NotImplementedError
 
     # -- per chunk ---------------------------------------------------------------
     def forward(self, bottom, top, params, scratch, chunk):

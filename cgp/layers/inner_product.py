@@ -6,24 +6,26 @@ on its chunk (see cgp.kernels.fc). Axis 0 is refused.
 import numpy as np
 
 from cgp.kernels import fc as K
-from cgp.layers.base import Layer, check_axis, register
+from cgp.layers.base import Factors, Layer, check_axis, register
 
 
-def matrix(a, rows):
-    """a as a (rows, -1) view; refuses arrays that would need a copy, whose writes would be lost."""
+def matrix(a, rows, cols):
+    """a as a (rows, cols) view; refuses arrays that would need a copy, whose writes would be
+    lost."""
     if not a.flags.c_contiguous:
         raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
-    return a.reshape(rows, a.size // rows if rows else 0)
+    return a.reshape(rows, cols)
 
 
 @register("InnerProduct")
 class InnerProduct(Layer):
-    can_overwrite_param_diff = True
     """Caffe's InnerProduct: bottom (N, d1, ..., dk) is seen as rows of the axes from `axis`
     on, C = d_axis * ... * dk inputs each and N * d1 * ... * d(axis-1) rows; top is
     (N, d1, ..., d(axis-1), num_output). Weight (num_output, C), or (C, num_output) when
     transpose; bias (num_output,).
     """
+    can_overwrite_param_diff = True
+    can_factor_param_diff = True
 
     def setup(self, bottom_shapes):
         p = self.lp.inner_product_param
@@ -51,14 +53,23 @@ class InnerProduct(Layer):
         m = chunk.n * self.rows
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
-        K.fc_forward(matrix(bottom[0], m), w, b, matrix(top[0], m), self.transpose)
+        K.fc_forward(matrix(bottom[0], m, self.C), w, b, matrix(top[0], m, self.K), self.transpose)
+
+    def factor_shape(self):
+        # The weight gradient is dy^T @ x, or x^T @ dy when the weight is stored transposed.
+        return (self.rows, self.C, self.K) if self.transpose else (self.rows, self.K, self.C)
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
         m = chunk.n * self.rows
-        x = matrix(bottom[0], m)
+        x = matrix(bottom[0], m, self.C)
+        dy = matrix(top_diff[0], m, self.K)
         db = param_diff[1] if self.bias_term else np.empty(0, x.dtype)
         need_dx = bottom_diff[0] is not None
-        # Without dx the kernel never touches its dx argument; x stands in for the type.
-        dx = matrix(bottom_diff[0], m) if need_dx else x
-        K.fc_backward(x, params[0], matrix(top_diff[0], m), dx, param_diff[0], db,
-                      self.transpose, need_dx, self.overwrite_param_diff)
+        # Without dx (or dw) the kernel never touches that argument; x stands in for the type.
+        dx = matrix(bottom_diff[0], m, self.C) if need_dx else x
+        dw = param_diff[0]
+        factored = isinstance(dw, Factors)
+        if factored:
+            dw.a[...], dw.b[...] = (x, dy) if self.transpose else (dy, x)
+        K.fc_backward(x, params[0], dy, dx, x if factored else dw, db, self.transpose, need_dx,
+                      not factored, self.overwrite_param_diff)
