@@ -28,8 +28,9 @@ def add_bench(sub):
         "speedup", epilog=EPILOG,
         help="images/s, speedup and parallel efficiency against the thread count",
         description="Times --repeats x --iters training iterations per thread count, the "
-                    "counts interleaved round-robin; prints medians, speedup over 1 thread and "
-                    "efficiency, and writes JSON, CSV and a PNG plot into --out.")
+                    "counts interleaved round-robin; prints medians, speedup over 1 thread "
+                    "(also as the median of the ratios within each round) and efficiency, "
+                    "and writes JSON, CSV and a PNG plot into --out.")
     s.add_argument("model", nargs="?", help="short name of a bundled model (mnist, cifar10, ...)")
     s.add_argument("--solver", help="solver prototxt (Caffe's format)")
     s.add_argument("--threads", default=None,
@@ -174,25 +175,23 @@ def training_flops(net):
     return total
 
 
-def matmul_gflops(size=1024, repeats=7):
-    """NumPy's single-threaded float32 matrix product rate on this machine, in GFLOP/s
-    (2 n^3 FLOPs per n x n product): the median of `repeats` timings of a few products."""
-    import statistics
+MATMUL_SIZE = 1024
 
+
+def matmul_gflops(size=MATMUL_SIZE, products=3):
+    """NumPy's single-threaded float32 matrix product rate on this machine, in GFLOP/s
+    (2 n^3 FLOPs per n x n product), over `products` products after one untimed."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 
     a = np.random.default_rng(0).random((size, size), dtype=np.float32)
     out = np.empty_like(a)
-    rates = []
     with threadpool_limits(limits=1):
-        np.matmul(a, a, out=out)  # warm-up
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for _ in range(3):
-                np.matmul(a, a, out=out)
-            rates.append(3 * 2 * size ** 3 / (time.perf_counter() - started) / 1e9)
-    return statistics.median(rates)
+        np.matmul(a, a, out=out)
+        started = time.perf_counter()
+        for _ in range(products):
+            np.matmul(a, a, out=out)
+        return products * 2 * size ** 3 / (time.perf_counter() - started) / 1e9
 
 
 # -- timing ------------------------------------------------------------------------
@@ -213,9 +212,9 @@ class Config:
         return self.impl + (f"/{self.layout}" if self.layout else "") + f" x{self.threads}"
 
 
-def interleaved(configs, iters, repeats, warmup, images_per_iter, log):
+def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None):
     """Warm every configuration up, then time `repeats` rounds; round r runs the
-    configurations in order, rotated by r. Every timing trains the same iterations from the
+    configurations in order, rotated by r, then each_round() if given. Every timing trains the same iterations from the
     same state (the one after the warm-up): the work is identical in every repetition, and a
     net that trains itself into another regime (tiny gradients turning denormal, say) cannot
     make later repetitions slower than earlier ones."""
@@ -231,6 +230,8 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log):
                 started = time.perf_counter()
                 c.run(iters)
                 c.rates.append(iters * images_per_iter / (time.perf_counter() - started))
+        if each_round is not None:
+            each_round()
         log(f"  repetition {r + 1}/{repeats}: " +
             ", ".join(f"{c.label} {c.rates[-1]:.0f}" for c in configs))
 
@@ -296,11 +297,15 @@ def summarise(configs):
                     and b.threads == 1)
         median = statistics.median(c.rates)
         speedup = median / statistics.median(base.rates)
+        # The same ratio taken within each round, whose timings lie minutes closer together:
+        # on a shared machine it is less swayed by a slow spell than the ratio of medians.
+        paired = statistics.median(r / b for r, b in zip(c.rates, base.rates))
         rows.append({"impl": c.impl, "layout": c.layout, "threads": c.threads,
                      "images_per_s": [round(r, 2) for r in c.rates],
                      "median": round(median, 2), "min": round(min(c.rates), 2),
                      "max": round(max(c.rates), 2), "speedup": round(speedup, 4),
-                     "efficiency": round(speedup / c.threads, 4)})
+                     "efficiency": round(speedup / c.threads, 4),
+                     "paired_speedup": round(paired, 4)})
     best = {}   # threads -> the faster torch row
     for row in rows:
         if row["impl"] == "torch" and (row["threads"] not in best
@@ -314,12 +319,12 @@ def summarise(configs):
 
 def table(rows, best):
     lines = [f"{'threads':>7}  {'cgp img/s':>10}  {'min-max':>15}  {'speedup':>7}  "
-             f"{'efficiency':>10}" + (f"  {'torch img/s':>11}  {'layout':<13}  {'cgp/torch':>9}"
-                                      if best else "")]
+             f"{'efficiency':>10}  {'paired':>6}"
+             + (f"  {'torch img/s':>11}  {'layout':<13}  {'cgp/torch':>9}" if best else "")]
     for row in (r for r in rows if r["impl"] == "cgp"):
         line = (f"{row['threads']:>7}  {row['median']:>10.1f}  "
                 f"{row['min']:>7.0f}-{row['max']:<7.0f}  {row['speedup']:>7.2f}  "
-                f"{100 * row['efficiency']:>9.0f}%")
+                f"{100 * row['efficiency']:>9.0f}%  {row['paired_speedup']:>6.2f}")
         t = best.get(row["threads"])
         if t:
             line += f"  {t['median']:>11.1f}  {t['layout']:<13}  {row['cgp_over_torch']:>9.2f}"
@@ -336,7 +341,7 @@ def write_results(out, stem, report, rows, log):
     paths = [out / f"{stem}.json", out / f"{stem}.csv"]
     paths[0].write_text(json.dumps(report, indent=2) + "\n")
     columns = ["impl", "layout", "threads", "median", "min", "max", "speedup", "efficiency",
-               "cgp_over_torch", "images_per_s"]
+               "paired_speedup", "cgp_over_torch", "images_per_s"]
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
@@ -389,6 +394,8 @@ def model_name(args, path):
 
 
 def cmd_speedup(args, log=print):
+    import statistics
+
     from cgp.cli import check_threads, solver_file, thread_list
     from cgp.errors import CgpError
     from cgp.prototxt import read_solver
@@ -431,11 +438,10 @@ def cmd_speedup(args, log=print):
             f"{len(trainers[1].engine.bounds)} chunks; threads {','.join(map(str, threads))}"
             f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}; {args.warmup} warm-up "
             f"+ {args.repeats} x {args.iters} iterations each, interleaved")
+        matmul = []  # NumPy's matmul rate, timed in every round like the configurations
         with ForeignLoad() as foreign:
-            # NumPy's matmul rate is taken before and after, to catch a machine that changed.
-            matmul = [matmul_gflops()]
-            interleaved(configs, args.iters, args.repeats, args.warmup, images, log)
-            matmul.append(matmul_gflops())
+            interleaved(configs, args.iters, args.repeats, args.warmup, images, log,
+                        each_round=lambda: matmul.append(matmul_gflops()))
     finally:
         for trainer in trainers.values():
             trainer.close()
@@ -443,14 +449,14 @@ def cmd_speedup(args, log=print):
     for line in table(rows, best):
         log(line)
     flops = training_flops(net)
-    numpy_rate = sum(matmul) / 2
+    numpy_rate = statistics.median(matmul)
     one = next(r for r in rows if r["impl"] == "cgp" and r["threads"] == 1)
     rate = one["median"] * flops / 1e9
     log(f"arithmetic: {flops / 1e6:.1f} MFLOP per training image (convolution and "
         f"inner-product multiply-adds, 2 FLOPs each); cgp on 1 thread {rate:.1f} GFLOP/s = "
         f"{100 * rate / numpy_rate:.0f}% of NumPy's single-threaded float32 matmul "
-        f"({numpy_rate:.1f} GFLOP/s on 1024 x 1024; {matmul[0]:.1f} before, "
-        f"{matmul[1]:.1f} after)")
+        f"({numpy_rate:.1f} GFLOP/s, median of {len(matmul)} rounds of {MATMUL_SIZE} x "
+        f"{MATMUL_SIZE} products, {min(matmul):.0f}-{max(matmul):.0f})")
     if foreign.cores > 0.25:
         log(f"cgp bench: note: other processes kept {foreign.cores:.1f} of "
             f"{os.cpu_count()} cores busy during the run; timings with more threads than "
@@ -462,7 +468,7 @@ def cmd_speedup(args, log=print):
               "repeats": args.repeats, "warmup": args.warmup, "seed": trainers[1].seed,
               "threads": threads, "compare": args.compare,
               "training_flops_per_image": flops,
-              "numpy_matmul_gflops": {"before": round(matmul[0], 2), "after": round(matmul[1], 2)},
+              "numpy_matmul_gflops": [round(r, 2) for r in matmul],
               "cgp_1_thread_gflops": round(rate, 2),
               "cgp_1_thread_share_of_matmul": round(rate / numpy_rate, 4),
               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", started),
