@@ -2,7 +2,10 @@
 
 The sum runs over chunk index in a fixed binary tree, so the result depends on the
 number of chunks alone, never on threads (or, later, on how chunks map to MPI ranks:
-a rank will own a contiguous range of chunks).
+a rank will own a contiguous range of chunks). A chunk's gradient comes either as a row of
+a (chunks, parameters) buffer or, for a weight whose gradient is a product A^T @ B
+(InnerProduct), as its factors: the product is then formed inside the reduction, with the
+same bits, and never stored once per chunk.
 """
 from typing import NamedTuple
 

@@ -3,7 +3,8 @@ chunks on a pool of threads.
 
 The batch is cut into `chunks` pieces by batch size and chunk count alone. Each chunk
 runs forward and backward single-threaded through nogil Numba kernels and writes its
-own private gradient buffer; the communicator then sums the buffers in a fixed order.
+own private gradient buffer (or, for weights whose gradient is a product of two per-row
+matrices, those factors); the communicator then sums the chunks in a fixed order.
 Which thread runs which chunk never matters, so results are bitwise the same for any
 thread count. The engine knows nothing about solvers.
 """

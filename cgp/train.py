@@ -112,14 +112,22 @@ def solver_nets(sp, solver_path):
 def check_memory(net, chunks, threads, histories, available):
     """The memory a run needs, as a line for the log; CgpError before running out.
     Private gradients are one buffer per chunk (never per sample), so they grow with
-    --chunks, not with the batch; activations are one chunk-sized set per thread."""
+    --chunks, not with the batch; factored weight gradients (InnerProduct) keep instead
+    their two factors for the batch, which never touch the per-chunk buffers' pages;
+    activations are one chunk-sized set per thread."""
     n, chunks = net.n_params, min(chunks, net.batch_size)
-    gradients = chunks * n * 4
+    dense, factors = n, 0
+    for index in net.factorable:
+        rows, J, L = net.entries[index].layer.factor_shape()
+        dense -= J * L
+        factors += net.batch_size * rows * (J + L) * 4
+    gradients = chunks * dense * 4 + factors
     state = (2 + histories) * n * 4  # parameters, the reduced gradient, solver history
     per_sample = sum(int(np.prod(s[1:])) for s in net.blob_shapes if s)
     activations = threads * 2 * -(-net.batch_size // chunks) * per_sample * 4
     need = gradients + state + activations
-    line = (f"memory: {need / 2**20:.1f} MiB = gradients {chunks} chunks x {n} parameters "
+    line = (f"memory: {need / 2**20:.1f} MiB = gradients {chunks} chunks x {dense} parameters"
+            f"{f' + factors of {len(net.factorable)} weights' if net.factorable else ''} "
             f"({gradients / 2**20:.1f} MiB) + solver state ({state / 2**20:.1f} MiB) + activations "
             f"of {threads} thread(s) ({activations / 2**20:.1f} MiB); {available / 2**30:.1f} GiB available")
     if need > 0.9 * available:

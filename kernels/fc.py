@@ -18,7 +18,8 @@ Two loop shapes do all the work:
 
 The weight gradient adds dy^T @ x (x^T @ dy when transposed) one gradient row at a time, over
 the chunk's rows in row order. Multiply-adds may be fused (FMA): one rounding fewer, the same
-on every run.
+on every run. (The engine usually takes dy and x instead and forms the same chains itself,
+see cgp.kernels.reduce.outer_tree_sum; this kernel serves weights shared between layers.)
 
 Dimension letters: M rows in the chunk (samples times rows per sample), C inputs per row,
 K outputs per row.
@@ -103,32 +104,23 @@ def rows_axpy(a, w, out):
 
 
 @njit(cache=True, nogil=True)
-def outer_row_add(a, b, m0, m1, j, t0, t1, g):
-    """a: (M, J); b: (M, L); g: (t1 - t0,) ADDED to: g += a[m, j] * b[m, t0:t1] for m = m0,
-    m0 + 1, ..., m1 - 1 in order, four rows m per load and store of g. Each element of g gets
-    the same operations whatever the column range [t0, t1), so any cut of the columns gives
-    the same bits."""
-    m4 = m1 - (m1 - m0) % 4
-    for m in range(m0, m4, 4):
-        _axpy_4(g, a[m, j], a[m + 1, j], a[m + 2, j], a[m + 3, j],
-                b[m, t0:t1], b[m + 1, t0:t1], b[m + 2, t0:t1], b[m + 3, t0:t1])
-    for m in range(m4, m1):
-        _axpy_1(g, a[m, j], b[m, t0:t1])
-
-
-@njit(cache=True, nogil=True)
 def add_outer_rows(a, b, g, overwrite):
     """a: (M, J); b: (M, L); g: (J, L) ADDED to: g[j] += a[m, j] * b[m] for m = 0, 1, ... in
-    order (outer_row_add), each row of g finishing every m before the next, while it sits in
-    cache. overwrite: start each row of g from 0 instead (bitwise the same as adding into
-    zeros, without a separate pass that zeroes g in memory first)."""
+    order. Four rows m per load and store of g (the order stays m = 0, 1, ...), and each row
+    of g finishes every m before the next, while it sits in cache. overwrite: start each row
+    of g from 0 instead (bitwise the same as adding into zeros, without a separate pass that
+    zeroes g in memory first)."""
     M, J = a.shape
-    L = b.shape[1]
+    M4 = M - M % 4
     for j in range(J):
         gj = g[j]
         if overwrite:
             gj[:] = 0
-        outer_row_add(a, b, 0, M, j, 0, L, gj)
+        for m in range(0, M4, 4):
+            _axpy_4(gj, a[m, j], a[m + 1, j], a[m + 2, j], a[m + 3, j],
+                    b[m], b[m + 1], b[m + 2], b[m + 3])
+        for m in range(M4, M):
+            _axpy_1(gj, a[m, j], b[m])
 
 
 @njit(cache=True, nogil=True)

@@ -1,15 +1,18 @@
-"""Gradient reduction kernels: the fixed-order sum of per-chunk gradient buffers.
+"""Gradient reduction kernels: the fixed-order sum of per-chunk gradient buffers
+(tree_sum), and of per-chunk gradients held as factors A_c^T @ B_c (outer_tree_sum), which
+forms each chunk's product a register tile at a time and sums the tiles in the same tree.
 
 Only the order of additions matters for bitwise results, never which thread adds:
-each kernel call handles a column range [lo, hi) of every buffer, and any cut of the
-columns gives the same sums.
+each kernel call handles a column range [lo, hi) of every buffer (or rows [j0, j1) of a
+factored gradient), and any cut gives the same sums.
 """
-from numba import literal_unroll, literally, njit
+from numba import literally, njit
 
-from cgp.kernels.tile import SHAPES, VECTOR_BYTES, choose, lanes, lanes_of, tile
+from cgp.kernels.tile import SHAPES, VECTOR_BYTES, choose, lanes, tile
 
 # Elements a factored operand must extend past its last row (tiles read up to T - 1 past a
-# row of A and KV vectors past a row of B), and scratch elements per chunk, in lanes.
+# row of A and KV vectors past a row of B; counted in float32, which has the most lanes), and
+# register-tile elements per chunk in outer_tree_sum's scratch, in vectors.
 OUTER_PAD = max(max(T, KV * VECTOR_BYTES // 4) for T, KV in SHAPES)
 OUTER_SCRATCH = max(T * KV for T, KV in SHAPES)
 
@@ -23,13 +26,6 @@ def tree_sum(bufs, lo, hi, scratch):
     """bufs: (K, P) chunk gradients; scratch: (K, TILE). Sums the rows pairwise in a
     fixed binary tree over the chunk index (stride 1, 2, 4, ...) for columns [lo, hi);
     the total ends in bufs[0, lo:hi]. The other rows are left as they were."""
-    tree_sum_into(bufs, lo, hi, scratch, bufs[0], lo)
-
-
-@njit(cache=True, nogil=True)
-def tree_sum_into(bufs, lo, hi, scratch, out, out_lo):
-    """tree_sum, with the total written to out[out_lo:out_lo + hi - lo] instead (out may be
-    bufs[0] itself)."""
     k = bufs.shape[0]
     k4 = k - k % 4
     for start in range(lo, hi, TILE):
@@ -62,10 +58,10 @@ def tree_sum_into(bufs, lo, hi, scratch, out, out_lo):
                 for j in range(n):
                     s[j] += t[j]
             stride *= 2
+        out = bufs[0]
         total = scratch[0]
-        o = out_lo + start - lo
         for j in range(n):
-            out[o + j] = total[j]
+            out[start + j] = total[j]
 
 
 @njit(cache=True, nogil=True)
@@ -106,7 +102,7 @@ def _outer_blocks(T, KV, a, b, J, L, starts, j0, j1, partials, scratch, out):
     literally(T)
     literally(KV)
     k = starts.size - 1
-    KVV = KV * lanes_of(a)
+    KVV = KV * lanes(a.itemsize)
     width = partials.shape[1]
     flat = partials.reshape(-1)
     for jb in range(j0, j1, T):

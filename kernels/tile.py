@@ -59,20 +59,6 @@ def lanes(itemsize):
     return VECTOR_BYTES // itemsize
 
 
-@intrinsic
-def lanes_of(typingctx, a):
-    """lanes(a.itemsize) for an array a, as a compile-time constant (a.itemsize is read at run
-    time), so that loop bounds built from it are constants the compiler can unroll."""
-    if not isinstance(a, types.Array):
-        return None
-
-    def codegen(context, builder, signature, args):
-        size = context.get_abi_sizeof(context.get_value_type(a.dtype))
-        return ir.Constant(context.get_value_type(types.intp), VECTOR_BYTES // size)
-
-    return types.intp(a), codegen
-
-
 @njit(cache=True, nogil=True)
 def choose(nt, nv, V, unit):
     """The tile shape (T, KV) of SHAPES that covers nt outputs along T and nv along the vectors
