@@ -58,7 +58,8 @@ def main():
     loop, unit = LOOPS[args.workload]
     alone = run(loop, 1, args.seconds)[0]
     together = run(loop, args.processes, args.seconds)
-    print(f"one process: {alone} {unit}; {args.processes} at once: {' + '.join(map(str, together))}")
+    print(f"one process: {alone} {unit}; {args.processes} at once: "
+          f"{' + '.join(map(str, together))}")
     print(f"throughput ratio (the machine's ceiling for {args.processes} cores): "
           f"{sum(together) / alone:.2f}")
 

@@ -214,10 +214,10 @@ class Config:
 
 def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None):
     """Warm every configuration up, then time `repeats` rounds; round r runs the
-    configurations in order, rotated by r, then each_round() if given. Every timing trains the same iterations from the
-    same state (the one after the warm-up): the work is identical in every repetition, and a
-    net that trains itself into another regime (tiny gradients turning denormal, say) cannot
-    make later repetitions slower than earlier ones."""
+    configurations in order, rotated by r, then each_round() if given. Every timing trains
+    the same iterations from the same state (the one after the warm-up): the work is
+    identical in every repetition, and a net that trains itself into another regime (tiny
+    gradients turning denormal, say) cannot make later repetitions slower than earlier ones."""
     for c in configs:
         with c.context():
             c.run(warmup)
