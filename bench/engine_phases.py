@@ -1,0 +1,89 @@
+"""Where a training step's time goes: per parallel phase (the chunks' forward and backward,
+the reduction, the solver update), its wall time, the threads' busy time and their
+utilisation, and the time outside the phases (data loading, the solver's preparation,
+Python glue), which runs on one thread. Busy time that grows with the thread count is work
+that gets slower when threads run side by side (shared caches, the interpreter lock).
+
+    python bench/engine_phases.py [mnist|cifar10] [--threads 1,2] [--steps 200]
+"""
+import argparse
+import sys
+import threading
+import time
+
+from threadpoolctl import threadpool_limits
+
+from cgp import models
+from cgp.engine import Pool
+from cgp.prototxt import read_solver
+from cgp.train import RunConfig, Trainer
+
+
+class TimedPool(Pool):
+    """A Pool that adds up, per calling function, the wall time of run() and its tasks'."""
+
+    def __init__(self, threads):
+        super().__init__(threads)
+        self.phases = {}   # caller's name -> [wall, busy]
+        self._lock = threading.Lock()
+
+    def run(self, fn, tasks):
+        name = sys._getframe(1).f_code.co_name
+        busy = [0.0]
+
+        def timed(worker, i):
+            started = time.perf_counter()
+            fn(worker, i)
+            with self._lock:
+                busy[0] += time.perf_counter() - started
+
+        started = time.perf_counter()
+        super().run(timed, tasks)
+        phase = self.phases.setdefault(name, [0.0, 0.0])
+        phase[0] += time.perf_counter() - started
+        phase[1] += busy[0]
+
+
+PHASES = {"run": "chunks (forward, backward)", "reduce": "reduction", "step": "solver update"}
+
+
+def measure(model, threads, steps, data_dir):
+    sp = read_solver(models.solver_path(model))
+    sp.net = str(models.FOLDER / sp.net)
+    trainer = Trainer(sp, None, RunConfig(threads=threads, progress=False, data_dir=data_dir),
+                      log=lambda line: None)
+    pool = TimedPool(threads)
+    trainer.pool.close()
+    trainer.pool = trainer.engine.pool = trainer.engine.comm.pool = pool
+    with threadpool_limits(limits=1):
+        for _ in range(10):
+            trainer.step()
+        pool.phases.clear()
+        started = time.perf_counter()
+        for _ in range(steps):
+            trainer.step()
+        total = time.perf_counter() - started
+    trainer.close()
+    pool.close()
+    print(f"{model}, {threads} thread(s): {1e3 * total / steps:.2f} ms per step")
+    inside = 0.0
+    for name, (wall, busy) in pool.phases.items():
+        inside += wall
+        print(f"  {PHASES.get(name, name):<28} wall {1e3 * wall / steps:6.2f} ms   busy "
+              f"{1e3 * busy / steps:6.2f} ms   utilisation {busy / (threads * wall):.2f}")
+    print(f"  {'outside the phases':<28} wall {1e3 * (total - inside) / steps:6.2f} ms")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="mnist")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--data-dir", default=None)
+    args = parser.parse_args()
+    for threads in map(int, args.threads.split(",")):
+        measure(args.model, threads, args.steps, args.data_dir)
+
+
+if __name__ == "__main__":
+    main()
