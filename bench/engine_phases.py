@@ -4,7 +4,10 @@ utilisation, and the time outside the phases (data loading, the solver's prepara
 Python glue), which runs on one thread. Busy time that grows with the thread count is work
 that gets slower when threads run side by side (shared caches, the interpreter lock).
 
-    python bench/engine_phases.py [mnist|cifar10] [--threads 1,2] [--steps 200]
+    python bench/engine_phases.py [mnist|cifar10] [--threads 1,2] [--steps 200] [--no-factor]
+
+--no-factor builds every chunk's InnerProduct weight gradient in its own buffer, as before
+the factored gradients (the same bits), to show what factoring saves.
 """
 import argparse
 import sys
@@ -14,7 +17,7 @@ import time
 from threadpoolctl import threadpool_limits
 
 from cgp import models
-from cgp.engine import Pool
+from cgp.engine import Engine, Pool
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
 
@@ -47,14 +50,16 @@ class TimedPool(Pool):
 PHASES = {"run": "chunks (forward, backward)", "reduce": "reduction", "step": "solver update"}
 
 
-def measure(model, threads, steps, data_dir):
+def measure(model, threads, steps, data_dir, factor):
     sp = read_solver(models.solver_path(model))
     sp.net = str(models.FOLDER / sp.net)
     trainer = Trainer(sp, None, RunConfig(threads=threads, progress=False, data_dir=data_dir),
                       log=lambda line: None)
     pool = TimedPool(threads)
     trainer.pool.close()
-    trainer.pool = trainer.engine.pool = trainer.engine.comm.pool = pool
+    trainer.pool = trainer.engine.comm.pool = pool
+    trainer.engine = Engine(trainer.net, trainer.config.chunks, pool, trainer.engine.comm,
+                            factor=factor)
     with threadpool_limits(limits=1):
         for _ in range(10):
             trainer.step()
@@ -65,7 +70,8 @@ def measure(model, threads, steps, data_dir):
         total = time.perf_counter() - started
     trainer.close()
     pool.close()
-    print(f"{model}, {threads} thread(s): {1e3 * total / steps:.2f} ms per step")
+    print(f"{model}, {threads} thread(s){'' if factor else ', unfactored'}: "
+          f"{1e3 * total / steps:.2f} ms per step")
     inside = 0.0
     for name, (wall, busy) in pool.phases.items():
         inside += wall
@@ -80,9 +86,10 @@ def main():
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--no-factor", action="store_true")
     args = parser.parse_args()
     for threads in map(int, args.threads.split(",")):
-        measure(args.model, threads, args.steps, args.data_dir)
+        measure(args.model, threads, args.steps, args.data_dir, not args.no_factor)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cgp.kernels.reduce import OUTER_SCRATCH, TILE, outer_tree_sum, tree_sum
-from cgp.kernels.tile import VECTOR_BYTES
+from cgp.kernels.tile import lanes
 
 BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enough to balance
 # Rows of a factored gradient per task: a multiple of every register tile's height.
@@ -61,10 +61,9 @@ class ThreadCommunicator:
         tiles for k chunks."""
         key = (k, dtype)
         if key not in self._scratch:
-            threads = self.pool.threads
-            lanes = VECTOR_BYTES // np.dtype(dtype).itemsize
+            threads, width = self.pool.threads, OUTER_SCRATCH * lanes(np.dtype(dtype).itemsize)
             self._scratch[key] = (np.zeros((threads, k, TILE), dtype),
-                                  np.zeros((threads, k, OUTER_SCRATCH * lanes), dtype))
+                                  np.zeros((threads, k, width), dtype))
         return self._scratch[key]
 
     def reduce(self, bufs, factored=()):
