@@ -5,9 +5,12 @@ Python glue), which runs on one thread. Busy time that grows with the thread cou
 that gets slower when threads run side by side (shared caches, the interpreter lock).
 
     python bench/engine_phases.py [mnist|cifar10] [--threads 1,2] [--steps 200] [--no-factor]
+                                  [--group 1]
 
 --no-factor builds every chunk's InnerProduct weight gradient in its own buffer, as before
-the factored gradients (the same bits), to show what factoring saves.
+the factored gradients (the same bits), to show what factoring saves. --group N runs N
+chunks per layer call (1: one chunk per call, as before grouped execution; the same bits)
+instead of the engine's default.
 """
 import argparse
 import sys
@@ -50,7 +53,7 @@ class TimedPool(Pool):
 PHASES = {"run": "chunks (forward, backward)", "reduce": "reduction", "step": "solver update"}
 
 
-def measure(model, threads, steps, data_dir, factor):
+def measure(model, threads, steps, data_dir, factor, group):
     sp = read_solver(models.solver_path(model))
     sp.net = str(models.FOLDER / sp.net)
     trainer = Trainer(sp, None, RunConfig(threads=threads, progress=False, data_dir=data_dir),
@@ -59,7 +62,7 @@ def measure(model, threads, steps, data_dir, factor):
     trainer.pool.close()
     trainer.pool = trainer.engine.comm.pool = pool
     trainer.engine = Engine(trainer.net, trainer.config.chunks, pool, trainer.engine.comm,
-                            factor=factor)
+                            factor=factor, group=group)
     with threadpool_limits(limits=1):
         for _ in range(10):
             trainer.step()
@@ -70,7 +73,8 @@ def measure(model, threads, steps, data_dir, factor):
         total = time.perf_counter() - started
     trainer.close()
     pool.close()
-    print(f"{model}, {threads} thread(s){'' if factor else ', unfactored'}: "
+    groups = len(trainer.engine.groups)
+    print(f"{model}, {threads} thread(s){'' if factor else ', unfactored'}, {groups} calls: "
           f"{1e3 * total / steps:.2f} ms per step")
     inside = 0.0
     for name, (wall, busy) in pool.phases.items():
@@ -87,9 +91,10 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--no-factor", action="store_true")
+    parser.add_argument("--group", type=int, default=None)
     args = parser.parse_args()
     for threads in map(int, args.threads.split(",")):
-        measure(args.model, threads, args.steps, args.data_dir, not args.no_factor)
+        measure(args.model, threads, args.steps, args.data_dir, not args.no_factor, args.group)
 
 
 if __name__ == "__main__":

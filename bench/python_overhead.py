@@ -44,11 +44,14 @@ def main():
         batch = trainer._batch(net, 0, 0)
         ws = engine.workspaces[0]
 
+        group_n = engine.samples(engine.groups[0])[1]
+
         def grad_views(size):
-            # Factored weight gradients take the chunk's rows of their factors.
-            return [[Factors(v.a[:size * len(v.a) // n], v.b[:size * len(v.b) // n])
-                     if isinstance(v, Factors) else v for v in layer]
-                    for layer in engine.chunk_grad_views[0]]
+            # The first chunk's: factored weight gradients take the chunk's rows of their
+            # factors, the others the first part of the first group's gradients.
+            return [[Factors(v.a[:size * len(v.a) // group_n], v.b[:size * len(v.b) // group_n])
+                     if isinstance(v, Factors) else v[:1] for v in layer]
+                    for layer in engine.group_grad_views[0]]
 
         def chunk_pass(size, views):
             chunk = Chunk(n=size, batch=net.batch_size)

@@ -7,6 +7,12 @@ own private gradient buffer (or, for weights whose gradient is a product of two 
 matrices, those factors); the communicator then sums the chunks in a fixed order.
 Which thread runs which chunk never matters, so results are bitwise the same for any
 thread count. The engine knows nothing about solvers.
+
+A worker runs a *group* of consecutive chunks per call: each layer runs once over the
+group's samples, while parameter gradients and loss shares stay per chunk (see Chunk and
+Layer), so grouping changes the speed, never a result. Fewer, larger calls hand the
+interpreter lock over less often and let kernels run on more samples at once, until a
+call's buffers no longer fit in the caches: see group_size.
 """
 import itertools
 import os
@@ -22,12 +28,31 @@ from cgp.layers import Chunk, Factors
 from cgp.net import Workspace
 
 
+# About the most bytes of activations and their gradients one call should hold: beyond it
+# the buffers stream from memory instead of the caches. LeNet (160 KB per sample) ran
+# fastest with 32 samples per call, cifar10_quick (620 KB) with 12, in runs of
+# bench/engine_phases.py --group.
+CALL_BYTES = 8 << 20
+
+
 def chunk_bounds(batch, chunks):
     """[(first, n), ...]: `chunks` near-equal contiguous pieces of a batch (fewer if the
     batch is smaller). The larger pieces come first."""
     chunks = max(1, min(chunks, batch))
     cuts = [c * batch // chunks for c in range(chunks + 1)]
     return [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:])]
+
+
+def group_size(net, chunks, threads):
+    """Chunks per call by default: one call per thread, unless that holds more than
+    CALL_BYTES, then as many calls as that takes, of even size; 1 where the net cannot
+    group (Net.groupable). Whatever it returns, the results are the same."""
+    bounds = chunk_bounds(net.batch_size, chunks)
+    if not net.groupable:
+        return 1
+    fit = max(1, CALL_BYTES // (bounds[0][1] * net.sample_bytes))
+    calls = max(-(-len(bounds) // fit), threads)
+    return -(-len(bounds) // calls)
 
 
 class Pool:
@@ -89,25 +114,39 @@ class Pool:
 class Engine:
     """Runs forward (and backward) of one net over the chunks of each batch."""
 
-    def __init__(self, net, chunks, pool, comm, backward=True, params=None, factor=True):
+    def __init__(self, net, chunks, pool, comm, backward=True, params=None, factor=True,
+                 group=None):
         """params: the flat parameter array to run with (default net.params); a float64
         copy runs the same kernels in float64 (the equivalence harness's reference).
         factor: let layers that can (see Layer.can_factor_param_diff) hand their weight
         gradient over as factors, which the communicator multiplies out while it sums the
-        chunks; the same bits either way, with far less memory traffic."""
+        chunks; the same bits either way, with far less memory traffic.
+        group: chunks per call (default: group_size); 1 where the net cannot group
+        (Net.groupable)."""
         self.net, self.pool, self.comm = net, pool, comm
         self.bounds = chunk_bounds(net.batch_size, chunks)
-        n_max = max(n for _, n in self.bounds)
+        if group is None:
+            group = group_size(net, chunks, pool.threads)
+        if group < 1:
+            raise CgpError(f"group must be at least 1 chunk, got {group}")
+        group = group if net.groupable else 1
+        # (first chunk, past the last chunk) of each group
+        self.groups = [(c, min(c + group, len(self.bounds)))
+                       for c in range(0, len(self.bounds), group)]
+        part_max = max(n for _, n in self.bounds)
+        n_max = max(self.samples(g)[1] for g in self.groups)
         flat = net.params if params is None else params
         self.dtype = flat.dtype
-        self.workspaces = [Workspace(net, n_max, with_diff=backward, dtype=self.dtype)
+        self.workspaces = [Workspace(net, n_max, with_diff=backward, dtype=self.dtype,
+                                     parts=min(group, len(self.bounds)), part_max=part_max)
                            for _ in range(pool.threads)]
         self.params = net.param_views(flat)
         self.backward = backward
         self.factored = []
         if backward:
             self.chunk_grads = np.zeros((len(self.bounds), net.n_params), self.dtype)
-            self.chunk_grad_views = [net.param_views(g) for g in self.chunk_grads]
+            self.group_grad_views = [net.param_views(self.chunk_grads[c0:c1])
+                                     for c0, c1 in self.groups]
             if factor:
                 for index in net.factorable:
                     self.factored.append(self._factor(index))
@@ -119,9 +158,15 @@ class Engine:
         self.shares = np.zeros((len(self.bounds), len(self.tracked)), np.float64)
         self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
 
+    def samples(self, group):
+        """(first sample, samples) of a group (c0, c1) of chunks."""
+        c0, c1 = group
+        first = self.bounds[c0][0]
+        return first, self.bounds[c1 - 1][0] + self.bounds[c1 - 1][1] - first
+
     def _factor(self, index):
-        """Batch-wide buffers for the factors of entry `index`'s weight gradient; each chunk's
-        gradient view of that weight becomes a Factors over the chunk's rows of them."""
+        """Batch-wide buffers for the factors of entry `index`'s weight gradient; each group's
+        gradient view of that weight becomes a Factors over the group's rows of them."""
         entry = self.net.entries[index]
         rows, J, L = entry.layer.factor_shape()
         blob = self.net.param_blobs[entry.params[0]]
@@ -129,9 +174,10 @@ class Engine:
         # Register tiles read up to OUTER_PAD elements past the last row.
         a = np.zeros(M * J + OUTER_PAD, self.dtype)
         b = np.zeros(M * L + OUTER_PAD, self.dtype)
-        for c, (first, n) in enumerate(self.bounds):
+        for g, group in enumerate(self.groups):
+            first, n = self.samples(group)
             lo, hi = first * rows, (first + n) * rows
-            self.chunk_grad_views[c][index][0] = Factors(a[lo * J:hi * J].reshape(-1, J),
+            self.group_grad_views[g][index][0] = Factors(a[lo * J:hi * J].reshape(-1, J),
                                                          b[lo * L:hi * L].reshape(-1, L))
         starts = np.array([first * rows for first, _ in self.bounds] + [M], np.int64)
         return FactoredGrad(blob.offset, J, L, a, b, starts)
@@ -143,21 +189,23 @@ class Engine:
         batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
         by_name = {self.source_names[b]: a for b, a in batch.items()}
 
-        def work(worker, c):
-            first, n = self.bounds[c]
+        def work(worker, g):
+            c0, c1 = self.groups[g]
+            first, n = self.samples(self.groups[g])
             chunk = Chunk(n=n, first=first, batch=net.batch_size, iteration=iteration,
-                          seed=seed, batch_tops=by_name)
+                          seed=seed, batch_tops=by_name,
+                          part_starts=tuple(f - first for f, _ in self.bounds[c0:c1]) + (n,))
             ws = self.workspaces[worker]
             data = net.forward(ws, chunk, batch, self.params)
             for j, (blob, _) in enumerate(self.tracked):
-                self.shares[c, j] = data[blob]
+                self.shares[c0:c1, j] = data[blob][:c1 - c0]
             if self.backward:
-                grads = self.chunk_grads[c]
+                grads = self.chunk_grads[c0:c1]
                 for lo, hi in net.zero_ranges:  # layers that set their gradients need no zeros
-                    grads[lo:hi] = 0
-                net.backward(ws, chunk, data, self.params, self.chunk_grad_views[c])
+                    grads[:, lo:hi] = 0
+                net.backward(ws, chunk, data, self.params, self.group_grad_views[g])
 
-        self.pool.run(work, len(self.bounds))
+        self.pool.run(work, len(self.groups))
         # Shares add up in chunk order, in the dtype of the blobs they came from.
         totals = np.zeros(len(self.tracked), self.dtype)
         for row in self.shares:

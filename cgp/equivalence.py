@@ -13,7 +13,7 @@ from threadpoolctl import threadpool_limits
 from cgp.engine import Engine, Pool
 from cgp.comm import ThreadCommunicator
 from cgp.errors import CgpError
-from cgp.train import RunConfig, Trainer
+from cgp.train import Trainer
 
 # A float32 step against the float64 reference: relative to the largest update.
 STEP_TOLERANCE = 1e-3

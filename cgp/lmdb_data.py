@@ -8,6 +8,7 @@ batch by one reader thread that fetches the next batch while the current one tra
 reads records only: transformations are the Data layer's, writing databases convert.py's.
 The `lmdb` package is an optional dependency, imported only when a database is opened.
 """
+import collections
 import os
 import threading
 import weakref
@@ -92,48 +93,39 @@ def decode_datum(value, where):
 # forbids opening one database twice in a process.
 _ENVS = {}
 _ENVS_LOCK = threading.RLock()
-# Releases that arrived while this thread held the lock: a reader's finalizer can run from
-# the garbage collector inside _open_env (lmdb.open allocates), and closing an environment
-# there would re-enter lmdb; they run when the lock is let go.
-_DEFERRED = []
-_HOLDING = threading.local()
+# Readers dropped without close(): their finalizer runs from the garbage collector, on
+# whichever thread happens to allocate, possibly while it holds a lock that shutting down
+# needs (ours, the thread pool's, lmdb's): it only queues the shutdown, and the next reader
+# opened, read or closed runs the queue.
+_ORPHANS = collections.deque()
 
 
 def _open_env(path):
     lmdb = require_lmdb(f"LMDB {path}")
     key = os.path.realpath(path)
     with _ENVS_LOCK:
-        _HOLDING.depth = getattr(_HOLDING, "depth", 0) + 1
+        if key in _ENVS:
+            _ENVS[key][1] += 1
+            return _ENVS[key][0]
         try:
-            if key in _ENVS:
-                _ENVS[key][1] += 1
-                return _ENVS[key][0]
-            try:
-                # lock=False: never write lock.mdb, so read-only folders work; cgp only reads.
-                env = lmdb.open(str(path), readonly=True, lock=False, readahead=False,
-                                max_readers=512)
-            except lmdb.Error as e:
-                raise DataError(f"LMDB {path}: cannot open: {e}") from None
-            _ENVS[key] = [env, 1]
-            return env
-        finally:
-            _HOLDING.depth -= 1
-            while _DEFERRED and not _HOLDING.depth:
-                _release_env(_DEFERRED.pop())
+            # lock=False: never write lock.mdb, so read-only folders work; cgp only reads.
+            env = lmdb.open(str(path), readonly=True, lock=False, readahead=False,
+                            max_readers=512)
+        except lmdb.Error as e:
+            raise DataError(f"LMDB {path}: cannot open: {e}") from None
+        _ENVS[key] = [env, 1]
+        return env
 
 
 def _release_env(path):
     with _ENVS_LOCK:
-        if getattr(_HOLDING, "depth", 0):
-            _DEFERRED.append(path)
-            return
         entry = _ENVS.get(os.path.realpath(path))
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] == 0:
-            del _ENVS[os.path.realpath(path)]
             entry[0].close()
+            del _ENVS[os.path.realpath(path)]
 
 
 def _key_text(key):
@@ -203,6 +195,7 @@ class LmdbRecords:
     """The Datum records of one Caffe LMDB database, in key order."""
 
     def __init__(self, path, cache_bytes=None):
+        _shut_down_orphans()
         self.path = Path(path)
         cache_bytes = CACHE_BYTES if cache_bytes is None else cache_bytes
         env = _open_env(self.path)
@@ -227,7 +220,8 @@ class LmdbRecords:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="cgp-lmdb")
         self._cursor = cursor
         self._pending = None     # (start, count, future) of the batch read ahead
-        self._finalizer = weakref.finalize(self, _shut_down, self._reader, cursor, self.path)
+        self._finalizer = weakref.finalize(self, _ORPHANS.append,
+                                           (self._reader, cursor, self.path))
         self._finalizer.atexit = False
 
     def _index(self, env):
@@ -266,6 +260,8 @@ class LmdbRecords:
         """Records start, start+1, ... (wrapping): images (count, C, H, W), labels (count,)."""
         if self._memory is not None:
             return self._memory.read(start, count)
+        if _ORPHANS:
+            _shut_down_orphans()
         start %= self.count
         pending, self._pending = self._pending, None
         if pending is not None and pending[:2] == (start, count):
@@ -284,7 +280,19 @@ class LmdbRecords:
     def close(self):
         if self._reader is not None:
             self._pending = None
-            self._finalizer()
+            args = self._finalizer.detach()
+            if args is not None:
+                _shut_down(*args[2][0])
+        _shut_down_orphans()
+
+
+def _shut_down_orphans():
+    while _ORPHANS:
+        try:
+            args = _ORPHANS.popleft()
+        except IndexError:   # another thread took the last one
+            return
+        _shut_down(*args)
 
 
 def _shut_down(reader, cursor, path):

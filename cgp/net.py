@@ -1,17 +1,18 @@
 """A Caffe NetParameter built for one phase: the layers that the phase includes, blob
-shapes, the flat parameter layout, and forward/backward over one chunk of the batch.
+shapes, the flat parameter layout, and forward/backward over a run of chunks of the batch.
 
 The net knows nothing about threads. Every top gets its own buffer (in-place layers in
 the prototxt are renamed internally) and a blob read by several layers gets a Split
 layer, as Caffe inserts one, so each buffer has one writer and one reader per pass.
 """
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from cgp.errors import NetError
 from cgp.fillers import fill
-from cgp.layers import REGISTRY, Chunk, alloc_scratch, supported_types
+from cgp.layers import REGISTRY, alloc_scratch, supported_types
 from cgp.proto import caffe_pb2
 
 PHASES = {caffe_pb2.TRAIN: "TRAIN", caffe_pb2.TEST: "TEST"}
@@ -106,6 +107,13 @@ class Net:
         self.loss_weights = self._loss_weights()
         self._plan_backward()
         self.zero_ranges = self._plan_param_overwrites()
+        self.batch_values = {t for e in self.entries if e.layer.reduces_batch for t in e.tops}
+        # A call may cover several chunks (see Chunk) unless a per-sample layer reads a batch
+        # value, which exists once per chunk.
+        self.groupable = not any(b in self.batch_values for e in self.entries
+                                 if not e.layer.reduces_batch for b in e.bottoms)
+        # Bytes of one sample's activations and their gradients (float32).
+        self.sample_bytes = 8 * sum(int(np.prod(s[1:])) for s in self.blob_shapes if s)
 
     # -- building ----------------------------------------------------------------
     def _count_consumers(self, lps):
@@ -298,8 +306,11 @@ class Net:
 
     # -- parameters --------------------------------------------------------------
     def param_views(self, flat):
-        """Per entry, the list of views of `flat` (any array laid out like self.params)."""
-        views = [flat[b.offset:b.offset + b.size].reshape(b.shape) for b in self.param_blobs]
+        """Per entry, the list of views of `flat` (any array laid out like self.params; a
+        (parts, n_params) array gives views of shape (parts,) + the blob's)."""
+        lead = flat.shape[:-1]
+        views = [flat[..., b.offset:b.offset + b.size].reshape(lead + b.shape)
+                 for b in self.param_blobs]
         return [[views[p] for p in e.params] for e in self.entries]
 
     def init_params(self, seed):
@@ -333,33 +344,81 @@ class Net:
                     out.append((t, name))
         return out
 
-    # -- one chunk ---------------------------------------------------------------
-    def forward(self, ws, chunk, batch_data, params):
-        """Forward one chunk. batch_data: source blob id -> whole-batch array; params:
-        per-entry views (from param_views). Fills ws.data."""
+    # -- one call: a run of chunks ------------------------------------------------
+    def forward(self, ws, chunk, batch_data, params, clock=None):
+        """Forward the samples of `chunk` (one or more parts, see Chunk). batch_data: source
+        blob id -> whole-batch array; params: per-entry views (from param_views). Fills
+        ws.data and returns its views; a batch-value top holds one value per part.
+        clock: optional array, clock[i] += seconds spent in entry i."""
         data = ws.views(chunk.n)
         lo, hi = chunk.first, chunk.first + chunk.n
         for blob, array in batch_data.items():
             data[blob] = array[lo:hi]
-        for entry, p, scratch in zip(self.entries, params, ws.scratch):
-            entry.layer.forward([data[b] for b in entry.bottoms], [data[t] for t in entry.tops],
-                                p, scratch, chunk)
+        parts = self._parts(chunk)
+        for i, (entry, p, scratch) in enumerate(zip(self.entries, params, ws.scratch)):
+            started = time.perf_counter() if clock is not None else 0.0
+            layer = entry.layer
+            if layer.reduces_batch:
+                for k, (part, a, b) in enumerate(parts):
+                    layer.forward(self._part(data, entry.bottoms, k, a, b),
+                                  [data[t][k, ...] for t in entry.tops], p, scratch[k], part)
+            else:
+                layer.forward([data[b] for b in entry.bottoms], [data[t] for t in entry.tops],
+                              p, scratch, chunk)
+            if clock is not None:
+                clock[i] += time.perf_counter() - started
         return data
 
-    def backward(self, ws, chunk, data, params, param_diffs):
-        """Backward one chunk after forward; adds parameter gradients into param_diffs
-        (layers with overwrite_param_diff set theirs: callers zero only self.zero_ranges)."""
+    def backward(self, ws, chunk, data, params, param_diffs, plan=None, clock=None):
+        """Backward `chunk` after forward; adds parameter gradients into param_diffs, per
+        entry the (parts,) + blob shape views of param_views (layers with
+        overwrite_param_diff set theirs: callers zero only self.zero_ranges). plan: per
+        entry (backward, propagate) in place of the entries' own flags; clock as in
+        forward."""
         diff = ws.diff_views(chunk.n)
         for blob, weight in self.loss_weights.items():
             diff[blob][...] = weight
-        for entry, p, pd, scratch in zip(reversed(self.entries), reversed(params),
-                                         reversed(param_diffs), reversed(ws.scratch)):
-            if not entry.backward:
+        parts = self._parts(chunk)
+        for i in reversed(range(len(self.entries))):
+            entry = self.entries[i]
+            backward, propagate = plan[i] if plan else (entry.backward, entry.propagate)
+            if not backward:
                 continue
-            entry.layer.backward([data[t] for t in entry.tops], [diff[t] for t in entry.tops],
-                                 [data[b] for b in entry.bottoms],
-                                 [diff[b] if f else None for b, f in zip(entry.bottoms, entry.propagate)],
-                                 p, pd, scratch, chunk)
+            started = time.perf_counter() if clock is not None else 0.0
+            layer, p, pd, scratch = entry.layer, params[i], param_diffs[i], ws.scratch[i]
+            bottom_diff = [diff[b] if f else None for b, f in zip(entry.bottoms, propagate)]
+            if layer.reduces_batch:
+                for k, (part, a, b) in enumerate(parts):
+                    layer.backward([data[t][k, ...] for t in entry.tops],
+                                   [diff[t][k, ...] for t in entry.tops],
+                                   self._part(data, entry.bottoms, k, a, b),
+                                   [None if d is None else self._part_of(entry.bottoms[j], d, k,
+                                                                         a, b)
+                                    for j, d in enumerate(bottom_diff)],
+                                   p, [d[k:k + 1] for d in pd], scratch[k], part)
+            else:
+                layer.backward([data[t] for t in entry.tops], [diff[t] for t in entry.tops],
+                               [data[b] for b in entry.bottoms], bottom_diff, p, pd, scratch,
+                               chunk)
+            if clock is not None:
+                clock[i] += time.perf_counter() - started
+
+    @staticmethod
+    def _parts(chunk):
+        """[(Chunk of part k alone, its first sample in the call, past its last), ...]."""
+        starts = chunk.part_starts or (0, chunk.n)
+        if len(starts) == 2:
+            return [(chunk, 0, chunk.n)]
+        return [(replace(chunk, n=b - a, first=chunk.first + a, part_starts=()), a, b)
+                for a, b in zip(starts[:-1], starts[1:])]
+
+    def _part_of(self, blob, array, k, a, b):
+        """Part k's slice of a blob's array: its samples a:b, or its own batch value (a view,
+        also of a scalar)."""
+        return array[k, ...] if blob in self.batch_values else array[a:b]
+
+    def _part(self, data, blobs, k, a, b):
+        return [self._part_of(blob, data[blob], k, a, b) for blob in blobs]
 
     def describe(self):
         """Caffe-like lines: each layer with its top shapes, and the parameter count."""
@@ -373,29 +432,34 @@ class Net:
 
 
 class Workspace:
-    """One worker's buffers: data and diff for every blob, sized for chunks of up to
-    n_max samples, and each layer's scratch. Reused for every chunk the worker runs.
-    Source (data layer) blobs get no data buffer: chunks read views of the batch."""
+    """One worker's buffers: data and diff for every blob, sized for calls of up to n_max
+    samples in up to `parts` parts of up to part_max samples, and each layer's scratch.
+    Reused for every call the worker runs. A batch value (a loss) gets one buffer per
+    part, as do the scratch of the layers that make them, which run one part at a time.
+    Source (data layer) blobs get no data buffer: calls read views of the batch."""
 
-    def __init__(self, net, n_max, with_diff=True, dtype=np.float32):
-        batch_values = {t for e in net.entries if e.layer.reduces_batch for t in e.tops}
-        self._per_sample = [b not in batch_values for b in range(len(net.blob_names))]
+    def __init__(self, net, n_max, with_diff=True, dtype=np.float32, parts=1, part_max=None):
+        part_max = part_max or n_max
+        self._per_sample = [b not in net.batch_values for b in range(len(net.blob_names))]
 
         def alloc(blob):
             shape = net.blob_shapes[blob]
-            return np.zeros((n_max,) + shape[1:] if self._per_sample[blob] else shape, dtype)
+            return np.zeros((n_max,) + shape[1:] if self._per_sample[blob] else (parts,) + shape,
+                            dtype)
 
         sources = {t for e in net.sources for t in e.tops}
         self.data = [None if b in sources else alloc(b) for b in range(len(net.blob_names))]
         self.diff = [alloc(b) for b in range(len(net.blob_names))] if with_diff else None
-        self.scratch = [alloc_scratch(e.layer, n_max, dtype) for e in net.entries]
+        self.scratch = [[alloc_scratch(e.layer, part_max, dtype) for _ in range(parts)]
+                        if e.layer.reduces_batch else alloc_scratch(e.layer, n_max, dtype)
+                        for e in net.entries]
         self._views = {}
 
     def _sliced(self, arrays, n):
         return [a[:n] if a is not None and per else a for a, per in zip(arrays, self._per_sample)]
 
     def views(self, n):
-        """Fresh list of per-blob data views for a chunk of n samples (callers fill in
+        """Fresh list of per-blob data views for a call of n samples (callers fill in
         the source blobs)."""
         if n not in self._views:
             self._views[n] = (self._sliced(self.data, n),

@@ -1,9 +1,8 @@
 """`cgp time`: Caffe's `caffe time` for cgp: the average forward and backward milliseconds of
 every layer and of a whole iteration, and a note when Numba compiles cgp's kernels.
 
-Per-layer times come from a copy of Net.forward/backward's loops with a clock around each
-layer, run single-threaded over the chunks of the batch as one engine worker runs them, so
-the hot path carries no timing code. Each layer's time is the sum over the chunks.
+Per-layer times come from Net.forward/backward with their clock, run single-threaded over
+the chunks of the batch one chunk per call. Each layer's time is the sum over the chunks.
 """
 import time
 from contextlib import contextmanager
@@ -83,40 +82,6 @@ def backward_plan(net):
     return plan
 
 
-def timed_forward(net, ws, chunk, batch, params, clock):
-    """Net.forward with clock[i] += seconds in entry i."""
-    data = ws.views(chunk.n)
-    lo, hi = chunk.first, chunk.first + chunk.n
-    for blob, array in batch.items():
-        data[blob] = array[lo:hi]
-    now = time.perf_counter
-    for i, (entry, p, scratch) in enumerate(zip(net.entries, params, ws.scratch)):
-        started = now()
-        entry.layer.forward([data[b] for b in entry.bottoms], [data[t] for t in entry.tops],
-                            p, scratch, chunk)
-        clock[i] += now() - started
-    return data
-
-
-def timed_backward(net, ws, chunk, data, params, param_diffs, plan, clock):
-    """Net.backward (with `plan` in place of the entries' own flags), clock[i] += seconds."""
-    diff = ws.diff_views(chunk.n)
-    for blob, weight in net.loss_weights.items():
-        diff[blob][...] = weight
-    now = time.perf_counter
-    for i in reversed(range(len(net.entries))):
-        backward, propagate = plan[i]
-        if not backward:
-            continue
-        entry = net.entries[i]
-        started = now()
-        entry.layer.backward([data[t] for t in entry.tops], [diff[t] for t in entry.tops],
-                             [data[b] for b in entry.bottoms],
-                             [diff[b] if f else None for b, f in zip(entry.bottoms, propagate)],
-                             params[i], param_diffs[i], ws.scratch[i], chunk)
-        clock[i] += now() - started
-
-
 def fill_inputs(net, seed):
     """Random data for Input layers: standard normal, except blobs read as labels (bottom 1
     of a loss or accuracy), which get random classes."""
@@ -176,7 +141,7 @@ class LayerTimer:
                 if blob not in read:
                     d[...] = 1
         self.params = net.param_views(net.params)
-        self.grads = np.zeros(net.n_params, np.float32)
+        self.grads = np.zeros((1, net.n_params), np.float32)  # one part per call
         self.grad_views = net.param_views(self.grads)
         self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
         self.forward = np.zeros(len(net.entries))
@@ -197,14 +162,14 @@ class LayerTimer:
             chunk = Chunk(n=n, first=first, batch=net.batch_size, iteration=iteration,
                           seed=self.seed, batch_tops=by_name)
             started = time.perf_counter()
-            data = timed_forward(net, self.ws, chunk, batch, self.params, self.forward)
+            data = net.forward(self.ws, chunk, batch, self.params, self.forward)
             t_forward += time.perf_counter() - started
-            loss += sum(w * float(data[b]) for b, w in net.loss_weights.items())
+            loss += sum(w * float(data[b][0]) for b, w in net.loss_weights.items())
             if self.has_backward:
                 self.grads.fill(0)
                 started = time.perf_counter()
-                timed_backward(net, self.ws, chunk, data, self.params, self.grad_views,
-                               self.plan, self.backward)
+                net.backward(self.ws, chunk, data, self.params, self.grad_views, self.plan,
+                             self.backward)
                 t_backward += time.perf_counter() - started
         self.loss = loss
         return t_forward, t_backward

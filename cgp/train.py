@@ -8,7 +8,6 @@ continues bit for bit as if it had not stopped. cgp's .solverstate carries what 
 lacks for that (seed, data position, chunks; see cgp/proto/cgp.proto); a .solverstate
 that Caffe wrote resumes as Caffe resumes, with the data back at the first record.
 """
-import math
 import signal
 import sys
 import time
@@ -20,7 +19,7 @@ import psutil
 from threadpoolctl import threadpool_limits
 
 from cgp.comm import ThreadCommunicator, blocks
-from cgp.engine import Engine, Pool
+from cgp.engine import Engine, Pool, group_size
 from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2, cgp_pb2
@@ -114,7 +113,7 @@ def check_memory(net, chunks, threads, histories, available):
     Private gradients are one buffer per chunk (never per sample), so they grow with
     --chunks, not with the batch; factored weight gradients (InnerProduct) keep instead
     their two factors for the batch, which never touch the per-chunk buffers' pages;
-    activations are one chunk-sized set per thread."""
+    activations are one set per thread, for the samples of one call (see group_size)."""
     n, chunks = net.n_params, min(chunks, net.batch_size)
     dense, factors = n, 0
     for index in net.factorable:
@@ -123,8 +122,8 @@ def check_memory(net, chunks, threads, histories, available):
         factors += net.batch_size * rows * (J + L) * 4
     gradients = chunks * dense * 4 + factors
     state = (2 + histories) * n * 4  # parameters, the reduced gradient, solver history
-    per_sample = sum(int(np.prod(s[1:])) for s in net.blob_shapes if s)
-    activations = threads * 2 * -(-net.batch_size // chunks) * per_sample * 4
+    call = group_size(net, chunks, threads) * -(-net.batch_size // chunks)
+    activations = threads * call * net.sample_bytes
     need = gradients + state + activations
     line = (f"memory: {need / 2**20:.1f} MiB = gradients {chunks} chunks x {dense} parameters"
             f"{f' + factors of {len(net.factorable)} weights' if net.factorable else ''} "

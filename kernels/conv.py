@@ -215,46 +215,52 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
 
 
 @njit(cache=True, nogil=True)
-def _channels_last(dy, dycl, dbacc, db, Kg, Kgp, V):
+def _channels_last(dy, dycl, dbacc, dbs, db_step, starts, Kg, Kgp, V):
     """dy: (N, K, P, Q), C-contiguous -> dycl[(n*P*Q + j)*Kp + gr*Kgp + kk] = dy[n, gr*Kg + kk,
     j] (flat positions j, Kp = G*Kgp; the padding columns are left alone), in V x V blocks;
-    and db[k] += the sum of dy[n, k] over j, summed in j order, one sample at a time (dbacc:
-    (Kp,) scratch), from the transposed blocks."""
+    and part i's bias gradient dbs[i*db_step + k] += the sum of dy[n, k] over j, summed in j
+    order, one sample n of the part at a time (dbacc: (Kp,) scratch), from the transposed
+    blocks. No bias when dbs is empty."""
     N, K, P, Q = dy.shape
     PQ = P * Q
     group = K // Kg
     Kp = group * Kgp
     dyf = dy.reshape(N * K * PQ)
-    add = db.size > 0
-    for n in range(N):
-        base = n * PQ * Kp
-        for k in range(Kp):
-            dbacc[k] = 0
-        for j0 in range(0, PQ, V):
-            for gr in range(group):
-                for k0 in range(0, Kg, V):
-                    transpose_block(dycl, base + j0 * Kp + gr * Kgp + k0, Kp,
-                                    dyf, (n * K + gr * Kg + k0) * PQ + j0, PQ,
-                                    min(V, Kg - k0), min(V, PQ - j0), dbacc, gr * Kgp + k0, add)
-        if add:
-            for gr in range(group):
-                for kk in range(Kg):
-                    db[gr * Kg + kk] += dbacc[gr * Kgp + kk]
+    add = dbs.size > 0
+    for part in range(starts.size - 1):
+        for n in range(starts[part], starts[part + 1]):
+            base = n * PQ * Kp
+            for k in range(Kp):
+                dbacc[k] = 0
+            for j0 in range(0, PQ, V):
+                for gr in range(group):
+                    for k0 in range(0, Kg, V):
+                        transpose_block(dycl, base + j0 * Kp + gr * Kgp + k0, Kp,
+                                        dyf, (n * K + gr * Kg + k0) * PQ + j0, PQ,
+                                        min(V, Kg - k0), min(V, PQ - j0), dbacc, gr * Kgp + k0,
+                                        add)
+            if add:
+                for gr in range(group):
+                    for kk in range(Kg):
+                        dbs[part * db_step + gr * Kg + kk] += dbacc[gr * Kgp + kk]
 
 
 @njit(cache=True, nogil=True)
-def conv_backward_direct(x, w, dy, dx, dw, db, e, dycl, dwt, dbacc, eb, wft, dxp,
-                         pad_h, pad_w, dil_h, dil_w, group, need_dx):
+def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc,
+                         eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, need_dx):
     """Stride-1 backward, after conv_forward_direct on the same e. x: (N, C, H, W) (its shape
     only: e holds its widened copy); w: (K, C/G, R, S); dy: (N, K, P, Q); dx: like x,
-    C-contiguous (any array when not need_dx), OVERWRITTEN; dw: like w, and db: (K,) or (0,),
-    ADDED to. Scratch, flat (direct_sizes): dycl, dy with channels innermost; dwt, the chunk's
-    weight gradient by channel block; dbacc, one sample's bias gradient; eb, one sample's dy
-    widened; wft, the weights with input channels innermost; dxp, one sample's padded dx
-    (scattering only).
-    db[k] += sums of dy[n, k] over positions, one sample at a time in sample order;
-    dw[k, c, r, s] += one chain over the chunk's (n, p, q) of dy[n, k, p, q] *
-    x[n, c, p + r*dil_h - pad_h, q + s*dil_w - pad_w]; dx: see _dx_gather and _dx_scatter."""
+    C-contiguous (any array when not need_dx), OVERWRITTEN. The samples fall into parts (the
+    engine's chunks): part i is samples starts[i] to starts[i+1] - 1, and its weight gradient,
+    laid out like w, is ADDED to at dws[i*dw_step:], its bias gradient (K,) at dbs[i*db_step:]
+    (no bias when dbs is empty). Scratch, flat (direct_sizes): dycl, dy with channels
+    innermost; dwt, one part's weight gradient by channel block; dbacc, one sample's bias
+    gradient; eb, one sample's dy widened; wft, the weights with input channels innermost;
+    dxp, one sample's padded dx (scattering only).
+    db[k] += sums of dy[n, k] over positions, one sample of the part at a time in sample order;
+    dw[k, c, r, s] += one chain over the part's (n, p, q) of dy[n, k, p, q] *
+    x[n, c, p + r*dil_h - pad_h, q + s*dil_w - pad_w]: each part's gradient is what a call
+    with that part alone gives. dx: see _dx_gather and _dx_scatter."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
@@ -278,32 +284,41 @@ def conv_backward_direct(x, w, dy, dx, dw, db, e, dycl, dwt, dbacc, eb, wft, dxp
     if (dycl.size < N * PQ * Kp or dwt.size < Kp * R * CSp or dbacc.size < Kp
             or e.size < N * esz + _e_slack(HpQ, V)):
         raise ValueError("conv_backward_direct: scratch too small")
-    _channels_last(dy, dycl, dbacc, db, Kg, Kgp, V)
+    if starts[0] != 0 or starts[-1] != N:
+        raise ValueError("conv_backward_direct: the parts must cover the samples")
+    _channels_last(dy, dycl, dbacc, dbs, db_step, starts, Kg, Kgp, V)
     # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
-    # chain over the chunk's samples, then positions. Blocks of positions keep that block of
+    # chain over the part's samples, then positions. Blocks of positions keep that block of
     # dycl in cache for all the tiles, which continue their chains across blocks.
-    for n in range(N):
-        for p0 in range(0, PQ, POSITION_BLOCK):
-            steps = min(POSITION_BLOCK, PQ - p0)
-            for gr in range(group):
-                for kb in range(nkb):
-                    blk = gr * nkb + kb
-                    for r in range(R):
-                        for cs0 in range(0, CSg, T):
-                            tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV, CSg - cs0,
-                                 KVV, n > 0 or p0 > 0,
-                                 e, n * esz + (gr * CSg + cs0) * HpQ + r * dil_h * Q + p0, HpQ,
-                                 0, 1, dycl, (n * PQ + p0) * Kp + blk * KVV, 0, Kp, 1, steps)
-    for gr in range(group):
-        for kb in range(nkb):
-            blk = gr * nkb + kb
-            for kk in range(min(KVV, Kg - kb * KVV)):
-                k = gr * Kg + kb * KVV + kk
-                for c in range(Cg):
-                    for r in range(R):
-                        base = (blk * R + r) * CSp + c * S
-                        for s in range(S):
-                            dw[k, c, r, s] += dwt[(base + s) * KVV + kk]
+    for part in range(starts.size - 1):
+        n0, n1 = starts[part], starts[part + 1]
+        if n1 == n0:
+            continue
+        for n in range(n0, n1):
+            for p0 in range(0, PQ, POSITION_BLOCK):
+                steps = min(POSITION_BLOCK, PQ - p0)
+                for gr in range(group):
+                    for kb in range(nkb):
+                        blk = gr * nkb + kb
+                        for r in range(R):
+                            for cs0 in range(0, CSg, T):
+                                tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
+                                     CSg - cs0, KVV, n > n0 or p0 > 0,
+                                     e, n * esz + (gr * CSg + cs0) * HpQ + r * dil_h * Q + p0,
+                                     HpQ, 0, 1, dycl, (n * PQ + p0) * Kp + blk * KVV, 0, Kp, 1,
+                                     steps)
+        dw = dws[part * dw_step:part * dw_step + K * Cg * R * S]
+        for gr in range(group):
+            for kb in range(nkb):
+                blk = gr * nkb + kb
+                for kk in range(min(KVV, Kg - kb * KVV)):
+                    k = gr * Kg + kb * KVV + kk
+                    for c in range(Cg):
+                        for r in range(R):
+                            base = (blk * R + r) * CSp + c * S
+                            out = ((k * Cg + c) * R + r) * S
+                            for s in range(S):
+                                dw[out + s] += dwt[(base + s) * KVV + kk]
     if not need_dx:
         return
     eb, wft = _aligned(eb, V), _aligned(wft, V)
@@ -508,12 +523,14 @@ def conv_forward(x, w, b, y, col, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w
 
 
 @njit(cache=True, nogil=True)
-def conv_backward(x, w, dy, dx, dw, db, col, stride_h, stride_w, pad_h, pad_w,
-                  dil_h, dil_w, group, need_dx):
+def conv_backward(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, col, stride_h, stride_w,
+                  pad_h, pad_w, dil_h, dil_w, group, need_dx):
     """x: (N, C, H, W); w: (K, C/G, R, S); dy: (N, K, P, Q); dx: like x (any array when not
-    need_dx), OVERWRITTEN; dw: like w and db: (K,) or (0,) are ADDED to, one sample at a time
-    in sample order; col: (C*R*S, P*Q) scratch. Per sample n: db += sums of dy[n] over (P, Q);
-    dw += dy[n] @ col^T by group (BLAS adding into dw); dx[n] = col2im(w^T @ dy[n]) by group."""
+    need_dx), OVERWRITTEN; col: (C*R*S, P*Q) scratch. Parts, dws and dbs as in
+    conv_backward_direct: part i's gradients (laid out like w, and (K,)) are ADDED to, one
+    sample of the part at a time in sample order. Per sample n: db += sums of dy[n] over
+    (P, Q); dw += dy[n] @ col^T by group (BLAS adding into dw); dx[n] = col2im(w^T @ dy[n])
+    by group."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
@@ -521,17 +538,22 @@ def conv_backward(x, w, dy, dx, dw, db, col, stride_h, stride_w, pad_h, pad_w,
     CgRS = Cg * R * S
     Kg = K // group
     w2 = w.reshape((K, CgRS))
-    dw2 = dw.reshape((K, CgRS))
     pointwise = _is_pointwise(R, S, stride_h, stride_w, pad_h, pad_w)
+    if starts[0] != 0 or starts[-1] != N:
+        raise ValueError("conv_backward: the parts must cover the samples")
+    part = 0
     for n in range(N):
+        while n >= starts[part + 1]:
+            part += 1
+        dw2 = dws[part * dw_step:part * dw_step + K * CgRS].reshape((K, CgRS))
         dyn = dy[n].reshape((K, PQ))
-        if db.size > 0:
+        if dbs.size > 0:
             for k in range(K):
                 dyk = dyn[k]
                 acc = dyk[0] * 0
                 for i in range(PQ):
                     acc += dyk[i]
-                db[k] += acc
+                dbs[part * db_step + k] += acc
         if pointwise:
             cols = x[n].reshape((C, H * W))
         else:

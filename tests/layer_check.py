@@ -47,16 +47,17 @@ def forward(layer, bottom, params, chunk=None):
 
 
 def backward(layer, bottom, params, top_diff, chunk=None, propagate=None):
-    """Forward then backward; returns (tops, bottom_diffs, param_diffs)."""
+    """Forward then backward; returns (tops, bottom_diffs, param_diffs): one gradient per
+    parameter blob, or, when the chunk has several parts, (parts,) + the blob's shape."""
     n = bottom[0].shape[0]
     chunk = chunk or Chunk(n=n)
     tops, scratch = forward(layer, bottom, params, chunk)
     propagate = propagate if propagate is not None else [True] * len(bottom)
     # Fill with garbage: input-gradient kernels must overwrite, not add.
     bottom_diff = [np.full_like(b, 7.0) if p else None for b, p in zip(bottom, propagate)]
-    param_diff = [np.zeros_like(p) for p in params]
+    param_diff = [np.zeros((chunk.parts,) + p.shape, p.dtype) for p in params]
     layer.backward(tops, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk)
-    return tops, bottom_diff, param_diff
+    return tops, bottom_diff, [d[0] for d in param_diff] if chunk.parts == 1 else param_diff
 
 
 def check_forward(layer, bottom, reference, params=None, rtol=1e-5, atol=1e-6, chunk=None):
@@ -128,3 +129,24 @@ def check_split_invariance(layer, bottom, params=None, cut=None, chunk_kw=None):
         else:
             joined = np.concatenate([parts[0][i], parts[1][i]])
             assert np.array_equal(joined, top), f"{layer.type_name}: top {i} depends on the split"
+
+
+def check_parts(layer, bottom, starts, params=None):
+    """Backward over a call of several parts (chunks) must give each part the parameter
+    gradients of a call with that part alone, and the same input gradients, bitwise."""
+    bottom = [np.ascontiguousarray(b, np.float32) for b in bottom]
+    params = [np.asarray(p, np.float32) for p in (params if params is not None
+                                                   else random_params(layer))]
+    n = bottom[0].shape[0]
+    tops, _ = forward(layer, bottom, params, Chunk(n=n))
+    top_diff = [np.random.default_rng(5).standard_normal(t.shape).astype(np.float32)
+                for t in tops]
+    _, whole_dx, whole_dp = backward(layer, bottom, params, top_diff,
+                                     Chunk(n=n, part_starts=tuple(starts)))
+    for k, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        _, dx, dp = backward(layer, [b[lo:hi] for b in bottom], params,
+                             [d[lo:hi] for d in top_diff], Chunk(n=hi - lo))
+        for got, want in zip(whole_dp, dp):
+            assert np.array_equal(got[k], want), f"{layer.type_name}: part {k}'s gradient"
+        for got, want in zip(whole_dx, dx):
+            assert np.array_equal(got[lo:hi], want), f"{layer.type_name}: part {k}'s dx"

@@ -13,13 +13,11 @@ from threadpoolctl import threadpool_limits
 
 from cgp import cli
 from cgp.bench import Config, default_threads, summarise, training_flops
-from cgp.engine import chunk_bounds
-from cgp.layers import Chunk
 from cgp.models import FOLDER, solver_path
-from cgp.net import Net, RunOptions, Workspace
+from cgp.net import Net, RunOptions
 from cgp.prototxt import parse_net, read_net, read_solver
 from cgp.proto import caffe_pb2
-from cgp.timing import COMPILING, backward_plan, compile_notice, timed_backward, timed_forward
+from cgp.timing import COMPILING, compile_notice
 from cgp.train import RunConfig, Trainer
 
 LENET = FOLDER / "lenet_train_test.prototxt"
@@ -232,35 +230,6 @@ def test_time_deploy_net_with_random_input(capsys, tmp_path):
         layer_times(text, name)
     assert "no loss" in text and "engine on 2 thread(s)" in text
     assert layer_times(text, "conv")[1] > 0   # weight gradients are timed, as in Caffe
-
-
-def test_timed_loops_compute_what_the_net_computes(mnist_dir):
-    """The timed copies of Net.forward/backward must not drift from the real ones."""
-    net = Net(read_net(LENET), caffe_pb2.TRAIN, RunOptions(str(mnist_dir)))
-    net.init_params(3)
-    batch = {e.tops[i]: a for e in net.sources for i, a in enumerate(e.layer.load(0, 0, 3))}
-    by_name = {"data": batch[net.sources[0].tops[0]], "label": batch[net.sources[0].tops[1]]}
-    params = net.param_views(net.params)
-    results = []
-    for timed in (False, True):
-        grads = np.zeros(net.n_params, np.float32)
-        views = net.param_views(grads)
-        outputs = []
-        for first, n in chunk_bounds(net.batch_size, 3):
-            ws = Workspace(net, 22)
-            chunk = Chunk(n=n, first=first, batch=net.batch_size, batch_tops=by_name)
-            clock = np.zeros(len(net.entries))
-            with threadpool_limits(limits=1):
-                if timed:
-                    data = timed_forward(net, ws, chunk, batch, params, clock)
-                    timed_backward(net, ws, chunk, data, params, views, backward_plan(net), clock)
-                else:
-                    data = net.forward(ws, chunk, batch, params)
-                    net.backward(ws, chunk, data, params, views)
-            outputs.append(np.array(data[net.entries[-1].tops[0]]))
-        results.append((outputs, grads))
-    assert np.array_equal(results[0][1], results[1][1])
-    assert all(np.array_equal(a, b) for a, b in zip(results[0][0], results[1][0]))
 
 
 # -- the first-run note --------------------------------------------------------------

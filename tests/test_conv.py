@@ -11,7 +11,7 @@ from cgp.kernels.blas import gemm
 from cgp.kernels.tile import SHAPES, shifted_copy, tile, transpose_block
 from cgp.layers import Chunk, alloc_scratch
 from layer_check import (backward, build, check_forward, check_gradients,
-                         check_split_invariance, forward, random_params)
+                         check_parts, check_split_invariance, forward, random_params)
 
 
 def conv_text(extra, num_output=4, bottoms=("x",), tops=("y",)):
@@ -117,9 +117,20 @@ def test_parameter_gradients_add():
     _, _, once = backward(layer, [x], params, top_diff)
     tops, scratch = forward(layer, [x], params)
     diffs = [np.ones_like(p) for p in params]
-    layer.backward(tops, top_diff, [x], [None], params, diffs, scratch, Chunk(n=2))
+    layer.backward(tops, top_diff, [x], [None], params, [d[None] for d in diffs], scratch, Chunk(n=2))
     for got, want in zip(diffs, once):
         np.testing.assert_allclose(got, want + 1, rtol=1e-12)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_parts_get_their_own_gradients(name, bias):
+    """One call over three parts (the engine's chunks) gives each part the weight and bias
+    gradients a call with that part alone gives, bitwise, on both paths (direct, im2col)."""
+    fields, shape, _ = CONFIGS[name]
+    shape = (6,) + shape[1:]
+    layer = build(conv_text(f"{fields} bias_term: {str(bias).lower()}"), [shape])
+    check_parts(layer, [data(shape)], (0, 2, 3, 6))
 
 
 @pytest.mark.parametrize("name", ["pad_stride", "group2", "pointwise"])
@@ -210,7 +221,7 @@ def test_results_ignore_scratch_contents_and_alignment():
             layer.forward([x], [top], params, scratch, Chunk(n=shape[0]))
             dx = np.full_like(x, 7.0)
             diffs = [np.zeros_like(p) for p in params]
-            layer.backward([top], [dy], [x], [dx], params, diffs, scratch, Chunk(n=shape[0]))
+            layer.backward([top], [dy], [x], [dx], params, [d[None] for d in diffs], scratch, Chunk(n=shape[0]))
             results.append([top, dx] + diffs)
         for other in results[1:]:
             for a, b in zip(results[0], other):

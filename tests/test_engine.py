@@ -9,7 +9,7 @@ import pytest
 
 from cgp import models
 from cgp.comm import FactoredGrad, ThreadCommunicator, blocks, reference_reduce, uncovered
-from cgp.engine import Engine, Pool, chunk_bounds
+from cgp.engine import Engine, Pool, chunk_bounds, group_size
 from cgp.kernels.fc import add_outer_rows
 from cgp.kernels.reduce import OUTER_PAD
 from cgp.kernels.tile import SHAPES, choose
@@ -142,6 +142,70 @@ def test_factored_engine_gives_the_unfactored_bits(dtype):
     assert np.count_nonzero(grads[0]) > 0.9 * grads[0].size
     for g in grads[1:]:
         assert np.array_equal(g, grads[0])
+
+
+GROUP_NET = """
+name: "grouped"
+layer { name: "data" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 11 dim: 2 dim: 9 dim: 9 } shape { dim: 11 } } }
+layer { name: "split" type: "Split" bottom: "x" top: "x1" top: "x2" }
+layer { name: "c1" type: "Convolution" bottom: "x1" bottom: "x2" top: "c1a" top: "c1b"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1
+                            weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "sum" type: "Eltwise" bottom: "c1a" bottom: "c1b" top: "c1" }
+layer { name: "pool" type: "Pooling" bottom: "c1" top: "p" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "c2" type: "Convolution" bottom: "p" top: "c2"
+        convolution_param { num_output: 3 kernel_size: 2 stride: 2 bias_term: false
+                            weight_filler { type: "xavier" } } }
+layer { name: "relu" type: "ReLU" bottom: "c2" top: "c2" }
+layer { name: "drop" type: "Dropout" bottom: "c2" top: "c2" }
+layer { name: "fc" type: "InnerProduct" bottom: "c2" top: "f"
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "shared_a" type: "InnerProduct" bottom: "f" top: "u" param { name: "w" }
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "shared_b" type: "InnerProduct" bottom: "u" top: "v" param { name: "w" }
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "fsplit" type: "Split" bottom: "v" top: "v1" top: "v2" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "v1" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "v2" bottom: "label" top: "acc" }
+"""
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_grouped_calls_change_no_bit(dtype):
+    """Running 1, 2, 3 or all chunks per layer call (uneven chunks and groups, both
+    convolution paths, weights shared by two bottoms and by two layers, dropout, a loss and
+    an accuracy) gives bitwise the same gradient, loss and accuracy."""
+    net = Net(parse_net(GROUP_NET, "grouped.prototxt"), caffe_pb2.TRAIN, RunOptions())
+    net.init_params(5)
+    assert net.groupable
+    rng = np.random.default_rng(4)
+    batch = {net.sources[0].tops[0]: rng.standard_normal((11, 2, 9, 9)),
+             net.sources[0].tops[1]: rng.integers(0, 5, 11).astype(np.float64)}
+    params = net.params.astype(dtype)
+    results = []
+    for threads, group in ((1, 1), (1, 2), (2, 3), (1, 5), (2, None)):
+        pool = Pool(threads)
+        engine = Engine(net, 5, pool, ThreadCommunicator(pool), params=params, group=group)
+        assert len(engine.groups) == -(-5 // (group or group_size(net, 5, threads)))
+        values, loss, grad = engine.run(batch, 2, 7)
+        results.append((values, loss, grad.copy()))
+        pool.close()
+    assert np.count_nonzero(results[0][2]) > 0.5 * results[0][2].size
+    for values, loss, grad in results[1:]:
+        assert values == results[0][0] and loss == results[0][1]
+        assert np.array_equal(grad, results[0][2])
+
+
+def test_a_batch_value_read_per_sample_keeps_one_chunk_per_call():
+    """A per-sample layer reading a batch-value top (the loss's probabilities) would need it
+    per chunk: such a net runs one chunk per call."""
+    text = FACTOR_NET.replace('top: "loss" }', 'top: "loss" top: "prob" }') + (
+        'layer { name: "flat" type: "Flatten" bottom: "prob" top: "flat" }\n')
+    net = Net(parse_net(text, "probs.prototxt"), caffe_pb2.TRAIN, RunOptions())
+    assert not net.groupable and group_size(net, 4, 1) == 1
+    pool = Pool(1)
+    assert len(Engine(net, 4, pool, ThreadCommunicator(pool), group=4).groups) == 4
 
 
 @pytest.mark.parametrize("model,chunks", [("mnist", 16), ("mnist", 7), ("cifar10", 16)])

@@ -7,7 +7,7 @@ import pytest
 from cgp.errors import NetError
 from cgp.layers import Chunk, Factors
 from layer_check import (backward, build, check_forward, check_gradients, forward,
-                         check_split_invariance, random_params)
+                         check_parts, check_split_invariance, random_params)
 
 
 def ip_text(fields):
@@ -75,7 +75,7 @@ def test_parameter_gradients_add():
     tops, _, once = backward(layer, [x], params, top_diff)
     scratch = {k: np.zeros(s) for k, s in layer.scratch_shapes(4).items()}
     diffs = [np.ones_like(p) for p in params]
-    layer.backward(tops, top_diff, [x], [None], params, diffs, scratch, Chunk(n=4))
+    layer.backward(tops, top_diff, [x], [None], params, [d[None] for d in diffs], scratch, Chunk(n=4))
     for got, want in zip(diffs, once):
         np.testing.assert_allclose(got, want + 1, rtol=1e-12)
 
@@ -93,6 +93,14 @@ def test_split_invariance(fields, shape):
     n = shape[0]
     for cut in sorted({c for c in (1, 2, 5, 16, 17, n - 2, n - 1) if 0 < c < n}):
         check_split_invariance(layer, [x], cut=cut)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_parts_get_their_own_gradients(name):
+    """One call over three parts gives each part the gradients of a call with it alone."""
+    fields, shape, _, _, _ = CONFIGS[name]
+    shape = (6,) + shape[1:]
+    check_parts(build(ip_text(fields), [shape]), [data(shape)], (0, 1, 4, 6))
 
 
 @pytest.mark.parametrize("shape, fields, top, weight", [
@@ -141,7 +149,8 @@ def test_overwrite_mode_sets_gradients_bitwise_as_adding_to_zeros():
     layer.overwrite_param_diff = True
     tops, scratch = forward(layer, [x], params)
     garbage = [np.full_like(p, np.nan) for p in params]
-    layer.backward(tops, dy, [x], [np.zeros_like(x)], params, garbage, scratch, Chunk(n=7))
+    layer.backward(tops, dy, [x], [np.zeros_like(x)], params, [g[None] for g in garbage], scratch,
+                   Chunk(n=7))
     for got, want in zip(garbage, added):
         assert np.array_equal(got, want)
 
@@ -161,6 +170,7 @@ def test_factored_weight_gradient(name):
     _, dx, (dw, db) = backward(layer, [x], params, dy)
     factors = Factors(np.full((shape[0] * rows, J), np.nan), np.full((shape[0] * rows, L), np.nan))
     got_dx, got_db = np.zeros_like(x), np.zeros_like(db)
-    layer.backward(tops, dy, [x], [got_dx], params, [factors, got_db], scratch, Chunk(n=shape[0]))
+    layer.backward(tops, dy, [x], [got_dx], params, [factors, got_db[None]], scratch,
+                   Chunk(n=shape[0]))
     np.testing.assert_allclose(factors.a.T @ factors.b, dw, rtol=1e-12, atol=1e-12)
     assert np.array_equal(got_dx, dx[0]) and np.array_equal(got_db, db)

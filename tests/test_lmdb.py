@@ -4,6 +4,8 @@ raw Datum database, Caffe's TransformationParameter, and `cgp convert`."""
 import subprocess
 import sys
 
+import gc
+
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -74,27 +76,26 @@ def test_raw_records_in_key_order_with_wrapping(raw_db, cache, monkeypatch):
     db.close()
 
 
-def test_release_from_a_finalizer_inside_open_waits_for_the_lock(tmp_path):
-    """A reader's finalizer can run from the garbage collector while this thread is inside
-    _open_env (lmdb.open allocates): its release is queued and done when the open ends,
-    never re-entering lmdb halfway through an open."""
+def test_a_dropped_reader_is_shut_down_by_the_next_one_not_by_the_collector(tmp_path):
+    """A reader dropped without close() is finalized by the garbage collector on whichever
+    thread allocates, perhaps while it holds a lock shutting down needs (the thread pool's
+    global lock while it starts a thread: that hung the suite). The finalizer only queues
+    the shutdown; the next reader opened runs it: thread stopped, database released."""
     first, second = tmp_path / "first", tmp_path / "second"
     for path in (first, second):
         write_db(path, [datum(i, l) for i, l in zip(*records(2))])
-    env = lmdb_data._open_env(first)
-    with lmdb_data._ENVS_LOCK:
-        lmdb_data._HOLDING.depth = 1  # as inside _open_env
-        try:
-            lmdb_data._release_env(first)
-            assert str(first.resolve()) in lmdb_data._ENVS  # queued, still open
-        finally:
-            lmdb_data._HOLDING.depth = 0
-    other = lmdb_data._open_env(second)  # the next open's end runs the queued release
-    assert str(first.resolve()) not in lmdb_data._ENVS and not lmdb_data._DEFERRED
-    with pytest.raises(Exception):
-        env.stat()  # closed
-    lmdb_data._release_env(second)
-    assert other is not None and str(second.resolve()) not in lmdb_data._ENVS
+    dropped = lmdb_data.LmdbRecords(first, cache_bytes=0)   # not cached: a reader thread
+    dropped.read(0, 2)
+    reader = dropped._reader
+    del dropped
+    gc.collect()
+    assert len(lmdb_data._ORPHANS) == 1 and str(first.resolve()) in lmdb_data._ENVS
+    assert not reader._shutdown
+    other = lmdb_data.LmdbRecords(second, cache_bytes=0)
+    assert not lmdb_data._ORPHANS and str(first.resolve()) not in lmdb_data._ENVS
+    assert reader._shutdown
+    other.close()
+    assert str(second.resolve()) not in lmdb_data._ENVS
 
 
 def test_float_data_records(tmp_path):

@@ -78,7 +78,7 @@ def test_shared_gradients_add_up():
     label = np.array([0, 1, 2, 1], np.float32)
     batch = {net.sources[0].tops[0]: data, net.sources[0].tops[1]: label}
     ws = Workspace(net, 4)
-    grads = np.zeros(net.n_params, np.float32)
+    grads = np.zeros((1, net.n_params), np.float32)   # one part
     chunk = Chunk(n=4, batch=4)
     views = net.param_views(net.params)
     out = net.forward(ws, chunk, batch, views)

@@ -43,32 +43,63 @@ def alloc_scratch(layer, n, dtype):
 
 @dataclass(frozen=True)
 class Chunk:
-    """Where one chunk sits in its iteration: what layers that couple samples need.
+    """Where one layer call's samples sit in their iteration: what layers that couple
+    samples need.
 
-    Losses and accuracies divide by the *global* batch, so each chunk's scalar output
-    is its share of the batch value and the engine sums the shares in a fixed order.
-    Random streams are keyed by (seed, iteration, global sample index, layer index),
-    never by thread or chunk, so any split of the batch draws the same numbers.
+    A call covers one or more consecutive chunks of the engine's fixed split, its *parts*:
+    parameter gradients are kept per part (see Layer), so results never depend on how many
+    parts a call covers. Losses and accuracies divide by the *global* batch, so each chunk's
+    scalar output is its share of the batch value and the engine sums the shares in a fixed
+    order; the net runs those layers one part at a time. Random streams are keyed by (seed,
+    iteration, global sample index, layer index), never by thread or chunk, so any split of
+    the batch draws the same numbers.
     """
-    n: int                  # samples in this chunk
-    first: int = 0          # index within the global batch of the chunk's first sample
+    n: int                  # samples in this call
+    first: int = 0          # index within the global batch of the call's first sample
     batch: int = 0          # global batch size (0 means: n, a whole batch in one chunk)
     iteration: int = 0
     seed: int = 0
     # Data-layer tops for the whole batch, by blob name (e.g. labels, for a loss that
     # normalises by the number of non-ignored labels in the batch).
     batch_tops: Mapping[str, np.ndarray] = field(default_factory=dict)
+    # Where each part starts within the call's samples, then n: (0, ..., n). Empty means
+    # one part, (0, n).
+    part_starts: tuple = ()
 
     @property
     def batch_size(self):
         return self.batch or self.n
 
+    @property
+    def starts(self):
+        """The part boundaries as an int64 array (0, ..., n), for kernels."""
+        return np.array(self.part_starts or (0, self.n), np.int64)
+
+    @property
+    def parts(self):
+        return max(1, len(self.part_starts) - 1)
+
 
 class Factors(NamedTuple):
-    """A chunk's factored parameter gradient A^T @ B: the layer copies its A and B here,
-    (rows, J) and (rows, L) for the chunk's rows, instead of forming the product."""
+    """A call's factored parameter gradient, A^T @ B per part: the layer copies its A and B
+    here, (rows, J) and (rows, L) for the call's rows (its parts' rows, in order), instead of
+    forming the products."""
     a: np.ndarray
     b: np.ndarray
+
+
+def part_span(a):
+    """a: (parts, ...) per-part gradients, each part C-contiguous, at a fixed distance from
+    the next -> (one flat view from a[0] over all the parts, elements from a part to the
+    next), the form kernels take: a view of varying strides would compile a kernel for each
+    memory layout."""
+    size = a[0].size
+    step = a.strides[0] // a.itemsize if a.shape[0] > 1 else size
+    if not a[0].flags.c_contiguous or step < size:
+        raise ValueError(f"per-part gradients must be C-contiguous and apart, got strides "
+                         f"{a.strides}")
+    return np.lib.stride_tricks.as_strided(a, ((a.shape[0] - 1) * step + size,),
+                                           (a.itemsize,), writeable=True), step
 
 
 class Layer:
@@ -85,10 +116,13 @@ class Layer:
     backward(top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk)
 
     In forward/backward every array has axis 0 = chunk.n samples (a view of a buffer
-    sized for the largest chunk), except the tops of layers with `reduces_batch`
-    (losses, accuracy) whose shapes are exactly what setup returned. Accumulation
-    rule: param_diff arrays are *added to* (or set, when overwrite_param_diff is on);
-    bottom_diff arrays are *overwritten*.
+    sized for the largest call), except the tops of layers with `reduces_batch`
+    (losses, accuracy) whose shapes are exactly what setup returned; the net calls those
+    layers with one part (chunk) at a time. A call covers chunk.parts parts (see Chunk):
+    param_diff[j] is (parts,) + blob j's shape, part i's gradient at [i], which must be
+    what a call with part i alone would give (or a Factors, see can_factor_param_diff).
+    Accumulation rule: param_diff arrays are *added to* (or set, when
+    overwrite_param_diff is on); bottom_diff arrays are *overwritten*.
     bottom_diff[i] is None when no gradient needs to flow into bottom i.
     """
     type_name = "?"

@@ -9,7 +9,7 @@ import numpy as np
 
 from cgp.kernels import conv as K
 from cgp.kernels.tile import lanes
-from cgp.layers.base import Layer, check_axis, register
+from cgp.layers.base import Layer, check_axis, part_span, register
 
 
 def spatial_values(layer, p, name, default):
@@ -150,17 +150,19 @@ class Convolution(Layer):
                 K.conv_forward(x, w, b, y, scratch["col"], *self._geometry())
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
-        w, dw = params[0], param_diff[0]
-        db = param_diff[1] if self.bias_term else np.empty(0, w.dtype)
+        w = params[0]
+        dw, dw_step = part_span(param_diff[0])
+        db, db_step = part_span(param_diff[1]) if self.bias_term else (np.empty(0, w.dtype), 0)
+        starts = chunk.starts
         for i, (x, dy, dx) in enumerate(zip(bottom, top_diff, bottom_diff)):
             need_dx = dx is not None
             # Without dx the kernels never touch their dx argument; x stands in for the type.
             dx = dx if need_dx else x
             if self._direct():
-                K.conv_backward_direct(x, w, dy, dx, dw, db, scratch["e"][i], scratch["dycl"],
-                                       scratch["dwt"], scratch["dbacc"], scratch["eb"],
-                                       scratch["wft"], scratch["dxp"], *self._geometry(),
-                                       need_dx)
+                K.conv_backward_direct(x, w, dy, dx, dw, dw_step, db, db_step, starts,
+                                       scratch["e"][i], scratch["dycl"], scratch["dwt"],
+                                       scratch["dbacc"], scratch["eb"], scratch["wft"],
+                                       scratch["dxp"], *self._geometry(), need_dx)
             else:
-                K.conv_backward(x, w, dy, dx, dw, db, scratch["col"], *self._geometry(),
-                                need_dx)
+                K.conv_backward(x, w, dy, dx, dw, dw_step, db, db_step, starts, scratch["col"],
+                                *self._geometry(), need_dx)

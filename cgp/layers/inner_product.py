@@ -63,13 +63,20 @@ class InnerProduct(Layer):
         m = chunk.n * self.rows
         x = matrix(bottom[0], m, self.C)
         dy = matrix(top_diff[0], m, self.K)
-        db = param_diff[1] if self.bias_term else np.empty(0, x.dtype)
-        need_dx = bottom_diff[0] is not None
+        w, dw = params[0], param_diff[0]
+        none = np.empty(0, x.dtype)
         # Without dx (or dw) the kernel never touches that argument; x stands in for the type.
-        dx = matrix(bottom_diff[0], m, self.C) if need_dx else x
-        dw = param_diff[0]
+        if bottom_diff[0] is not None:
+            K.fc_backward(x, w, dy, matrix(bottom_diff[0], m, self.C), x, none, self.transpose,
+                          True, False, False)
         factored = isinstance(dw, Factors)
         if factored:
             dw.a[...], dw.b[...] = (x, dy) if self.transpose else (dy, x)
-        K.fc_backward(x, params[0], dy, dx, x if factored else dw, db, self.transpose, need_dx,
-                      not factored, self.overwrite_param_diff)
+            if not self.bias_term:
+                return
+        # The parameter gradients part by part: each is the chain over its own rows.
+        starts = chunk.starts * self.rows
+        for i, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+            db = param_diff[1][i] if self.bias_term else none
+            K.fc_backward(x[lo:hi], w, dy[lo:hi], x, x if factored else dw[i], db,
+                          self.transpose, False, not factored, self.overwrite_param_diff)
