@@ -43,6 +43,15 @@ def chunk_bounds(batch, chunks):
     return [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:])]
 
 
+def call_chunk(bounds, **fields):
+    """The Chunk of one call over consecutive chunks, bounds [(first, n), ...], each a part;
+    fields: Chunk's other fields."""
+    first = bounds[0][0]
+    n = bounds[-1][0] + bounds[-1][1] - first
+    return Chunk(n=n, first=first, part_starts=tuple(f - first for f, _ in bounds) + (n,),
+                 **fields)
+
+
 def group_size(net, chunks, threads):
     """Chunks per call by default: one call per thread, unless that holds more than
     CALL_BYTES, then as many calls as that takes, of even size; 1 where the net cannot
@@ -191,10 +200,8 @@ class Engine:
 
         def work(worker, g):
             c0, c1 = self.groups[g]
-            first, n = self.samples(self.groups[g])
-            chunk = Chunk(n=n, first=first, batch=net.batch_size, iteration=iteration,
-                          seed=seed, batch_tops=by_name,
-                          part_starts=tuple(f - first for f, _ in self.bounds[c0:c1]) + (n,))
+            chunk = call_chunk(self.bounds[c0:c1], batch=net.batch_size, iteration=iteration,
+                               seed=seed, batch_tops=by_name)
             ws = self.workspaces[worker]
             data = net.forward(ws, chunk, batch, self.params)
             for j, (blob, _) in enumerate(self.tracked):

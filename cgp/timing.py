@@ -2,7 +2,8 @@
 every layer and of a whole iteration, and a note when Numba compiles cgp's kernels.
 
 Per-layer times come from Net.forward/backward with their clock, run single-threaded over
-the chunks of the batch one chunk per call. Each layer's time is the sum over the chunks.
+the chunks of the batch in the calls that one engine thread makes (see engine.group_size).
+Each layer's time is the sum over the calls.
 """
 import time
 from contextlib import contextmanager
@@ -127,22 +128,26 @@ class LayerTimer:
     def __init__(self, net, chunks, seed):
         import numpy as np
 
-        from cgp.engine import chunk_bounds
+        from cgp.engine import chunk_bounds, group_size
         from cgp.net import Workspace
 
         self.net, self.seed = net, seed
         self.bounds = chunk_bounds(net.batch_size, chunks)
+        group = group_size(net, chunks, 1)
+        self.calls = [self.bounds[c:c + group] for c in range(0, len(self.bounds), group)]
         self.plan = backward_plan(net)
         self.has_backward = any(b for b, _ in self.plan)
-        self.ws = Workspace(net, max(n for _, n in self.bounds), with_diff=self.has_backward)
+        self.ws = Workspace(net, max(sum(n for _, n in call) for call in self.calls),
+                            with_diff=self.has_backward, parts=group,
+                            part_max=max(n for _, n in self.bounds))
         if not net.loss_weights:  # a deploy net: a gradient of ones on every output
             read = {b for e in net.entries for b in e.bottoms}
             for blob, d in enumerate(self.ws.diff or []):
                 if blob not in read:
                     d[...] = 1
         self.params = net.param_views(net.params)
-        self.grads = np.zeros((1, net.n_params), np.float32)  # one part per call
-        self.grad_views = net.param_views(self.grads)
+        self.grads = np.zeros((group, net.n_params), np.float32)  # a row per part
+        self.grad_views = [net.param_views(self.grads[:len(call)]) for call in self.calls]
         self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
         self.forward = np.zeros(len(net.entries))
         self.backward = np.zeros(len(net.entries))
@@ -151,24 +156,24 @@ class LayerTimer:
 
     def iteration(self, iteration):
         """One forward-backward over all chunks: (forward seconds, backward seconds)."""
-        from cgp.layers import Chunk
+        from cgp.engine import call_chunk
 
         net = self.net
         started = time.perf_counter()
         batch = load_batch(net, iteration, self.seed, self.data)
         by_name = {self.source_names[b]: a for b, a in batch.items()}
         loss, t_forward, t_backward = 0.0, time.perf_counter() - started, 0.0
-        for first, n in self.bounds:
-            chunk = Chunk(n=n, first=first, batch=net.batch_size, iteration=iteration,
-                          seed=self.seed, batch_tops=by_name)
+        for call, grad_views in zip(self.calls, self.grad_views):
+            chunk = call_chunk(call, batch=net.batch_size, iteration=iteration, seed=self.seed,
+                               batch_tops=by_name)
             started = time.perf_counter()
             data = net.forward(self.ws, chunk, batch, self.params, self.forward)
             t_forward += time.perf_counter() - started
-            loss += sum(w * float(data[b][0]) for b, w in net.loss_weights.items())
+            loss += sum(w * float(data[b][:len(call)].sum()) for b, w in net.loss_weights.items())
             if self.has_backward:
                 self.grads.fill(0)
                 started = time.perf_counter()
-                net.backward(self.ws, chunk, data, self.params, self.grad_views, self.plan,
+                net.backward(self.ws, chunk, data, self.params, grad_views, self.plan,
                              self.backward)
                 t_backward += time.perf_counter() - started
         self.loss = loss
@@ -221,7 +226,8 @@ def cmd_time(args, log=print):
     fill_inputs(net, args.seed)
     timer = LayerTimer(net, args.chunks, args.seed)
     log(f"cgp time: net '{net.name}' ({args.model}), phase {args.phase}, batch "
-        f"{net.batch_size} in {len(timer.bounds)} chunks, layers timed on 1 thread")
+        f"{net.batch_size} in {len(timer.bounds)} chunks, layers timed on 1 thread in "
+        f"{len(timer.calls)} call(s) per iteration")
     if not net.loss_weights and timer.has_backward:
         log("The net has no loss: backward is timed with a gradient of ones on every output, "
             "as if each had a loss.")

@@ -12,10 +12,11 @@ GEMM per sample (cgp.kernels.blas).
 Determinism. Every element of the forward pass and of the input gradient is one chain of
 multiply-adds over its own sample's data, in an order fixed by the layer's shape: it never
 depends on the other samples of the chunk, and splitting a batch leaves it bitwise the same.
-The direct weight gradient sums the whole chunk in one chain per element (samples in order,
-then positions), so it depends on the chunk's composition; chunk boundaries are fixed by the
-batch size and the chunk count, never by threads, timing or memory addresses, so the result is
-the same for any thread count. Tile shapes, buffer alignment and the CPU's vector width change
+The weight gradient is kept per part (the engine's chunks; a call may cover several), each
+element one chain over the part's samples in order, then positions, so it depends on the
+part's composition; chunk boundaries are fixed by the batch size and the chunk count, never
+by threads, timing or memory addresses, so the result is the same for any thread count and
+any number of parts per call. Tile shapes, buffer alignment and the CPU's vector width change
 the speed, never a result.
 
 Memory. The direct forward keeps its widened input in scratch ("e") for the backward pass:
@@ -307,18 +308,23 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                                      e, n * esz + (gr * CSg + cs0) * HpQ + r * dil_h * Q + p0,
                                      HpQ, 0, 1, dycl, (n * PQ + p0) * Kp + blk * KVV, 0, Kp, 1,
                                      steps)
+        # Into dw, reading dwt in its order (a block of S rows of KVV channels at a time):
+        # read across channels first, each pass over the channels would stream all of dwt.
         dw = dws[part * dw_step:part * dw_step + K * Cg * R * S]
+        CgRS = Cg * R * S
         for gr in range(group):
             for kb in range(nkb):
                 blk = gr * nkb + kb
-                for kk in range(min(KVV, Kg - kb * KVV)):
-                    k = gr * Kg + kb * KVV + kk
-                    for c in range(Cg):
-                        for r in range(R):
-                            base = (blk * R + r) * CSp + c * S
-                            out = ((k * Cg + c) * R + r) * S
-                            for s in range(S):
-                                dw[out + s] += dwt[(base + s) * KVV + kk]
+                k0 = gr * Kg + kb * KVV
+                kn = min(KVV, Kg - kb * KVV)
+                for c in range(Cg):
+                    for r in range(R):
+                        base = (blk * R + r) * CSp + c * S
+                        out = (k0 * Cg + c) * R * S + r * S
+                        for s in range(S):
+                            row = (base + s) * KVV
+                            for kk in range(kn):
+                                dw[out + kk * CgRS + s] += dwt[row + kk]
     if not need_dx:
         return
     eb, wft = _aligned(eb, V), _aligned(wft, V)
