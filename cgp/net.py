@@ -6,7 +6,7 @@ the prototxt are renamed internally) and a blob read by several layers gets a Sp
 layer, as Caffe inserts one, so each buffer has one writer and one reader per pass.
 """
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -354,7 +354,7 @@ class Net:
         lo, hi = chunk.first, chunk.first + chunk.n
         for blob, array in batch_data.items():
             data[blob] = array[lo:hi]
-        parts = self._parts(chunk)
+        parts = chunk.each_part
         for i, (entry, p, scratch) in enumerate(zip(self.entries, params, ws.scratch)):
             started = time.perf_counter() if clock is not None else 0.0
             layer = entry.layer
@@ -378,7 +378,7 @@ class Net:
         diff = ws.diff_views(chunk.n)
         for blob, weight in self.loss_weights.items():
             diff[blob][...] = weight
-        parts = self._parts(chunk)
+        parts = chunk.each_part
         for i in reversed(range(len(self.entries))):
             entry = self.entries[i]
             backward, propagate = plan[i] if plan else (entry.backward, entry.propagate)
@@ -402,15 +402,6 @@ class Net:
                                chunk)
             if clock is not None:
                 clock[i] += time.perf_counter() - started
-
-    @staticmethod
-    def _parts(chunk):
-        """[(Chunk of part k alone, its first sample in the call, past its last), ...]."""
-        starts = chunk.part_starts or (0, chunk.n)
-        if len(starts) == 2:
-            return [(chunk, 0, chunk.n)]
-        return [(replace(chunk, n=b - a, first=chunk.first + a, part_starts=()), a, b)
-                for a, b in zip(starts[:-1], starts[1:])]
 
     def _part_of(self, blob, array, k, a, b):
         """Part k's slice of a blob's array: its samples a:b, or its own batch value (a view,

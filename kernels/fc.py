@@ -124,6 +124,22 @@ def add_outer_rows(a, b, g, overwrite):
 
 
 @njit(cache=True, nogil=True)
+def bias_parts(dy, dbs, step, starts, overwrite):
+    """dy: (M, K); part i, rows starts[i]:starts[i+1], has its bias gradient (K,) at
+    dbs[i*step:], ADDED to (set with overwrite, as if added to zeros): the part's rows of dy
+    in row order, what fc_backward adds for those rows alone."""
+    K = dy.shape[1]
+    for i in range(starts.size - 1):
+        db = dbs[i * step:i * step + K]
+        if overwrite:
+            db[:] = 0
+        for m in range(starts[i], starts[i + 1]):
+            dym = dy[m]
+            for k in range(K):
+                db[k] += dym[k]
+
+
+@njit(cache=True, nogil=True)
 def fc_forward(x, w, b, y, transpose):
     """x: (M, C); w: (K, C), or (C, K) when transpose; b: (K,), or (0,) for no bias;
     y: (M, K), overwritten. y[m] = w @ x[m] (x[m] @ w when transpose), then y[m] += b."""

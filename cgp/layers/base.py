@@ -5,6 +5,7 @@ space live in buffers that the engine owns, one set per worker, so a single laye
 object serves every chunk of every iteration on every thread.
 """
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, NamedTuple
 
 import numpy as np
@@ -78,6 +79,16 @@ class Chunk:
     @property
     def parts(self):
         return max(1, len(self.part_starts) - 1)
+
+    @cached_property
+    def each_part(self):
+        """[(Chunk of part k alone, its first sample in the call, past its last), ...]; built
+        once per call (a frozen dataclass still takes a cached_property)."""
+        if len(self.part_starts) <= 2:
+            return [(self, 0, self.n)]
+        return [(Chunk(n=b - a, first=self.first + a, batch=self.batch,
+                       iteration=self.iteration, seed=self.seed, batch_tops=self.batch_tops), a, b)
+                for a, b in zip(self.part_starts[:-1], self.part_starts[1:])]
 
 
 class Factors(NamedTuple):

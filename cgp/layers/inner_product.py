@@ -6,7 +6,7 @@ on its chunk (see cgp.kernels.fc). Axis 0 is refused.
 import numpy as np
 
 from cgp.kernels import fc as K
-from cgp.layers.base import Factors, Layer, check_axis, register
+from cgp.layers.base import Factors, Layer, check_axis, part_span, register
 
 
 def matrix(a, rows, cols):
@@ -70,13 +70,13 @@ class InnerProduct(Layer):
             K.fc_backward(x, w, dy, matrix(bottom_diff[0], m, self.C), x, none, self.transpose,
                           True, False, False)
         factored = isinstance(dw, Factors)
+        starts = chunk.starts * self.rows
         if factored:
             dw.a[...], dw.b[...] = (x, dy) if self.transpose else (dy, x)
-            if not self.bias_term:
-                return
-        # The parameter gradients part by part: each is the chain over its own rows.
-        starts = chunk.starts * self.rows
-        for i, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
-            db = param_diff[1][i] if self.bias_term else none
-            K.fc_backward(x[lo:hi], w, dy[lo:hi], x, x if factored else dw[i], db,
-                          self.transpose, False, not factored, self.overwrite_param_diff)
+        else:  # each part's weight gradient, the chain over its own rows
+            for i, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+                K.fc_backward(x[lo:hi], w, dy[lo:hi], x, dw[i], none, self.transpose, False,
+                              True, self.overwrite_param_diff)
+        if self.bias_term:
+            db, step = part_span(param_diff[1])
+            K.bias_parts(dy, db, step, starts, self.overwrite_param_diff)
