@@ -12,7 +12,6 @@ from typing import NamedTuple
 import numpy as np
 
 from cgp.kernels.reduce import OUTER_SCRATCH, TILE, outer_tree_sum, tree_sum
-from cgp.kernels.tile import lanes
 
 BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enough to balance
 # Rows of a factored gradient per task: a multiple of every register tile's height.
@@ -57,13 +56,13 @@ class ThreadCommunicator:
         self._scratch = {}
 
     def _worker_scratch(self, k, dtype):
-        """Per worker: the tree's tile of partial sums, and a factored gradient's register
-        tiles for k chunks."""
+        """Per worker: the tree's tile of partial sums, and a factored gradient's panel for
+        each of k chunks."""
         key = (k, dtype)
         if key not in self._scratch:
-            threads, width = self.pool.threads, OUTER_SCRATCH * lanes(np.dtype(dtype).itemsize)
+            threads = self.pool.threads
             self._scratch[key] = (np.zeros((threads, k, TILE), dtype),
-                                  np.zeros((threads, k, width), dtype))
+                                  np.zeros((threads, k, OUTER_SCRATCH), dtype))
         return self._scratch[key]
 
     def reduce(self, bufs, factored=()):
