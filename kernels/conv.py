@@ -210,9 +210,10 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
         if b.size > 0:
             for k in range(K):
                 bk = b[k]
-                base = (n * K + k) * PQ
+                # A view indexed from 0: an index that may be negative keeps the loop scalar.
+                yk = yf[(n * K + k) * PQ:(n * K + k + 1) * PQ]
                 for j in range(PQ):
-                    yf[base + j] += bk
+                    yk[j] += bk
 
 
 @njit(cache=True, nogil=True)
@@ -411,8 +412,7 @@ def _dx_scatter(w, dy, dx, dyw, wsc, dxp, pad_h, pad_w, dil_h, dil_w, group, T, 
         for c in range(C):
             for h in range(H):
                 src = (c * Hp + h + pad_h) * Wp + pad_w
-                for q in range(W):
-                    dx[n, c, h, q] = dxp[src + q]
+                dx[n, c, h, :] = dxp[src:src + W]
 
 
 # ---------------------------------------------------------------------------------------------
