@@ -21,7 +21,7 @@ SIMD_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx5
 
 
 def add_bench(sub):
-    from cgp.cli import EPILOG
+    from cgp.cli import EPILOG, add_denormals_option
     p = sub.add_parser("bench", help="measure training speed")
     kinds = p.add_subparsers(dest="bench", required=True)
     s = kinds.add_parser(
@@ -38,6 +38,7 @@ def add_bench(sub):
                         "logical cores); 1 is always added, the baseline of the speedups")
     s.add_argument("--chunks", type=int, default=16,
                    help="fixed pieces each batch is cut into (default 16), as for cgp train")
+    add_denormals_option(s)
     s.add_argument("--data-dir", default=None,
                    help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
     s.add_argument("--no-download", action="store_true", help="never download a missing data set")
@@ -421,7 +422,7 @@ def cmd_speedup(args, log=print):
         for t in threads:
             config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
                                data_dir=args.data_dir, download=not args.no_download,
-                               progress=False)
+                               progress=False, denormals=args.denormals)
             trainers[t] = Trainer(sp, path, config, log=lambda line: None)
         net = trainers[1].net
         images = net.batch_size * sp.iter_size
@@ -464,7 +465,8 @@ def cmd_speedup(args, log=print):
     model = model_name(args, path)
     extra = {"torch": torch_ref.version()} if torch_ref else {}
     report = {"model": model, "solver": str(path), "net": net.name, "batch": images,
-              "chunks": len(trainers[1].engine.bounds), "iters": args.iters,
+              "chunks": len(trainers[1].engine.bounds), "denormals": args.denormals,
+              "iters": args.iters,
               "repeats": args.repeats, "warmup": args.warmup, "seed": trainers[1].seed,
               "threads": threads, "compare": args.compare,
               "training_flops_per_image": flops,

@@ -34,7 +34,7 @@ def load_weights(net, names, log):
 
 
 def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, download=True,
-             log=print):
+             log=print, flush_denormals=True):
     """Run `iterations` TEST batches; returns ({output: mean}, mean loss)."""
     if iterations < 1:
         raise CgpError(f"--iterations must be at least 1, got {iterations}")
@@ -42,7 +42,7 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
         raise CgpError(f"model '{model}' not found (looked in {Path.cwd()})")
     net = Net(read_net(model), caffe_pb2.TEST, RunOptions(data_dir, download))
     load_weights(net, weights, log)
-    pool = Pool(threads)
+    pool = Pool(threads, flush_denormals=flush_denormals)
     try:
         engine = Engine(net, chunks, pool, ThreadCommunicator(pool), backward=False)
         if not engine.tracked:

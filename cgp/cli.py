@@ -14,8 +14,16 @@ from cgp.timing import add_time, compile_notice
 EPILOG = "Models: mnist (LeNet), cifar10 (cifar10_quick), cifar10_full; or --solver FILE."
 
 
+def add_denormals_option(p):
+    p.add_argument("--denormals", choices=("flush", "keep"), default="flush",
+                   help="subnormal floats (below 1.2e-38): 'flush' them to zero (default, as "
+                        "TensorFlow does; arithmetic on them is many times slower) or 'keep' "
+                        "them (IEEE, as Caffe). Results depend on this, never on --threads")
+
+
 def add_run_options(p, threads_list=False):
-    """Options that change how a run executes, never what it computes."""
+    """How a run executes: --threads and --affinity never change what it computes;
+    --chunks and --denormals do, the same for every thread count."""
     if threads_list:
         p.add_argument("--threads", default="1,2,3,4",
                        help="comma-separated thread counts to compare (default 1,2,3,4)")
@@ -27,6 +35,7 @@ def add_run_options(p, threads_list=False):
                         "this, never on --threads; at most this many threads do useful work")
     p.add_argument("--affinity", action="store_true",
                    help="pin each worker thread to its own core (Linux)")
+    add_denormals_option(p)
     p.add_argument("--data-dir", default=None,
                    help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
     p.add_argument("--no-download", action="store_true",
@@ -50,6 +59,15 @@ def add_train(sub):
                        help=f"what {name.upper()} does, after the current iteration (default "
                             f"{default}; 'stop' snapshots too, as Caffe's)")
     p.set_defaults(run=cmd_train)
+
+
+def denormals_text(flush):
+    from cgp.kernels import fpenv
+    if not flush:
+        return "subnormals kept (IEEE)"
+    if fpenv.SUPPORTED:
+        return "subnormals flushed to zero"
+    return "subnormals kept: flushing them needs an x86-64 CPU"
 
 
 def solver_file(args):
@@ -90,7 +108,7 @@ def cmd_train(args, log=print):
                        data_dir=args.data_dir, download=not args.no_download,
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
-                       sighup_effect=args.sighup_effect)
+                       sighup_effect=args.sighup_effect, denormals=args.denormals)
     check_threads(args.threads, log)
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
@@ -98,7 +116,7 @@ def cmd_train(args, log=print):
         net = trainer.net
         log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
             f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
-            f"thread(s), seed {trainer.seed}")
+            f"thread(s), seed {trainer.seed}, {denormals_text(trainer.pool.flush)}")
         log(f"cgp: {trainer.memory_line}")
         if args.snapshot:
             trainer.restore(args.snapshot)
@@ -146,7 +164,8 @@ def cmd_equivalence(args, log=print):
     sp = read_solver(path)
     threads = thread_list(args.threads)
     config = RunConfig(chunks=args.chunks, seed=args.seed, data_dir=args.data_dir,
-                       download=not args.no_download, affinity=args.affinity)
+                       download=not args.no_download, affinity=args.affinity,
+                       denormals=args.denormals)
     log(f"cgp equivalence: {path}, {args.iters} iterations, {args.chunks} chunks, "
         f"threads {','.join(map(str, threads))}")
     return equivalence.run(sp, path, config, threads, args.iters, log=log)
@@ -165,7 +184,8 @@ def cmd_test(args, log=print):
     from cgp.caffe_test import run_test
     check_threads(args.threads, log)
     run_test(args.model, args.weights, args.iterations, threads=args.threads, chunks=args.chunks,
-             data_dir=args.data_dir, download=not args.no_download, log=log)
+             data_dir=args.data_dir, download=not args.no_download, log=log,
+             flush_denormals=args.denormals == "flush")
     return 0
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from cgp.comm import FactoredGrad
 from cgp.errors import CgpError
+from cgp.kernels import fpenv
 from cgp.kernels.reduce import OUTER_PAD
 from cgp.layers import Chunk, Factors
 from cgp.net import Workspace
@@ -70,12 +71,17 @@ class Pool:
     affinity: pin worker k to the k-th CPU this process may use (Linux), so the OS
     does not migrate workers between cores; results never depend on it. A single
     thread runs in the caller, which is left unpinned (pinning it would also pin every
-    thread it starts later)."""
+    thread it starts later).
+    flush_denormals: every task runs with subnormal floats flushed to zero (see
+    cgp.kernels.fpenv), or with IEEE subnormals; the workers keep the mode for their
+    life, the caller's thread only while it runs tasks, so every thread count computes
+    alike."""
 
-    def __init__(self, threads, affinity=False):
+    def __init__(self, threads, affinity=False, flush_denormals=True):
         if threads < 1:
             raise CgpError(f"--threads must be at least 1, got {threads}")
         self.threads = threads
+        self.flush = flush_denormals
         self.pinned = []
         cpus = sorted(os.sched_getaffinity(0)) if affinity and hasattr(os, "sched_getaffinity") else []
         if affinity and not cpus:
@@ -85,11 +91,13 @@ class Pool:
             return
         slots = itertools.count()
 
-        def pin_worker():
+        def start_worker():
+            fpenv.set_flush(flush_denormals)
             if cpus:
                 self._pin(cpus[next(slots) % len(cpus)])
 
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="cgp", initializer=pin_worker)
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="cgp",
+                                            initializer=start_worker)
 
     def _pin(self, cpu):
         os.sched_setaffinity(0, {cpu})  # pid 0: the calling thread only
@@ -97,8 +105,12 @@ class Pool:
 
     def run(self, fn, tasks):
         if self._executor is None or tasks == 1:
-            for i in range(tasks):
-                fn(0, i)
+            state = fpenv.set_flush(self.flush)
+            try:
+                for i in range(tasks):
+                    fn(0, i)
+            finally:
+                fpenv.restore(state)
             return
         counter = itertools.count()
         lock = threading.Lock()

@@ -69,8 +69,8 @@ def step_against_float64(sp, solver_path, config):
         params64 = w0.copy()
         with threadpool_limits(limits=1):
             batch = trainer._batch(net, 0, 0)
-            engine64 = Engine(net, config.chunks, Pool(1), ThreadCommunicator(Pool(1)),
-                              params=params64)
+            pool = Pool(1, flush_denormals=config.denormals == "flush")
+            engine64 = Engine(net, config.chunks, pool, ThreadCommunicator(pool), params=params64)
             _, loss64, grad64 = engine64.run(batch, 0, trainer.seed)
             loss32, _, _ = trainer.step()
         # The first step of Caffe's SGD from zero history: w -= lr*lr_mult*(g + wd*decay_mult*w).

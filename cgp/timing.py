@@ -12,6 +12,7 @@ COMPILING = "compiling kernels (first run only; cached afterwards)"
 
 
 def add_time(sub):
+    from cgp.cli import add_denormals_option
     p = sub.add_parser(
         "time", help="time forward and backward of every layer (Caffe's `caffe time`)",
         description="Average forward and backward milliseconds per layer and per iteration, "
@@ -23,6 +24,7 @@ def add_time(sub):
                    help="threads for the engine's whole-iteration time (default 1)")
     p.add_argument("--chunks", type=int, default=16,
                    help="fixed pieces each batch is cut into (default 16)")
+    add_denormals_option(p)
     p.add_argument("--phase", choices=("TRAIN", "TEST"), default="TRAIN",
                    help="the net's phase (default TRAIN)")
     p.add_argument("--level", type=int, default=0, help="the net state's level (default 0)")
@@ -33,6 +35,17 @@ def add_time(sub):
                    help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
     p.add_argument("--no-download", action="store_true", help="never download a missing data set")
     p.set_defaults(run=cmd_time)
+
+
+@contextmanager
+def denormals(flush):
+    """The layers run in this thread with subnormals flushed (or not), as engine workers do."""
+    from cgp.kernels import fpenv
+    state = fpenv.set_flush(flush)
+    try:
+        yield
+    finally:
+        fpenv.restore(state)
 
 
 # -- the first-run note --------------------------------------------------------------
@@ -185,13 +198,13 @@ class LayerTimer:
         self.data[:] = 0
 
 
-def engine_time(net, threads, chunks, iterations, seed):
+def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True):
     """Wall-clock milliseconds per forward-backward of the real engine on `threads` threads
     (gradient reduction included)."""
     from cgp.comm import ThreadCommunicator
     from cgp.engine import Engine, Pool
 
-    pool = Pool(threads)
+    pool = Pool(threads, flush_denormals=flush_denormals)
     try:
         engine = Engine(net, chunks, pool, ThreadCommunicator(pool),
                         backward=bool(net.loss_weights))
@@ -231,7 +244,8 @@ def cmd_time(args, log=print):
     if not net.loss_weights and timer.has_backward:
         log("The net has no loss: backward is timed with a gradient of ones on every output, "
             "as if each had a loss.")
-    with threadpool_limits(limits=1), compile_notice(log):
+    flush = args.denormals == "flush"
+    with threadpool_limits(limits=1), compile_notice(log), denormals(flush):
         log("Performing Forward-Backward (warm-up)")
         timer.iteration(0)
         if net.loss_weights:
@@ -258,7 +272,8 @@ def cmd_time(args, log=print):
         log(f"Average Backward pass: {per * t_backward:.3f} ms.")
         log(f"Average Forward-Backward: {per * (t_forward + t_backward):.3f} ms.")
         log(f"Total Time: {1e3 * (t_forward + t_backward):.1f} ms.")
-        engine_ms = engine_time(net, args.threads, args.chunks, args.iterations, args.seed)
+        engine_ms = engine_time(net, args.threads, args.chunks, args.iterations, args.seed,
+                                flush)
         log(f"Average Forward-Backward, engine on {args.threads} thread(s): {engine_ms:.3f} ms "
             f"({1e3 * net.batch_size / engine_ms:.0f} images/s).")
     log("*** Benchmark ends ***")

@@ -45,6 +45,7 @@ class RunConfig:
     sigint_effect: str = "stop"       # Caffe's --sigint_effect: stop, snapshot or none
     sighup_effect: str = "snapshot"   # Caffe's --sighup_effect
     affinity: bool = False    # pin worker threads to cores
+    denormals: str = "flush"  # subnormal floats: "flush" to zero (fast) or "keep" (IEEE)
 
 
 SIGNAL_EFFECTS = ("stop", "snapshot", "none")
@@ -162,7 +163,7 @@ class Trainer:
                 raise CgpError(f"signal effect '{effect}': expected one of "
                                f"{', '.join(SIGNAL_EFFECTS)}")
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult)
-        self.pool = Pool(config.threads, config.affinity)
+        self.pool = Pool(config.threads, config.affinity, config.denormals == "flush")
         comm = ThreadCommunicator(self.pool)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm)

@@ -58,6 +58,7 @@ def test_train_small_run_end_to_end(tmp_path, mnist_dir):
     out = cgp("train", "mnist", "--iters", "4", "--threads", "2", "--data-dir", str(mnist_dir),
               "--snapshot-prefix", str(tmp_path / "snap"), cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "subnormals flushed to zero" in out.stdout    # the default, said at start-up
     assert "Iteration 0 (" in out.stdout and "lr = 0.01" in out.stdout
     assert "Test net output #0: accuracy" in out.stdout
     assert (tmp_path / "snap_iter_4.caffemodel").is_file()

@@ -6,10 +6,12 @@ import sys
 
 import numpy as np
 import pytest
+from numba import njit
 
 from cgp import models
 from cgp.comm import FactoredGrad, ThreadCommunicator, blocks, reference_reduce, uncovered
 from cgp.engine import Engine, Pool, chunk_bounds, group_size
+from cgp.kernels import fpenv
 from cgp.kernels.fc import add_outer_rows
 from cgp.kernels.reduce import OUTER_PAD
 from cgp.kernels.tile import SHAPES, choose
@@ -206,6 +208,51 @@ def test_a_batch_value_read_per_sample_keeps_one_chunk_per_call():
     assert not net.groupable and group_size(net, 4, 1) == 1
     pool = Pool(1)
     assert len(Engine(net, 4, pool, ThreadCommunicator(pool), group=4).groups) == 4
+
+
+@njit
+def _product(a, b):
+    return a * b
+
+
+@pytest.mark.skipif(not fpenv.SUPPORTED, reason="flushing subnormals needs an x86-64 CPU")
+def test_flushing_subnormals_is_per_thread_and_restored():
+    tiny, small = np.float32(1e-30), np.float32(1e-10)   # their product is subnormal
+    assert _product(tiny, small) != 0 and not fpenv.flushing()
+    state = fpenv.set_flush(True)
+    assert fpenv.flushing() and _product(tiny, small) == 0
+    fpenv.restore(state)
+    assert not fpenv.flushing() and _product(tiny, small) != 0
+    for threads in (1, 3):
+        for flush in (True, False):
+            pool = Pool(threads, flush_denormals=flush)
+            seen = [None] * 6
+            pool.run(lambda w, i: seen.__setitem__(i, fpenv.flushing()), 6)
+            pool.run(lambda w, i: seen.__setitem__(i, seen[i] and fpenv.flushing()), 1)
+            pool.close()
+            assert seen == [flush] * 6, (threads, flush)
+            assert not fpenv.flushing()   # the caller's own mode is left as it was
+
+
+@pytest.mark.skipif(not fpenv.SUPPORTED, reason="flushing subnormals needs an x86-64 CPU")
+def test_subnormals_flushed_or_kept_alike_for_any_thread_count():
+    """With inputs scaled into the subnormal range, flushing changes the gradient, and each
+    mode gives the same bits on 1, 2 and 3 threads."""
+    net = Net(parse_net(GROUP_NET, "grouped.prototxt"), caffe_pb2.TRAIN, RunOptions())
+    net.init_params(5)
+    rng = np.random.default_rng(4)
+    batch = {net.sources[0].tops[0]: rng.standard_normal((11, 2, 9, 9)) * 3e-38,
+             net.sources[0].tops[1]: rng.integers(0, 5, 11).astype(np.float64)}
+    grads = {}
+    for flush in (True, False):
+        for threads in (1, 2, 3):
+            pool = Pool(threads, flush_denormals=flush)
+            engine = Engine(net, 5, pool, ThreadCommunicator(pool), group=1 + threads % 2)
+            grads[flush, threads] = engine.run(batch, 0, 7)[2].copy()
+            pool.close()
+    for flush in (True, False):
+        assert all(np.array_equal(grads[flush, t], grads[flush, 1]) for t in (2, 3))
+    assert not np.array_equal(grads[True, 1], grads[False, 1])
 
 
 @pytest.mark.parametrize("model,chunks", [("mnist", 16), ("mnist", 7), ("cifar10", 16)])
