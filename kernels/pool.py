@@ -332,11 +332,8 @@ def ave_pool_forward(x, y, rsum, R, S, stride_h, stride_w, pad_h, pad_w):
 @njit(cache=True, nogil=True)
 def ave_pool_backward(dy, dx, R, S, stride_h, stride_w, pad_h, pad_w):
     """dy: (N, C, P, Q); dx: (N, C, H, W), OVERWRITTEN: each window's image cells get
-    dy / (window size, as in forward); overlapping windows add up in (p, q) order.
-
-    The inner windows of a row go a cell column j at a time, j from S-1 down to 0: a cell
-    that two windows q < q' share is column j of q and a smaller j' of q', so q's share still
-    comes first, and the sums are those of a window-by-window loop."""
+    dy / (window size, as in forward); overlapping windows add up in (p, q) order, window by
+    window as Caffe does, each window's share divided once."""
     N, C, P, Q = dy.shape
     H, W = dx.shape[2], dx.shape[3]
     dyf = dy.reshape(N * C * P * Q)
@@ -353,11 +350,13 @@ def ave_pool_backward(dy, dx, R, S, stride_h, stride_w, pad_h, pad_w):
                 _ave_window_backward(dyf, dxf, xb, row + q, W, h0, h1, size_h,
                                      q * stride_w - pad_w, S, pad_w)
             size = dy.dtype.type(size_h * S)
-            for h in range(h0, h1):
-                for j in range(S - 1, -1, -1):
-                    cell = xb + h * W + j - pad_w
-                    for q in range(q_lo, q_hi):
-                        dxf[np.uintp(cell + q * stride_w)] += dyf[np.uintp(row + q)] / size
+            for q in range(q_lo, q_hi):
+                g = dyf[np.uintp(row + q)] / size
+                left = xb + q * stride_w - pad_w
+                for h in range(h0, h1):
+                    cell = left + h * W
+                    for j in range(S):
+                        dxf[np.uintp(cell + j)] += g
             for q in range(q_hi, Q):
                 _ave_window_backward(dyf, dxf, xb, row + q, W, h0, h1, size_h,
                                      q * stride_w - pad_w, S, pad_w)

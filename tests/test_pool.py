@@ -149,6 +149,30 @@ def test_overlapping_windows_add():
                                              [1, 2, 2, 1]])
 
 
+def test_average_gradient_adds_window_by_window():
+    """AVE's input gradient, bitwise as Caffe's loop makes it in float32: window by window in
+    (p, q) order, each cell of the window (clipped to the image) adding dy / size, with
+    overlapping windows, padding and CEIL-rounded border windows."""
+    rng = np.random.default_rng(5)
+    for kernel, stride, pad, size in [(3, 2, 0, 16), (3, 2, 1, 8), (3, 1, 1, 5), (4, 2, 1, 9)]:
+        layer = build(pool_text(f"pool: AVE kernel_size: {kernel} stride: {stride} pad: {pad}"),
+                      [(2, 3, size, size)])
+        P, Q = layer.top_shapes[0][2:]
+        x = rng.standard_normal((2, 3, size, size)).astype(np.float32)
+        dy = rng.standard_normal((2, 3, P, Q)).astype(np.float32)
+        _, (dx,), _ = backward(layer, [x], [], [dy])
+        want = np.zeros_like(x)
+        for p in range(P):
+            for q in range(Q):
+                h0, w0 = p * stride - pad, q * stride - pad
+                h1, w1 = min(h0 + kernel, size + pad), min(w0 + kernel, size + pad)
+                share = dy[:, :, p, q] / np.float32((h1 - h0) * (w1 - w0))
+                for h in range(max(h0, 0), min(h1, size)):
+                    for w in range(max(w0, 0), min(w1, size)):
+                        want[:, :, h, w] += share
+        np.testing.assert_array_equal(dx, want)
+
+
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 def test_split_invariance(method):
     layer = build(pool_text(f"pool: {method} kernel_size: 3 stride: 2 pad: 1"), [(5, 2, 6, 6)])
