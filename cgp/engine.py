@@ -31,8 +31,8 @@ from cgp.net import Workspace
 
 # About the most bytes of activations and their gradients one call should hold: beyond it
 # the buffers stream from memory instead of the caches. LeNet (160 KB per sample) ran
-# fastest with 32 samples per call, cifar10_quick (620 KB) with 12, in runs of
-# bench/engine_phases.py --group.
+# fastest with 32 to 64 samples per call, cifar10_quick (620 KB) with 12 to 25
+# (bench/grouping.py).
 CALL_BYTES = 8 << 20
 
 

@@ -218,6 +218,7 @@ def _product(a, b):
 @pytest.mark.skipif(not fpenv.SUPPORTED, reason="flushing subnormals needs an x86-64 CPU")
 def test_flushing_subnormals_is_per_thread_and_restored():
     tiny, small = np.float32(1e-30), np.float32(1e-10)   # their product is subnormal
+    outer = fpenv.set_flush(False)    # whatever this thread had, restored at the end
     assert _product(tiny, small) != 0 and not fpenv.flushing()
     state = fpenv.set_flush(True)
     assert fpenv.flushing() and _product(tiny, small) == 0
@@ -232,6 +233,7 @@ def test_flushing_subnormals_is_per_thread_and_restored():
             pool.close()
             assert seen == [flush] * 6, (threads, flush)
             assert not fpenv.flushing()   # the caller's own mode is left as it was
+    fpenv.restore(outer)
 
 
 @pytest.mark.skipif(not fpenv.SUPPORTED, reason="flushing subnormals needs an x86-64 CPU")
