@@ -1,6 +1,7 @@
 """Gradient reduction kernels: the fixed-order sum of per-chunk gradient buffers
 (tree_sum), and of per-chunk gradients held as factors A_c^T @ B_c (outer_tree_sum), which
-forms each chunk's product a register tile at a time and sums the tiles in the same tree.
+forms each chunk's product a panel of register tiles at a time and sums the panels in the same
+tree.
 
 Only the order of additions matters for bitwise results, never which thread adds:
 each kernel call handles a column range [lo, hi) of every buffer (or rows [j0, j1) of a
