@@ -44,11 +44,16 @@ def chunk_bounds(batch, chunks):
     return [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:])]
 
 
+def span(bounds):
+    """(first sample, samples) of consecutive chunks, bounds [(first, n), ...]."""
+    first = bounds[0][0]
+    return first, bounds[-1][0] + bounds[-1][1] - first
+
+
 def call_chunk(bounds, **fields):
     """The Chunk of one call over consecutive chunks, bounds [(first, n), ...], each a part;
     fields: Chunk's other fields."""
-    first = bounds[0][0]
-    n = bounds[-1][0] + bounds[-1][1] - first
+    first, n = span(bounds)
     return Chunk(n=n, first=first, part_starts=tuple(f - first for f, _ in bounds) + (n,),
                  **fields)
 
@@ -182,8 +187,7 @@ class Engine:
     def samples(self, group):
         """(first sample, samples) of a group (c0, c1) of chunks."""
         c0, c1 = group
-        first = self.bounds[c0][0]
-        return first, self.bounds[c1 - 1][0] + self.bounds[c1 - 1][1] - first
+        return span(self.bounds[c0:c1])
 
     def _factor(self, index):
         """Batch-wide buffers for the factors of entry `index`'s weight gradient; each group's

@@ -75,6 +75,20 @@ def choose(nt, nv, V, unit):
     return best_t, best_kv
 
 
+def _masked_memory(builder, vty, width, bits):
+    """LLVM's masked load and store of vectors vty (width lanes of f<bits>), for codegen:
+    load(pointer, align, mask, passthrough) and store(value, pointer, align, mask)."""
+    i32 = ir.IntType(32)
+    mask_ty = ir.VectorType(ir.IntType(1), width)
+    load = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mask_ty, vty]),
+        f"llvm.masked.load.v{width}f{bits}.p0")
+    store = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32, mask_ty]),
+        f"llvm.masked.store.v{width}f{bits}.p0")
+    return load, store
+
+
 @intrinsic
 def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
          a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep):
@@ -114,15 +128,7 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
         bits = "32" if dtype == types.float32 else "64"
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
                                              f"llvm.fma.v{width}f{bits}")
-        mask_ty = ir.VectorType(ir.IntType(1), width)
-        masked_load = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mask_ty, vty]),
-            f"llvm.masked.load.v{width}f{bits}.p0")
-        masked_store = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32,
-                                            ir.VectorType(ir.IntType(1), width)]),
-            f"llvm.masked.store.v{width}f{bits}.p0")
+        masked_load, masked_store = _masked_memory(builder, vty, width, bits)
 
         def vector_at(base, offset):
             # Unaligned: operands start anywhere in their arrays.
@@ -215,15 +221,9 @@ def shifted_copy(typingctx, out, out_off, src, src_off, lo, hi, n):
         vty = ir.VectorType(fty, width)
         intp = context.get_value_type(types.intp)
         ivty = ir.VectorType(intp, width)
-        mask_ty = ir.VectorType(ir.IntType(1), width)
         i32 = ir.IntType(32)
         bits = "32" if dtype == types.float32 else "64"
-        masked_load = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mask_ty, vty]),
-            f"llvm.masked.load.v{width}f{bits}.p0")
-        masked_store = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32, mask_ty]),
-            f"llvm.masked.store.v{width}f{bits}.p0")
+        masked_load, masked_store = _masked_memory(builder, vty, width, bits)
         out_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
         src_p = cgutils.create_struct_proxy(tys[2])(context, builder, args[2]).data
         out_off_, src_off_, lo_, hi_, n_ = [context.cast(builder, args[i], tys[i], types.intp)
@@ -280,14 +280,8 @@ def transpose_block(typingctx, dst, dst_off, dst_ld, src, src_off, src_ld, rows,
         i32 = ir.IntType(32)
         i32v = ir.VectorType(i32, width)
         intp = context.get_value_type(types.intp)
-        mask_ty = ir.VectorType(ir.IntType(1), width)
         bits = "32" if dtype == types.float32 else "64"
-        masked_load = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mask_ty, vty]),
-            f"llvm.masked.load.v{width}f{bits}.p0")
-        masked_store = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32, mask_ty]),
-            f"llvm.masked.store.v{width}f{bits}.p0")
+        masked_load, masked_store = _masked_memory(builder, vty, width, bits)
         dst_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
         src_p = cgutils.create_struct_proxy(tys[3])(context, builder, args[3]).data
         sums_p = cgutils.create_struct_proxy(tys[8])(context, builder, args[8]).data
