@@ -21,10 +21,10 @@ def main():
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
-    sp = read_solver(models.solver_path(args.model))
-    sp.net = str(models.FOLDER / sp.net)
-    trainer = Trainer(sp, None, RunConfig(progress=False, data_dir=args.data_dir,
-                                          denormals=args.denormals), log=lambda line: None)
+    # Trainer resolves the solver's net relative to the solver file.
+    path = models.solver_path(args.model)
+    config = RunConfig(progress=False, data_dir=args.data_dir, denormals=args.denormals)
+    trainer = Trainer(read_solver(path), path, config, log=lambda line: None)
     print(f"{args.model}, 1 thread, subnormals {args.denormals}")
     with threadpool_limits(limits=1):
         for block in range(args.blocks):

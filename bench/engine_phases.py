@@ -54,10 +54,10 @@ PHASES = {"run": "chunks (forward, backward)", "reduce": "reduction", "step": "s
 
 
 def measure(model, threads, steps, data_dir, factor, group):
-    sp = read_solver(models.solver_path(model))
-    sp.net = str(models.FOLDER / sp.net)
-    trainer = Trainer(sp, None, RunConfig(threads=threads, progress=False, data_dir=data_dir),
-                      log=lambda line: None)
+    # Trainer resolves the solver's net relative to the solver file.
+    path = models.solver_path(model)
+    config = RunConfig(threads=threads, progress=False, data_dir=data_dir)
+    trainer = Trainer(read_solver(path), path, config, log=lambda line: None)
     pool = TimedPool(threads)
     trainer.pool.close()
     trainer.pool = trainer.engine.comm.pool = pool

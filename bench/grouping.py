@@ -21,10 +21,10 @@ from cgp.train import RunConfig, Trainer
 
 
 def trainer(model, threads, group, data_dir):
-    sp = read_solver(models.solver_path(model))
-    sp.net = str(models.FOLDER / sp.net)
-    t = Trainer(sp, None, RunConfig(threads=threads, progress=False, data_dir=data_dir),
-                log=lambda line: None)
+    # Trainer resolves the solver's net relative to the solver file.
+    path = models.solver_path(model)
+    config = RunConfig(threads=threads, progress=False, data_dir=data_dir)
+    t = Trainer(read_solver(path), path, config, log=lambda line: None)
     t.engine = Engine(t.net, t.config.chunks, t.pool, t.engine.comm, group=group)
     return t
 

@@ -28,9 +28,10 @@ from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
 def setup():
-    sp = read_solver(models.solver_path("mnist"))
-    sp.net = str(models.FOLDER / sp.net)
-    trainer = Trainer(sp, None, RunConfig(threads=1, progress=False), log=lambda line: None)
+    # Trainer resolves the solver's net relative to the solver file.
+    path = models.solver_path("mnist")
+    trainer = Trainer(read_solver(path), path, RunConfig(threads=1, progress=False),
+                      log=lambda line: None)
     for _ in range(5):
         trainer.step()
     return trainer

@@ -35,10 +35,10 @@ def main():
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
-    sp = read_solver(models.solver_path(args.model))
-    sp.net = str(models.FOLDER / sp.net)
-    trainer = Trainer(sp, None, RunConfig(chunks=args.chunks, data_dir=args.data_dir),
-                      log=lambda line: None)
+    # Trainer resolves the solver's net relative to the solver file.
+    path = models.solver_path(args.model)
+    config = RunConfig(chunks=args.chunks, data_dir=args.data_dir)
+    trainer = Trainer(read_solver(path), path, config, log=lambda line: None)
     net, engine = trainer.net, trainer.engine
     c0, c1 = engine.groups[0]
     bounds = engine.bounds[c0:c1]
@@ -66,7 +66,8 @@ def main():
     calls = len(net.entries) + sum(e.backward for e in net.entries)
     print(f"{args.model}, {args.chunks} chunks, the engine's calls on 1 thread: {len(bounds)} "
           f"chunks ({samples} samples) per call, {calls} layer calls each")
-    print(f"  Python overhead per call: {empty * 1e6:.0f} us ({empty * 1e6 / calls:.1f} us per layer call)")
+    print(f"  Python overhead per call: {empty * 1e6:.0f} us "
+          f"({empty * 1e6 / calls:.1f} us per layer call)")
     print(f"  whole call (forward+backward): {full * 1e3:.2f} ms")
     print(f"  empty-call share: {empty / full:.1%} (an upper bound on the GIL-held share)")
     trainer.close()
