@@ -32,7 +32,7 @@ def tree_sum(bufs, lo, hi, scratch):
     the total ends in bufs[0, lo:hi]. The other rows are left as they were.
 
     The loops index views from 0: an index that may be negative (start + j) costs Numba a
-    wrap-around test per element, which keeps the loop from being vectorised (3x slower)."""
+    wrap-around test per element, which keeps the loop from being vectorised."""
     k = bufs.shape[0]
     k4 = k - k % 4
     for start in range(lo, hi, TILE):

@@ -15,7 +15,7 @@ Numba compute in float64 and the result would no longer be Caffe's float32 arith
   accum        1 / iter_size, in float32   weight_decay, l1  regularization (L1 if l1 else L2)
 Elementwise only, so results are bitwise identical however [0, n) is cut into slices. The
 loops index views of the slice from 0: an index that may be negative (lo + i) costs Numba a
-wrap-around test per element, which keeps the loop from being vectorised (7x slower).
+wrap-around test per element, which keeps the loop from being vectorised.
 """
 import numpy as np
 from numba import njit
