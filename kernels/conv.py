@@ -19,11 +19,12 @@ by threads, timing or memory addresses, so the result is the same for any thread
 any number of parts per call. Tile shapes, buffer alignment and the CPU's vector width change
 the speed, never a result.
 
-Memory. The direct forward keeps its widened input in scratch ("e") for the backward pass:
-per worker and bottom, samples * C*S*(H + 2*pad_h)*Q elements (S times the padded input, where
-im2col's column matrix would be R*S times), so backward must follow forward on the same
-scratch, as the engine runs them. Backward adds the chunk's dy transposed (samples * P*Q * K,
-K rounded up to whole vectors).
+Memory. The direct path widens one sample's input at a time into scratch ("e"): per worker
+and bottom, C*S*(H + 2*pad_h)*Q elements (S times the padded input, where im2col's column
+matrix would be R*S times). The forward pass and the weight gradient each widen the sample
+they work on, so the buffer stays in the L2 cache, where keeping every sample's copy from
+forward to backward streamed all of them through memory twice. Backward adds the chunk's dy
+transposed (samples * P*Q * K, K rounded up to whole vectors).
 
 Dimension letters: N samples in the chunk, C input channels, K output channels (filters),
 G groups (C/G and K/G channels per group), H W input height and width, P Q output height and
@@ -84,7 +85,7 @@ def direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
 @njit(cache=True, nogil=True)
 def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """Scratch sizes (elements) of the direct path for vectors of V lanes, as the tuple
-    (e per sample, e extra, wpt, dycl per sample, dycl extra, dwt, dbacc, eb, wft, dxp): see
+    (e, e extra, wpt, dycl per sample, dycl extra, dwt, dbacc, eb, wft, dxp): see
     conv_forward_direct and conv_backward_direct. Every buffer that feeds vectors has V
     elements to spare, for _aligned."""
     Cg, Kg = C // group, K // group
@@ -109,7 +110,7 @@ def _round_up(n, m):
 
 @njit(cache=True, nogil=True)
 def _e_slack(row, V):
-    """Elements after the last sample's widened input that tiles may read: weight-gradient
+    """Elements after a sample's widened input that tiles may read: weight-gradient
     tiles run up to T_MAX rows (of `row` elements) past the last row, and forward tiles up to
     four vectors past the last position."""
     return T_MAX * row + 4 * V
@@ -173,8 +174,8 @@ def _convolve_rows(e, e_off, row_len, r_step, wt, wt_off, KoT, out, out_off, Ko,
 @njit(cache=True, nogil=True)
 def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
     """Stride-1 forward. x: (N, C, H, W); w: (K, C/G, R, S); b: (K,), or (0,) for no bias;
-    y: (N, K, P, Q), C-contiguous. Scratch, flat, sizes from direct_sizes: e, the widened input
-    (kept for conv_backward_direct); wpt, the weights with output channels innermost.
+    y: (N, K, P, Q), C-contiguous. Scratch, flat, sizes from direct_sizes: e, one sample's
+    widened input; wpt, the weights with output channels innermost.
     y[n, k, p, q] = (sum over (r, c, s) of w[k, c, r, s] * x[n, c, p + r*dil_h - pad_h,
     q + s*dil_w - pad_w]) + b[k], the sum one fused multiply-add chain in that order."""
     N, C, H, W = x.shape
@@ -191,7 +192,7 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
     CSg = Cg * S
     esz = C * S * HpQ
     e, wpt = _aligned(e, V), _aligned(wpt, V)
-    if e.size < N * esz + _e_slack(HpQ, V) or wpt.size < group * R * CSg * KgT:
+    if e.size < esz + _e_slack(HpQ, V) or wpt.size < group * R * CSg * KgT:
         raise ValueError("conv_forward_direct: scratch too small")
     # Weights by (group, r, c, s), output channels innermost (padded with zeros to KgT).
     for gr in range(group):
@@ -203,9 +204,9 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
                         wpt[base + k] = w[gr * Kg + k, c, r, s]
     yf = y.reshape(N * K * PQ)
     for n in range(N):
-        widen(x[n], e, n * esz, S, dil_w, pad_h, pad_w, Hp, Q)
+        widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
         for gr in range(group):
-            _convolve_rows(e, n * esz + gr * CSg * HpQ, HpQ, dil_h * Q, wpt, gr * R * CSg * KgT,
+            _convolve_rows(e, gr * CSg * HpQ, HpQ, dil_h * Q, wpt, gr * R * CSg * KgT,
                            KgT, yf, (n * K + gr * Kg) * PQ, Kg, PQ, R, CSg, T, KV, V)
         if b.size > 0:
             for k in range(K):
@@ -250,12 +251,13 @@ def _channels_last(dy, dycl, dbacc, dbs, db_step, starts, Kg, Kgp, V):
 @njit(cache=True, nogil=True)
 def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc,
                          eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, need_dx):
-    """Stride-1 backward, after conv_forward_direct on the same e. x: (N, C, H, W) (its shape
-    only: e holds its widened copy); w: (K, C/G, R, S); dy: (N, K, P, Q); dx: like x,
+    """Stride-1 backward. x: (N, C, H, W), the input forward saw; w: (K, C/G, R, S);
+    dy: (N, K, P, Q); dx: like x,
     C-contiguous (any array when not need_dx), OVERWRITTEN. The samples fall into parts (the
     engine's chunks): part i is samples starts[i] to starts[i+1] - 1, and its weight gradient,
     laid out like w, is ADDED to at dws[i*dw_step:], its bias gradient (K,) at dbs[i*db_step:]
-    (no bias when dbs is empty). Scratch, flat (direct_sizes): dycl, dy with channels
+    (no bias when dbs is empty). Scratch, flat (direct_sizes): e, one sample's widened
+    input (as in conv_forward_direct); dycl, dy with channels
     innermost; dwt, one part's weight gradient by channel block; dbacc, one sample's bias
     gradient; eb, one sample's dy widened; wft, the weights with input channels innermost;
     dxp, one sample's padded dx (scattering only).
@@ -284,7 +286,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     esz = C * S * HpQ
     e, dycl = _aligned(e, V), _aligned(dycl, V)
     if (dycl.size < N * PQ * Kp or dwt.size < Kp * R * CSp or dbacc.size < Kp
-            or e.size < N * esz + _e_slack(HpQ, V)):
+            or e.size < esz + _e_slack(HpQ, V)):
         raise ValueError("conv_backward_direct: scratch too small")
     if starts[0] != 0 or starts[-1] != N:
         raise ValueError("conv_backward_direct: the parts must cover the samples")
@@ -297,6 +299,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         if n1 == n0:
             continue
         for n in range(n0, n1):
+            widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
             for p0 in range(0, PQ, POSITION_BLOCK):
                 steps = min(POSITION_BLOCK, PQ - p0)
                 for gr in range(group):
@@ -306,7 +309,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                             for cs0 in range(0, CSg, T):
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
                                      CSg - cs0, KVV, n > n0 or p0 > 0,
-                                     e, n * esz + (gr * CSg + cs0) * HpQ + r * dil_h * Q + p0,
+                                     e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + p0,
                                      HpQ, 0, 1, dycl, (n * PQ + p0) * Kp + blk * KVV, 0, Kp, 1,
                                      steps)
         # Into dw, reading dwt in its order (a block of S rows of KVV channels at a time):

@@ -46,12 +46,12 @@ class Convolution(Layer):
     (rounded down), likewise Q. Several bottoms may share the weights, each giving the top at
     the same position, all of one shape (Caffe's rule).
 
-    Stride 1 runs the direct kernels (cgp.kernels.conv), whose scratch "e" keeps each
-    bottom's input, widened S times, from forward to backward: (bottoms,
-    N*C*S*(H + 2*pad_h)*Q + slack) per worker, the one buffer besides "dycl" (dy transposed,
-    N*P*Q*K rounded up to whole SIMD vectors) that grows with the chunk; the others hold the
-    weights repacked or one sample. Sizes suit both float32 and float64. Other strides run
-    im2col: "col", the column matrix of one sample (C*R*S, P*Q).
+    Stride 1 runs the direct kernels (cgp.kernels.conv), whose scratch "e" holds one
+    sample's input widened S times, per bottom: (bottoms, C*S*(H + 2*pad_h)*Q + slack) per
+    worker. "dycl" (dy transposed, N*P*Q*K rounded up to whole SIMD vectors) is the one
+    buffer that grows with the chunk; the others hold the weights repacked or one sample.
+    Sizes suit both float32 and float64. Other strides run im2col: "col", the column matrix
+    of one sample (C*R*S, P*Q).
     """
     bottoms = (1, None)
     tops = (1, None)
@@ -128,7 +128,7 @@ class Convolution(Layer):
                                lanes(np.dtype(t).itemsize))
                 for t in (np.float32, np.float64)))]
             e, e_extra, wpt, dycl, dycl_extra, dwt, dbacc, eb, wft, dxp = sizes
-            return {"e": (len(self.lp.bottom), n * e + e_extra), "wpt": (wpt,),
+            return {"e": (len(self.lp.bottom), e + e_extra), "wpt": (wpt,),
                     "dycl": (n * dycl + dycl_extra,), "dwt": (dwt,), "dbacc": (dbacc,),
                     "eb": (eb,), "wft": (wft,), "dxp": (dxp,)}
         return {"col": (self.C * self.R * self.S, self.P * self.Q)}
