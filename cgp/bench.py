@@ -287,9 +287,40 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer):
     return Config("torch", threads, layout, run=run, context=context, save=save, restore=restore)
 
 
+def median_ci(values, level=0.95):
+    """A distribution-free confidence interval for the median of `values` (independent
+    draws): (lo, hi), the order statistics whose ranks the binomial distribution gives, so
+    that the true median lies between them with at least that probability. None when there
+    are too few values for the level (at 95 %, fewer than 6)."""
+    from math import comb
+
+    n = len(values)
+    # k: how many values may lie below lo (and above hi) while both tails of
+    # Binomial(n, 1/2) beyond them stay within (1 - level) / 2.
+    tail, k = 0.0, -1
+    while k + 1 < n and tail + comb(n, k + 1) / 2 ** n <= (1 - level) / 2:
+        k += 1
+        tail += comb(n, k) / 2 ** n
+    if k < 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k], ordered[n - 1 - k]
+
+
+def _paired(rates, base):
+    """The per-round ratios rates / base: their median and its 95 % interval (or None)."""
+    import statistics
+
+    ratios = [r / b for r, b in zip(rates, base)]
+    ci = median_ci(ratios)
+    return statistics.median(ratios), ci and [round(ci[0], 4), round(ci[1], 4)]
+
+
 def summarise(configs):
     """Rows per configuration with median, spread and speedup over the 1-thread median of
-    the same implementation and layout."""
+    the same implementation and layout; cgp rows also get cgp/torch against the faster
+    PyTorch layout at that thread count. Ratios also come paired: the median of the ratios
+    within each round, with its 95 % confidence interval."""
     import statistics
 
     rows = []
@@ -300,35 +331,47 @@ def summarise(configs):
         speedup = median / statistics.median(base.rates)
         # The same ratio taken within each round, whose timings lie minutes closer together:
         # on a shared machine it is less swayed by a slow spell than the ratio of medians.
-        paired = statistics.median(r / b for r, b in zip(c.rates, base.rates))
+        paired, paired_ci = _paired(c.rates, base.rates)
         rows.append({"impl": c.impl, "layout": c.layout, "threads": c.threads,
                      "images_per_s": [round(r, 2) for r in c.rates],
                      "median": round(median, 2), "min": round(min(c.rates), 2),
                      "max": round(max(c.rates), 2), "speedup": round(speedup, 4),
                      "efficiency": round(speedup / c.threads, 4),
-                     "paired_speedup": round(paired, 4)})
+                     "paired_speedup": round(paired, 4), "paired_speedup_ci": paired_ci})
     best = {}   # threads -> the faster torch row
     for row in rows:
         if row["impl"] == "torch" and (row["threads"] not in best
                                        or row["median"] > best[row["threads"]]["median"]):
             best[row["threads"]] = row
-    for row in rows:
+    for row, c in zip(rows, configs):
         if row["impl"] == "cgp" and row["threads"] in best:
-            row["cgp_over_torch"] = round(row["median"] / best[row["threads"]]["median"], 4)
+            t = best[row["threads"]]
+            row["cgp_over_torch"] = round(row["median"] / t["median"], 4)
+            paired, paired_ci = _paired(c.rates, t["images_per_s"])
+            row["paired_cgp_over_torch"] = round(paired, 4)
+            row["paired_cgp_over_torch_ci"] = paired_ci
     return rows, best
+
+
+def _with_ci(value, ci):
+    """'1.71 (1.62-1.78)': a paired ratio and its 95 % interval, when there is one."""
+    return f"{value:.2f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
 
 
 def table(rows, best):
     lines = [f"{'threads':>7}  {'cgp img/s':>10}  {'min-max':>15}  {'speedup':>7}  "
-             f"{'efficiency':>10}  {'paired':>6}"
-             + (f"  {'torch img/s':>11}  {'layout':<13}  {'cgp/torch':>9}" if best else "")]
+             f"{'efficiency':>10}  {'paired (95% CI)':>16}"
+             + (f"  {'torch img/s':>11}  {'layout':<13}  {'cgp/torch':>9}  "
+                f"{'paired (95% CI)':>16}" if best else "")]
     for row in (r for r in rows if r["impl"] == "cgp"):
         line = (f"{row['threads']:>7}  {row['median']:>10.1f}  "
                 f"{row['min']:>7.0f}-{row['max']:<7.0f}  {row['speedup']:>7.2f}  "
-                f"{100 * row['efficiency']:>9.0f}%  {row['paired_speedup']:>6.2f}")
+                f"{100 * row['efficiency']:>9.0f}%  "
+                f"{_with_ci(row['paired_speedup'], row['paired_speedup_ci']):>16}")
         t = best.get(row["threads"])
         if t:
-            line += f"  {t['median']:>11.1f}  {t['layout']:<13}  {row['cgp_over_torch']:>9.2f}"
+            line += (f"  {t['median']:>11.1f}  {t['layout']:<13}  {row['cgp_over_torch']:>9.2f}"
+                     f"  {_with_ci(row['paired_cgp_over_torch'], row['paired_cgp_over_torch_ci']):>16}")
         lines.append(line)
     return lines
 
@@ -342,13 +385,16 @@ def write_results(out, stem, report, rows, log):
     paths = [out / f"{stem}.json", out / f"{stem}.csv"]
     paths[0].write_text(json.dumps(report, indent=2) + "\n")
     columns = ["impl", "layout", "threads", "median", "min", "max", "speedup", "efficiency",
-               "paired_speedup", "cgp_over_torch", "images_per_s"]
+               "paired_speedup", "paired_speedup_ci", "cgp_over_torch", "paired_cgp_over_torch",
+               "paired_cgp_over_torch_ci", "images_per_s"]
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "layout": row["layout"] or "",
-                             "images_per_s": " ".join(map(str, row["images_per_s"]))})
+                             **{key: " ".join(map(str, row[key])) for key in
+                                ("images_per_s", "paired_speedup_ci", "paired_cgp_over_torch_ci")
+                                if row.get(key)}})
     png = plot(out / f"{stem}.png", report, rows, log)
     return paths + ([png] if png else [])
 

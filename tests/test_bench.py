@@ -12,7 +12,7 @@ from numba import njit
 from threadpoolctl import threadpool_limits
 
 from cgp import cli
-from cgp.bench import Config, default_threads, summarise, training_flops
+from cgp.bench import Config, default_threads, summarise, table, training_flops
 from cgp.models import FOLDER, solver_path
 from cgp.net import Net, RunOptions
 from cgp.prototxt import parse_net, read_net, read_solver
@@ -169,6 +169,40 @@ def test_paired_speedup_is_the_median_of_ratios_within_rounds():
     one.rates, two.rates = [100, 100, 100, 50, 50], [180, 90, 90, 90, 90]
     rows, _ = summarise([one, two])
     assert rows[1]["paired_speedup"] == pytest.approx(1.8) and rows[1]["speedup"] == 0.9
+
+
+def test_median_ci_takes_the_binomial_order_statistics():
+    """The interval's ranks follow Binomial(n, 1/2): for 6 values only the extremes give 95 %
+    (each tail 1/64), for 31 the 10th and 22nd values (tails 0.015, while adding the 11th
+    would make them 0.035), and for 5 values no interval reaches 95 %."""
+    from cgp.bench import median_ci
+
+    assert median_ci([3, 1, 2, 6, 5, 4]) == (1, 6)
+    assert median_ci(list(range(31, 0, -1))) == (10, 22)
+    assert median_ci([1, 2, 3, 4, 5]) is None
+    assert median_ci([1, 2, 3, 4, 5], level=0.9) == (1, 5)
+    # Binomial tails checked against their definition at many sizes.
+    from math import comb
+    for n in range(6, 60):
+        lo, _ = median_ci(list(range(1, n + 1)))
+        k = lo - 1   # values below lo
+        tail = sum(comb(n, i) for i in range(k + 1)) / 2 ** n
+        assert tail <= 0.025 < tail + comb(n, k + 1) / 2 ** n
+
+
+def test_paired_ratios_come_with_their_interval():
+    one, two = Config("cgp", 1), Config("cgp", 2)
+    torch = Config("torch", 1, "channels_last")
+    one.rates = [100.0] * 7
+    two.rates = [150.0, 160.0, 170.0, 180.0, 190.0, 200.0, 210.0]
+    torch.rates = [50.0, 100.0, 200.0, 100.0, 100.0, 100.0, 100.0]
+    rows, best = summarise([one, two, torch])
+    assert rows[1]["paired_speedup"] == pytest.approx(1.8)
+    assert rows[1]["paired_speedup_ci"] == [1.5, 2.1]
+    assert rows[0]["paired_cgp_over_torch"] == 1.0
+    assert rows[0]["paired_cgp_over_torch_ci"] == [0.5, 2.0]
+    lines = table(rows, best)
+    assert "1.80 (1.50-2.10)" in lines[2] and "1.00 (0.50-2.00)" in lines[1]
 
 
 def test_every_timing_trains_from_the_same_state(mnist_dir):
