@@ -1,11 +1,9 @@
 """Inner-product (fully connected) kernels, Caffe's InnerProduct: y = x @ W^T + b, or x @ W when
 the weight is stored transposed. Only the 2-d matrix product; the layer flattens the axes.
 
-A chunk holds few rows (4 to 7 with the default chunking), so the cost is streaming the
-weight matrix through the cache, not arithmetic: each kernel reads the weight (or writes its
-gradient) once per chunk, for all rows together, where a BLAS matrix-vector product per row
-would read it once per row, and a BLAS GEMM would first copy it into its packed layout.
-Two loop shapes do all the work:
+Each kernel reads the weight once per call, for all its rows together, where a BLAS
+matrix-vector product per row would read it once per row, and a BLAS GEMM would first copy it
+into its packed layout. Two loop shapes do all the work:
 
 - rows_dot: out[m, r] = <a[m], w[r]>, dot products along the rows of w (forward; the input
   gradient of a transposed weight). Four rows of a against two of w per pass; the sums are
@@ -13,8 +11,9 @@ Two loop shapes do all the work:
   the same for every row: rows past the end of a chunk repeat its last row instead of taking
   another code path, so a sample's result never depends on its chunk.
 - rows_axpy: out[m] = sum over r, in order, of a[m, r] * w[r] (the input gradient; forward of a
-  transposed weight). Four rows of w at a time, applied to every row of out while they sit in
-  cache; each output element adds its terms in r order, so rows never mix either.
+  transposed weight): register tiles (cgp.kernels.tile) of rows of out by vectors along w's
+  rows, each output element one chain of fused multiply-adds over r in order, from 0, so rows
+  never mix either, and the tile shape (which follows the row count) changes no bit.
 
 The weight gradient adds dy^T @ x (x^T @ dy when transposed) one gradient row at a time, over
 the chunk's rows in row order. Multiply-adds may be fused (FMA): one rounding fewer, the same
@@ -25,6 +24,13 @@ Dimension letters: M rows in the chunk (samples times rows per sample), C inputs
 K outputs per row.
 """
 from numba import njit
+
+from cgp.kernels.tile import SHAPES, choose, lanes, tile, transpose_block
+
+# rows_axpy's scratch, per row of w: the rows of a tile may reach T_MAX - 1 past the last
+# row of out, and its vectors EDGE_MAX elements along w's rows.
+T_MAX = max(T for T, _ in SHAPES)
+EDGE_MAX = max(KV for _, KV in SHAPES) * lanes(4)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -65,6 +71,20 @@ def rows_dot(a, w, out):
             out[m3, r0], out[m2, r0], out[m1, r0], out[m0, r0] = s0[3], s0[2], s0[1], s0[0]
 
 
+@njit(cache=True, nogil=True)
+def scratch_size(M, R):
+    """Elements of rows_axpy's scratch for out of M rows and w of R rows."""
+    return R * (M + T_MAX + EDGE_MAX)
+
+
+@njit(cache=True, nogil=True)
+def _tile_rows(T, KV, out, out_off, out_ts, t_valid, v_valid, a, a_off, a_step, b, b_off,
+               b_step, steps):
+    """`tile` over one segment, unit-stride a (compiled once for rows_axpy's two calls)."""
+    tile(T, KV, out, out_off, out_ts, t_valid, v_valid, False, a, a_off, 1, 0, a_step,
+         b, b_off, 0, b_step, 1, steps)
+
+
 @njit(cache=True, nogil=True, fastmath={"contract"})
 def _axpy_4(o, g0, g1, g2, g3, w0, w1, w2, w3):
     """o += g0*w0, then g1*w1, g2*w2, g3*w3, in that order, element by element (one load and
@@ -86,21 +106,44 @@ def _axpy_1(o, g, w):
 
 
 @njit(cache=True, nogil=True)
-def rows_axpy(a, w, out):
+def rows_axpy(a, w, out, scratch):
     """a: (M, R); w: (R, L); out: (M, L), OVERWRITTEN: out[m] = sum over r = 0, 1, ... of
-    a[m, r] * w[r], each element adding its terms in r order."""
-    M = a.shape[0]
-    R = w.shape[0]
-    R4 = R - R % 4
-    out[:] = 0
-    for r in range(0, R4, 4):
-        w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
-        for m in range(M):
-            am = a[m]
-            _axpy_4(out[m], am[r], am[r + 1], am[r + 2], am[r + 3], w0, w1, w2, w3)
-    for r in range(R4, R):
-        for m in range(M):
-            _axpy_1(out[m], a[m, r], w[r])
+    a[m, r] * w[r], each element one fused multiply-add chain over r in order, from 0.
+    scratch: scratch_size(M, R) elements: a transposed (tiles broadcast T rows' a[m, r] side
+    by side), and a zero-padded copy of w's last columns when L is not a whole number of tile
+    widths (a tile reads whole vectors; past w's end there may be nothing to read).
+    Tiles run across w's columns in blocks, all rows of out for each block while its columns
+    of w sit in cache."""
+    M, R = a.shape
+    L = w.shape[1]
+    if M == 0:
+        return
+    V = lanes(a.itemsize)
+    T, KV = choose(M, L, V, True)
+    KVV = KV * V
+    Mp = (M + T - 1) // T * T
+    if scratch.size < scratch_size(M, R) or not (a.flags.c_contiguous and w.flags.c_contiguous
+                                                 and out.flags.c_contiguous):
+        raise ValueError("rows_axpy: scratch too small, or an operand not C-contiguous")
+    at, edge = scratch[:R * Mp], scratch[R * Mp:R * (Mp + KVV)]
+    af = a.reshape(M * R)
+    for m0 in range(0, M, V):
+        for r0 in range(0, R, V):
+            transpose_block(at, r0 * Mp + m0, Mp, af, m0 * R + r0, R, min(V, M - m0),
+                            min(V, R - r0), at, 0, False)
+    wf = w.reshape(R * L)
+    of = out.reshape(M * L)
+    whole = L // KVV * KVV
+    for l0 in range(0, whole, KVV):
+        for m0 in range(0, M, T):
+            _tile_rows(T, KV, of, m0 * L + l0, L, M - m0, KVV, at, m0, Mp, wf, l0, L, R)
+    if whole < L:
+        for r in range(R):
+            edge[r * KVV:r * KVV + L - whole] = w[r, whole:]
+            edge[r * KVV + L - whole:(r + 1) * KVV] = 0
+        for m0 in range(0, M, T):
+            _tile_rows(T, KV, of, m0 * L + whole, L, M - m0, L - whole, at, m0, Mp, edge, 0,
+                       KVV, R)
 
 
 @njit(cache=True, nogil=True)
@@ -140,14 +183,15 @@ def bias_parts(dy, dbs, step, starts, overwrite):
 
 
 @njit(cache=True, nogil=True)
-def fc_forward(x, w, b, y, transpose):
+def fc_forward(x, w, b, y, transpose, scratch):
     """x: (M, C); w: (K, C), or (C, K) when transpose; b: (K,), or (0,) for no bias;
-    y: (M, K), overwritten. y[m] = w @ x[m] (x[m] @ w when transpose), then y[m] += b."""
+    y: (M, K), overwritten. y[m] = w @ x[m] (x[m] @ w when transpose), then y[m] += b.
+    scratch: scratch_size(M, C) elements when transpose, else unused."""
     M, K = y.shape
     if M == 0:
         return
     if transpose:
-        rows_axpy(x, w, y)
+        rows_axpy(x, w, y, scratch)
     else:
         rows_dot(x, w, y)
     if b.size > 0:
@@ -158,12 +202,13 @@ def fc_forward(x, w, b, y, transpose):
 
 
 @njit(cache=True, nogil=True)
-def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx, need_dw, overwrite):
+def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx, need_dw, overwrite, scratch):
     """x: (M, C); w: (K, C), or (C, K) when transpose; dy: (M, K); dx: (M, C), OVERWRITTEN
     (any array when not need_dx); dw: like w (any array when not need_dw) and db: (K,) or (0,)
     are ADDED to, or, with overwrite, set (as if added to zeros). db += the rows of dy in row
     order; dw += dy^T @ x (x^T @ dy when transpose), over the rows in row order; dx[m] =
-    dy[m] @ w (w @ dy[m] when transpose)."""
+    dy[m] @ w (w @ dy[m] when transpose). scratch: scratch_size(M, K) elements when need_dx
+    and not transpose, else unused."""
     M, K = dy.shape
     if overwrite:
         db[:] = 0
@@ -185,4 +230,4 @@ def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx, need_dw, overwrite):
         if transpose:
             rows_dot(dy, w, dx)
         else:
-            rows_axpy(dy, w, dx)
+            rows_axpy(dy, w, dx, scratch)

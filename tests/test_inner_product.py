@@ -174,3 +174,27 @@ def test_factored_weight_gradient(name):
                    Chunk(n=shape[0]))
     np.testing.assert_allclose(factors.a.T @ factors.b, dw, rtol=1e-12, atol=1e-12)
     assert np.array_equal(got_dx, dx[0]) and np.array_equal(got_db, db)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_axpy_kernel(dtype):
+    """rows_axpy (the input gradient, and the forward pass of a transposed weight) against
+    float64, at widths around its vectors and tiles, with NaN in its scratch; and each row
+    bitwise the same whatever the other rows (row counts pick different tile shapes)."""
+    from cgp.kernels.fc import rows_axpy, scratch_size
+
+    rng = np.random.default_rng(7)
+    for R in (1, 5, 50):
+        for L in (1, 15, 16, 17, 63, 64, 65, 200):
+            w = rng.standard_normal((R, L)).astype(dtype)
+            a = rng.standard_normal((13, R)).astype(dtype)
+            whole = None
+            for M in (13, 1, 2, 4, 7, 12):
+                out = np.full((M, L), np.nan, dtype)
+                rows_axpy(a[:M], w, out, np.full(scratch_size(M, R), np.nan, dtype))
+                tol = 1e-5 if dtype == np.float32 else 1e-12
+                np.testing.assert_allclose(out, a[:M].astype(np.float64) @ w, rtol=tol,
+                                           atol=tol * R)
+                if whole is None:
+                    whole = out
+                assert np.array_equal(out, whole[:M]), (R, L, M)

@@ -23,6 +23,10 @@ class InnerProduct(Layer):
     on, C = d_axis * ... * dk inputs each and N * d1 * ... * d(axis-1) rows; top is
     (N, d1, ..., d(axis-1), num_output). Weight (num_output, C), or (C, num_output) when
     transpose; bias (num_output,).
+
+    Scratch: "rows", for the kernel that multiplies rows by a weight stored row by row (the
+    input gradient; the forward pass of a transposed weight): its rows transposed, and the
+    weight's last columns (see cgp.kernels.fc.rows_axpy).
     """
     can_overwrite_param_diff = True
     can_factor_param_diff = True
@@ -45,6 +49,11 @@ class InnerProduct(Layer):
         weight = (self.C, self.K) if self.transpose else (self.K, self.C)
         return [weight, (self.K,)] if self.bias_term else [weight]
 
+    def scratch_shapes(self, n):
+        # rows_axpy multiplies rows of x by a (C, K) weight when transposed, rows of dy by a
+        # (K, C) one otherwise.
+        return {"rows": (K.scratch_size(n * self.rows, self.C if self.transpose else self.K),)}
+
     def param_fillers(self):
         p = self.lp.inner_product_param
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
@@ -53,7 +62,8 @@ class InnerProduct(Layer):
         m = chunk.n * self.rows
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
-        K.fc_forward(matrix(bottom[0], m, self.C), w, b, matrix(top[0], m, self.K), self.transpose)
+        K.fc_forward(matrix(bottom[0], m, self.C), w, b, matrix(top[0], m, self.K), self.transpose,
+                     scratch["rows"])
 
     def factor_shape(self):
         # The weight gradient is dy^T @ x, or x^T @ dy when the weight is stored transposed.
@@ -68,7 +78,7 @@ class InnerProduct(Layer):
         # Without dx (or dw) the kernel never touches that argument; x stands in for the type.
         if bottom_diff[0] is not None:
             K.fc_backward(x, w, dy, matrix(bottom_diff[0], m, self.C), x, none, self.transpose,
-                          True, False, False)
+                          True, False, False, scratch["rows"])
         factored = isinstance(dw, Factors)
         starts = chunk.starts * self.rows
         if factored:
@@ -76,7 +86,7 @@ class InnerProduct(Layer):
         else:  # each part's weight gradient, the chain over its own rows
             for i, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
                 K.fc_backward(x[lo:hi], w, dy[lo:hi], x, dw[i], none, self.transpose, False,
-                              True, self.overwrite_param_diff)
+                              True, self.overwrite_param_diff, scratch["rows"])
         if self.bias_term:
             db, step = part_span(param_diff[1])
             K.bias_parts(dy, db, step, starts, self.overwrite_param_diff)
