@@ -119,25 +119,29 @@ def machine_info(extra_versions=()):
 class ForeignLoad:
     """How many cores other processes kept busy while we measured: the machine's busy CPU
     time less this process's, over the wall time. Near 0 on a quiet machine; on a shared
-    one, thread counts above the idle cores time the neighbours, not cgp."""
+    one, thread counts above the idle cores time the neighbours, not cgp. In a virtual
+    machine, also `steal`: how many of its CPUs' worth of time the hypervisor gave to other
+    guests while ours wanted to run (Linux reports it), which no process inside can see."""
 
     def __enter__(self):
         import psutil
         self._process = psutil.Process()
         self._start = self._sample()
-        self.cores = None
+        self.cores = self.steal = None
         return self
 
     def _sample(self):
         import psutil
         t = psutil.cpu_times()
-        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        steal = getattr(t, "steal", 0.0)
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0) - steal
         mine = self._process.cpu_times()
-        return time.perf_counter(), busy, mine.user + mine.system
+        return time.perf_counter(), busy, mine.user + mine.system, steal
 
     def __exit__(self, *exc):
-        wall, busy, mine = (b - a for a, b in zip(self._start, self._sample()))
+        wall, busy, mine, steal = (b - a for a, b in zip(self._start, self._sample()))
         self.cores = max(0.0, (busy - mine) / wall) if wall > 0 else 0.0
+        self.steal = max(0.0, steal / wall) if wall > 0 else 0.0
 
 
 def command_line():
@@ -504,6 +508,10 @@ def cmd_speedup(args, log=print):
         f"{100 * rate / numpy_rate:.0f}% of NumPy's single-threaded float32 matmul "
         f"({numpy_rate:.1f} GFLOP/s, median of {len(matmul)} rounds of {MATMUL_SIZE} x "
         f"{MATMUL_SIZE} products, {min(matmul):.0f}-{max(matmul):.0f})")
+    if foreign.steal > 0.05:
+        log(f"cgp bench: note: the hypervisor withheld {foreign.steal:.2f} of "
+            f"{os.cpu_count()} CPUs' time from this machine during the run (steal time): "
+            "a virtual machine's timings then measure its host's other guests too")
     if foreign.cores > 0.25:
         log(f"cgp bench: note: other processes kept {foreign.cores:.1f} of "
             f"{os.cpu_count()} cores busy during the run; timings with more threads than "
@@ -521,7 +529,8 @@ def cmd_speedup(args, log=print):
               "cgp_1_thread_share_of_matmul": round(rate / numpy_rate, 4),
               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", started),
               "machine": {**machine_info(extra), "load_average_before": load_before,
-                          "foreign_load_cores": round(foreign.cores, 3)},
+                          "foreign_load_cores": round(foreign.cores, 3),
+                          "steal_cores": round(foreign.steal, 3)},
               "results": rows}
     stem = f"speedup_{model}_{time.strftime('%Y%m%dT%H%M%SZ', started)}"
     for written in write_results(Path(args.out), stem, report, rows, log):

@@ -110,8 +110,9 @@ def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
     assert report["threads"] == [1, 2]   # 1 is added: the baseline
     machine = report["machine"]
     for key in ("cpu", "physical_cores", "logical_cores", "simd", "versions", "blas", "command",
-                "foreign_load_cores"):
+                "foreign_load_cores", "steal_cores"):
         assert key in machine
+    assert machine["steal_cores"] >= 0 and machine["foreign_load_cores"] >= 0
     assert {"python", "numpy", "numba", "scipy"} <= set(machine["versions"])
     assert "bench speedup mnist" in machine["command"]
     rows = {r["threads"]: r for r in report["results"]}
