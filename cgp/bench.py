@@ -211,10 +211,19 @@ class Config:
     save: object = None                # save(): remember the training state ...
     restore: object = None             # restore(): ... and go back to it, untimed
     rates: list = field(default_factory=list)   # images/s of each repetition
+    steals: list = field(default_factory=list)  # the share of the CPUs' time the hypervisor
+                                                # withheld during each repetition (steal)
 
     @property
     def label(self):
         return self.impl + (f"/{self.layout}" if self.layout else "") + f" x{self.threads}"
+
+
+def steal_seconds():
+    """CPU seconds the hypervisor has withheld from this (virtual) machine since boot, summed
+    over its CPUs (Linux's steal time; 0 where the OS does not report it)."""
+    import psutil
+    return getattr(psutil.cpu_times(), "steal", 0.0)
 
 
 def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None):
@@ -222,7 +231,9 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
     configurations in order, rotated by r, then each_round() if given. Every timing trains
     the same iterations from the same state (the one after the warm-up): the work is
     identical in every repetition, and a net that trains itself into another regime (tiny
-    gradients turning denormal, say) cannot make later repetitions slower than earlier ones."""
+    gradients turning denormal, say) cannot make later repetitions slower than earlier ones.
+    Each timing also records the steal time over it, as a share of all CPUs' time."""
+    cpus = os.cpu_count() or 1
     for c in configs:
         with c.context():
             c.run(warmup)
@@ -232,9 +243,11 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
         for c in configs[k:] + configs[:k]:
             c.restore()
             with c.context():
-                started = time.perf_counter()
+                started, stolen = time.perf_counter(), steal_seconds()
                 c.run(iters)
-                c.rates.append(iters * images_per_iter / (time.perf_counter() - started))
+                wall = time.perf_counter() - started
+                c.rates.append(iters * images_per_iter / wall)
+                c.steals.append((steal_seconds() - stolen) / (wall * cpus))
         if each_round is not None:
             each_round()
         log(f"  repetition {r + 1}/{repeats}: " +
@@ -320,11 +333,16 @@ def _paired(rates, base):
     return statistics.median(ratios), ci and [round(ci[0], 4), round(ci[1], 4)]
 
 
+# A timing is "quiet" when the hypervisor withheld at most this share of the CPUs' time.
+QUIET_STEAL = 0.01
+
+
 def summarise(configs):
     """Rows per configuration with median, spread and speedup over the 1-thread median of
     the same implementation and layout; cgp rows also get cgp/torch against the faster
     PyTorch layout at that thread count. Ratios also come paired: the median of the ratios
-    within each round, with its 95 % confidence interval."""
+    within each round, with its 95 % confidence interval, and over the quiet rounds alone:
+    those where neither timing lost more than QUIET_STEAL of the CPUs to the hypervisor."""
     import statistics
 
     rows = []
@@ -336,8 +354,17 @@ def summarise(configs):
         # The same ratio taken within each round, whose timings lie minutes closer together:
         # on a shared machine it is less swayed by a slow spell than the ratio of medians.
         paired, paired_ci = _paired(c.rates, base.rates)
+        quiet = [i for i, (s, b) in enumerate(zip(c.steals, base.steals))
+                 if max(s, b) <= QUIET_STEAL]
+        quiet_paired, quiet_ci = (_paired([c.rates[i] for i in quiet],
+                                          [base.rates[i] for i in quiet]) if quiet
+                                  else (None, None))
         rows.append({"impl": c.impl, "layout": c.layout, "threads": c.threads,
                      "images_per_s": [round(r, 2) for r in c.rates],
+                     "steal": [round(x, 4) for x in c.steals],
+                     "quiet_rounds": len(quiet),
+                     "quiet_paired_speedup": quiet_paired and round(quiet_paired, 4),
+                     "quiet_paired_speedup_ci": quiet_ci,
                      "median": round(median, 2), "min": round(min(c.rates), 2),
                      "max": round(max(c.rates), 2), "speedup": round(speedup, 4),
                      "efficiency": round(speedup / c.threads, 4),
@@ -377,6 +404,13 @@ def table(rows, best):
             line += (f"  {t['median']:>11.1f}  {t['layout']:<13}  {row['cgp_over_torch']:>9.2f}"
                      f"  {_with_ci(row['paired_cgp_over_torch'], row['paired_cgp_over_torch_ci']):>16}")
         lines.append(line)
+    for row in (r for r in rows if r["impl"] == "cgp" and r["threads"] > 1):
+        rounds = len(row["images_per_s"])
+        quiet = (f"paired speedup there {_with_ci(row['quiet_paired_speedup'], row['quiet_paired_speedup_ci'])}"
+                 if row["quiet_rounds"] else "none")
+        lines.append(f"quiet rounds, {row['threads']} threads (the hypervisor withheld at most "
+                     f"{100 * QUIET_STEAL:g}% of the CPUs' time in both timings): "
+                     f"{row['quiet_rounds']} of {rounds}; {quiet}")
     return lines
 
 
@@ -390,14 +424,16 @@ def write_results(out, stem, report, rows, log):
     paths[0].write_text(json.dumps(report, indent=2) + "\n")
     columns = ["impl", "layout", "threads", "median", "min", "max", "speedup", "efficiency",
                "paired_speedup", "paired_speedup_ci", "cgp_over_torch", "paired_cgp_over_torch",
-               "paired_cgp_over_torch_ci", "images_per_s"]
+               "paired_cgp_over_torch_ci", "quiet_rounds", "quiet_paired_speedup",
+               "quiet_paired_speedup_ci", "images_per_s", "steal"]
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "layout": row["layout"] or "",
                              **{key: " ".join(map(str, row[key])) for key in
-                                ("images_per_s", "paired_speedup_ci", "paired_cgp_over_torch_ci")
+                                ("images_per_s", "paired_speedup_ci", "paired_cgp_over_torch_ci",
+                                 "quiet_paired_speedup_ci", "steal")
                                 if row.get(key)}})
     png = plot(out / f"{stem}.png", report, rows, log)
     return paths + ([png] if png else [])

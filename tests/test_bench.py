@@ -206,6 +206,25 @@ def test_paired_ratios_come_with_their_interval():
     assert "1.80 (1.50-2.10)" in lines[2] and "1.00 (0.50-2.00)" in lines[1]
 
 
+def test_quiet_rounds_leave_out_timings_the_hypervisor_cut_into():
+    """Rounds where either timing lost more than QUIET_STEAL of the CPUs to steal time are left
+    out of the quiet-round speedup, and only those."""
+    from cgp.bench import QUIET_STEAL
+
+    one, two = Config("cgp", 1), Config("cgp", 2)
+    one.rates = [100.0] * 8
+    two.rates = [180.0, 60.0, 70.0, 170.0, 190.0, 180.0, 175.0, 185.0]
+    one.steals = [0.0, 0.3, 0.0, 0.0, QUIET_STEAL, 0.0, 0.0, 0.0]
+    two.steals = [0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, QUIET_STEAL / 2]
+    rows, best = summarise([one, two])
+    row = rows[1]
+    assert row["quiet_rounds"] == 6
+    assert row["quiet_paired_speedup"] == pytest.approx(1.8)   # of 1.8, 1.7, 1.9, 1.8, 1.75, 1.85
+    assert row["quiet_paired_speedup_ci"] == [1.7, 1.9]
+    assert row["paired_speedup"] == pytest.approx(1.775)
+    assert "6 of 8; paired speedup there 1.80 (1.70-1.90)" in table(rows, best)[-1]
+
+
 def test_every_timing_trains_from_the_same_state(mnist_dir):
     """restore() rewinds weights, solver history and iteration: repetitions do equal work."""
     from cgp.bench import cgp_config
