@@ -1,11 +1,13 @@
 """Where a 2-thread step loses time inside its chunk phase: per layer call (a task), its wall
 time, the CPU time its thread got, and the difference (time spent waiting: for the interpreter
 lock between kernels, or descheduled); how far apart the threads' calls start and finish; and
-the context switches per step. One thread runs the same calls with nothing to wait for.
+the context switches per step; and the steal time (CPU time the hypervisor gave to other
+guests). One thread runs the same calls with nothing to wait for.
 
     python bench/thread_waits.py [mnist|cifar10] [--threads 1,2] [--steps 300] [--data-dir DIR]
 """
 import argparse
+import os
 import resource
 import statistics
 import sys
@@ -15,6 +17,7 @@ import time
 from threadpoolctl import threadpool_limits
 
 from cgp import models
+from cgp.bench import steal_seconds
 from cgp.engine import Pool
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
@@ -56,8 +59,10 @@ def measure(model, threads, steps, data_dir):
                 trainer.step()
             pool.runs.clear()
             before = resource.getrusage(resource.RUSAGE_SELF)
+            stolen, started = steal_seconds(), time.perf_counter()
             for _ in range(steps):
                 trainer.step()
+            stolen = (steal_seconds() - stolen) / (time.perf_counter() - started)
             after = resource.getrusage(resource.RUSAGE_SELF)
     finally:
         trainer.close()
@@ -74,6 +79,7 @@ def measure(model, threads, steps, data_dir):
               f"after the phase; calls end {median_ms([max(r[0] + r[1] for r in rs) - min(r[0] + r[1] for r in rs) for rs in runs]):.2f} ms apart")
     print(f"  context switches     {(after.ru_nvcsw - before.ru_nvcsw) / steps:7.1f} voluntary, "
           f"{(after.ru_nivcsw - before.ru_nivcsw) / steps:.1f} involuntary per step")
+    print(f"  steal time           {stolen:7.3f} of {os.cpu_count()} CPUs withheld by the hypervisor")
 
 
 def main():
