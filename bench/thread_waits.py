@@ -11,7 +11,6 @@ import os
 import resource
 import statistics
 import sys
-import threading
 import time
 
 from threadpoolctl import threadpool_limits
@@ -67,20 +66,29 @@ def measure(model, threads, steps, data_dir):
     finally:
         trainer.close()
         pool.close()
+    # A task record: (start after the phase began, wall time, its thread's CPU time).
     tasks = [r for _, records in pool.runs for r in records]
-    median_ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+
+    def median_ms(values):
+        return 1e3 * statistics.median(values)
+
+    wall, cpu = median_ms([t[1] for t in tasks]), median_ms([t[2] for t in tasks])
+    waiting = max(0.0, median_ms([t[1] - t[2] for t in tasks]))
     print(f"{model}, {threads} thread(s), {len(pool.runs[0][1])} calls per step, {steps} steps:")
-    print(f"  chunk phase          {median_ms([wall for wall, _ in pool.runs]):7.2f} ms per step")
-    print(f"  a call: wall         {median_ms([t[1] for t in tasks]):7.2f} ms, its thread's CPU "
-          f"{median_ms([t[2] for t in tasks]):.2f} ms, waiting {max(0.0, median_ms([t[1] - t[2] for t in tasks])):.2f} ms")
+    print(f"  chunk phase          {median_ms([w for w, _ in pool.runs]):7.2f} ms per step")
+    print(f"  a call: wall         {wall:7.2f} ms, its thread's CPU {cpu:.2f} ms, "
+          f"waiting {waiting:.2f} ms")
     if threads > 1:
         runs = [records for _, records in pool.runs if len(records) > 1]
-        print(f"  last call starts     {median_ms([max(r[0] for r in rs) for rs in runs]):7.2f} ms "
-              f"after the phase; calls end {median_ms([max(r[0] + r[1] for r in rs) - min(r[0] + r[1] for r in rs) for rs in runs]):.2f} ms apart")
+        last_start = median_ms([max(r[0] for r in rs) for rs in runs])
+        ends = [[r[0] + r[1] for r in rs] for rs in runs]
+        apart = median_ms([max(e) - min(e) for e in ends])
+        print(f"  last call starts     {last_start:7.2f} ms after the phase; calls end "
+              f"{apart:.2f} ms apart")
     print(f"  context switches     {(after.ru_nvcsw - before.ru_nvcsw) / steps:7.1f} voluntary, "
           f"{(after.ru_nivcsw - before.ru_nivcsw) / steps:.1f} involuntary per step")
-    print(f"  steal time           {stolen:7.3f} of {os.cpu_count()} CPUs withheld by the hypervisor")
-
+    print(f"  steal time           {stolen:7.3f} of {os.cpu_count()} CPUs withheld by the "
+          "hypervisor")
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -22,9 +22,10 @@ the speed, never a result.
 Memory. The direct path widens one sample's input at a time into scratch ("e"): per worker
 and bottom, C*S*(H + 2*pad_h)*Q elements (S times the padded input, where im2col's column
 matrix would be R*S times). The forward pass and the weight gradient each widen the sample
-they work on, so the buffer stays in the L2 cache, where keeping every sample's copy from
-forward to backward streamed all of them through memory twice. Backward adds the chunk's dy
-transposed (samples * P*Q * K, K rounded up to whole vectors).
+they work on: the buffer stays one sample's size whatever the call's, and backward needs
+nothing from forward but its input, as in Caffe. (Keeping every sample's copy from forward
+to backward instead measured no faster.) Backward adds the chunk's dy transposed
+(samples * P*Q * K, K rounded up to whole vectors).
 
 Dimension letters: N samples in the chunk, C input channels, K output channels (filters),
 G groups (C/G and K/G channels per group), H W input height and width, P Q output height and
