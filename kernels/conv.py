@@ -68,19 +68,25 @@ def direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """How the direct path runs for vectors of V lanes, a function of the layer's shape only:
     (T, KV) of the forward pass (T output channels by KV vectors of positions), of the weight
     gradient (T rows (c, s) of the widened input by KV vectors of output channels) and of the
-    input gradient (T input channels by KV vectors of positions), and whether the input
-    gradient scatters (_dx_scatter) or gathers (_dx_gather). Every output is the same chain
-    of multiply-adds whatever the tile shape: the shapes change the speed, not the results."""
+    input gradient (gathering: T input channels by KV vectors of input positions; through
+    columns: T rows (c, r, s) by KV vectors of output positions), and whether the input
+    gradient goes through columns (_dx_columns) or gathers (_dx_gather). Every output is the
+    same chain of multiply-adds whatever the tile shape: the shapes change the speed, not the
+    results."""
     Cg, Kg = C // group, K // group
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
     T_f, KV_f = choose(Kg, P * Q, V, True)
     T_w, KV_w = choose(Cg * S, Kg, V, False)
-    # Gathering computes every input position from all R*S taps, padding included; scattering
-    # computes P rows of W + 2*pad_w. Scatter where that is clearly less (unpadded layers).
-    scatter = 5 * P * (W + 2 * pad_w) < 4 * H * W
-    T_x, KV_x = choose(Cg, P * (W + 2 * pad_w) if scatter else H * W, V, True)
-    return T_f, KV_f, T_w, KV_w, T_x, KV_x, scatter
+    # Gathering computes every input position from all R*S taps, padding included; the
+    # column matrix has P*Q positions per tap, but costs a pass that adds it into dx. Go
+    # through columns where that is clearly less (unpadded layers).
+    columns = 5 * P * Q < 4 * H * W
+    if columns:
+        T_x, KV_x = choose(Cg * R * S, P * Q, V, True)
+    else:
+        T_x, KV_x = choose(Cg, H * W, V, True)
+    return T_f, KV_f, T_w, KV_w, T_x, KV_x, columns
 
 
 @njit(cache=True, nogil=True)
@@ -92,16 +98,18 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     Cg, Kg = C // group, K // group
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
-    Hp, Wp = H + 2 * pad_h, W + 2 * pad_w
+    Hp = H + 2 * pad_h
     Hb = H + dil_h * (R - 1)
-    T_f, KV_f, T_w, KV_w, T_x, KV_x, scatter = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
+    T_f, KV_f, T_w, KV_w, T_x, KV_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
                                                              dil_h, dil_w, group, V)
     Kp = group * _round_up(Kg, KV_w * V)
-    eb = K * P * Wp if scatter else K * S * Hb * W
-    dxp = C * Hp * Wp + S * dil_w + 4 * V + V if scatter else 0
+    if columns:
+        eb, wft, dxp = K * P * Q, K * _round_up(Cg * R * S, T_x), Cg * R * S * P * Q
+    else:
+        eb, wft, dxp = K * S * Hb * W, group * R * Kg * S * _round_up(Cg, T_x), 0
     return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, group * R * Cg * S * _round_up(Kg, T_f) + V,
-            P * Q * Kp, V, Kp * R * _round_up(Cg * S, T_w), Kp, eb + 4 * V + V,
-            group * R * Kg * S * _round_up(Cg, T_x) + V, dxp)
+            P * Q * Kp, V, Kp * R * _round_up(Cg * S, T_w), Kp, eb + 4 * V + V, wft + V,
+            dxp + V)
 
 
 @njit(cache=True, nogil=True)
@@ -260,19 +268,19 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     (no bias when dbs is empty). Scratch, flat (direct_sizes): e, one sample's widened
     input (as in conv_forward_direct); dycl, dy with channels
     innermost; dwt, one part's weight gradient by channel block; dbacc, one sample's bias
-    gradient; eb, one sample's dy widened; wft, the weights with input channels innermost;
-    dxp, one sample's padded dx (scattering only).
+    gradient; eb, one sample's dy (widened, when gathering); wft, the weights repacked for
+    the input gradient; dxp, one group's column matrix of one sample (_dx_columns only).
     db[k] += sums of dy[n, k] over positions, one sample of the part at a time in sample order;
     dw[k, c, r, s] += one chain over the part's (n, p, q) of dy[n, k, p, q] *
     x[n, c, p + r*dil_h - pad_h, q + s*dil_w - pad_w]: each part's gradient is what a call
-    with that part alone gives. dx: see _dx_gather and _dx_scatter."""
+    with that part alone gives. dx: see _dx_gather and _dx_columns."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
     PQ = P * Q
     Kg = K // group
     V = lanes(x.itemsize)
-    _, _, T, KV, T_x, KV_x, scatter = direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w,
+    _, _, T, KV, T_x, KV_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w,
                                                     group, V)
     if N == 0:
         return
@@ -333,8 +341,8 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     if not need_dx:
         return
     eb, wft = _aligned(eb, V), _aligned(wft, V)
-    if scatter:
-        _dx_scatter(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
+    if columns:
+        _dx_columns(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
                     T_x, KV_x, V)
     else:
         _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, V)
@@ -374,49 +382,54 @@ def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, V):
 
 
 @njit(cache=True, nogil=True)
-def _dx_scatter(w, dy, dx, dyw, wsc, dxp, pad_h, pad_w, dil_h, dil_w, group, T, KV, V):
-    """dx by scattering: dy's rows are widened with zeros to the padded input width Wp
-    (dyw), so that output position (p, q) and tap (r, s) land on the padded input position
-    (p + r*dil_h)*Wp + q + s*dil_w: each tap adds w[:, :, r, s]^T @ dy to a shifted window of
-    the padded dx (dxp, one sample), taps in (r, s) order, each a chain over k. It multiplies
-    only the zeros of the widened rows: P rows of Wp positions per tap."""
+def _dx_columns(w, dy, dx, dyc, wt, cols, pad_h, pad_w, dil_h, dil_w, group, T, KV, V):
+    """dx through the column matrix, for a layer whose output is clearly smaller than its
+    input (unpadded): per sample and group, cols[(c, r, s), j] = sum over k in order of
+    w[k, c, r, s] * dy[n, k, j], one chain per element (tiles of T rows by KV vectors of the
+    P*Q output positions j), then each row (c, r, s), in that order, is added into dx[n, c]
+    where tap (r, s) puts it. It multiplies no zeros; the adding pass touches each column
+    element once. dyc: one sample's dy (with room for a tile's last vectors); wt: the weights
+    with (c, r, s) innermost, rows padded to whole tiles (with zeros)."""
     N, C, H, W = dx.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
+    PQ = P * Q
     Kg = K // group
-    CgT = _round_up(Cg, T)
-    Hp, Wp = H + 2 * pad_h, W + 2 * pad_w
-    HpWp = Hp * Wp
-    PW = P * Wp
-    if (dyw.size < K * PW + 4 * V or wsc.size < group * R * S * Kg * CgT
-            or dxp.size < C * HpWp + S * dil_w + 4 * V):
+    CgRS = Cg * R * S
+    CgRSp = _round_up(CgRS, T)
+    if dyc.size < K * PQ + 4 * V or wt.size < K * CgRSp or cols.size < CgRS * PQ:
         raise ValueError("conv_backward_direct: scratch too small")
-    for gr in range(group):
-        for r in range(R):
-            for s in range(S):
-                for k in range(Kg):
-                    base = (((gr * R + r) * S + s) * Kg + k) * CgT
-                    for c in range(Cg):
-                        wsc[base + c] = w[gr * Kg + k, c, r, s]
+    wf = w.reshape(K * CgRS)
+    for k in range(K):
+        wt[k * CgRSp:k * CgRSp + CgRS] = wf[k * CgRS:(k + 1) * CgRS]
+        wt[k * CgRSp + CgRS:(k + 1) * CgRSp] = 0
     KVV = KV * V
+    dyf = dy.reshape(N * K * PQ)
+    dxf = dx.reshape(N * C * H * W)
     for n in range(N):
-        widen(dy[n], dyw, 0, 1, 1, 0, 0, P, Wp)
-        for i in range(dxp.size):
-            dxp[i] = 0
+        dyc[:K * PQ] = dyf[n * K * PQ:(n + 1) * K * PQ]
+        dxf[n * C * H * W:(n + 1) * C * H * W] = 0
         for gr in range(group):
-            for r in range(R):
-                for s in range(S):
-                    shift = r * dil_h * Wp + s * dil_w
-                    for j0 in range(0, PW, KVV):
-                        for c0 in range(0, Cg, T):
-                            _tile_unit(T, KV, dxp, (gr * Cg + c0) * HpWp + shift + j0, HpWp,
-                                       Cg - c0, PW - j0, True,
-                                       wsc, ((gr * R + r) * S + s) * Kg * CgT + c0, 0, CgT,
-                                       dyw, gr * Kg * PW + j0, 0, PW, 1, Kg)
-        for c in range(C):
-            for h in range(H):
-                src = (c * Hp + h + pad_h) * Wp + pad_w
-                dx[n, c, h, :] = dxp[src:src + W]
+            for j0 in range(0, PQ, KVV):
+                for t0 in range(0, CgRS, T):
+                    _tile_unit(T, KV, cols, t0 * PQ + j0, PQ, CgRS - t0, PQ - j0, False,
+                               wt, gr * Kg * CgRSp + t0, 0, CgRSp,
+                               dyc, gr * Kg * PQ + j0, 0, PQ, 1, Kg)
+            for c in range(Cg):
+                plane = (n * C + gr * Cg + c) * H * W
+                for r in range(R):
+                    p_lo, p_hi = _valid_range(r * dil_h - pad_h, 1, H, P)
+                    for s in range(S):
+                        shift = s * dil_w - pad_w
+                        q_lo, q_hi = _valid_range(shift, 1, W, Q)
+                        row = ((c * R + r) * S + s) * PQ
+                        for p in range(p_lo, p_hi):
+                            # Unsigned indices: a signed one costs a wrap-around test per
+                            # element (views would cost more to make than these rows take).
+                            o = plane + (p + r * dil_h - pad_h) * W + shift
+                            src = row + p * Q
+                            for q in range(q_lo, q_hi):
+                                dxf[np.uintp(o + q)] += cols[np.uintp(src + q)]
 
 
 # ---------------------------------------------------------------------------------------------

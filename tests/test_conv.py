@@ -66,7 +66,8 @@ CONFIGS = {
     "pointwise_group": ("kernel_size: 1 group: 2", (2, 4, 3, 3), dict(group=2)),
     "pointwise_stride": ("kernel_size: 1 stride: 2 pad: 1", (2, 3, 4, 3),
                          dict(stride=(2, 2), pad=(1, 1))),
-    # Unpadded stride-1 layers scatter their input gradient (conv_backward_direct).
+    # Unpadded stride-1 layers take their input gradient through the column matrix
+    # (conv_backward_direct), as does "dilation", whose output is small despite its padding.
     "group_unpadded": ("kernel_size: 2 group: 2", (2, 4, 4, 5), dict(group=2)),
     "dilation_unpadded": ("kernel_h: 2 kernel_w: 3 dilation: 2", (2, 2, 5, 7),
                           dict(dilation=(2, 2))),
@@ -192,7 +193,7 @@ def conv_ref_grads(x, w, dy, stride=(1, 1), pad=(0, 0), dilation=(1, 1), group=1
 # Real-sized channel counts, which the small configurations never reach: the stride-1 kernels'
 # other tile shapes, several channel blocks, both ways to the input gradient; and the im2col path.
 LARGE = [
-    (50, "kernel_size: 5", (3, 20, 12, 12), {}),   # LeNet conv2: scatters dx
+    (50, "kernel_size: 5", (3, 20, 12, 12), {}),   # LeNet conv2: dx through columns
     (32, "kernel_size: 5 pad: 2", (2, 3, 10, 10), dict(pad=(2, 2))),  # gathers dx
     (40, "kernel_size: 3 pad: 1 group: 2", (2, 6, 9, 7), dict(pad=(1, 1), group=2)),
     (70, "kernel_size: 3 dilation: 2 pad: 2", (2, 17, 7, 9),
@@ -200,6 +201,7 @@ LARGE = [
     (36, "kernel_size: 2 dilation: 2 group: 3", (2, 9, 6, 7),
      dict(dilation=(2, 2), group=3)),
     (24, "kernel_size: 1", (2, 40, 5, 6), {}),
+    (24, "kernel_size: 5 pad: 1", (2, 7, 9, 8), dict(pad=(1, 1))),  # padded, through columns
     (20, "kernel_size: 3 stride: 2 pad: 1", (2, 12, 9, 8), dict(stride=(2, 2), pad=(1, 1))),
 ]
 
