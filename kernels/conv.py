@@ -4,13 +4,16 @@ Two paths. Stride 1 (any padding, dilation and groups; every convolution of LeNe
 cifar10) runs the direct kernels: the input is widened S times, one zero-padded copy per kernel
 column s, so that every product reads whole rows of it and the column matrix of im2col (R*S
 times the input) is never formed. The products run through `tile` (cgp.kernels.tile), a
-register-tiled loop of 512-bit fused multiply-adds: the forward pass and the input gradient
-with output positions along the vectors, stored straight into NCHW, the weight gradient with
-output channels along the vectors, from dy transposed. Other strides run im2col and one BLAS
-GEMM per sample (cgp.kernels.blas).
+register-tiled loop of 512-bit fused multiply-adds: the forward pass with output positions
+along the vectors, stored straight into NCHW, the weight gradient with output channels along
+the vectors, from dy transposed, and the input gradient either the same way as the forward
+pass (gathering, for padded layers) or, where the output is clearly smaller than the input,
+through one sample's column matrix, which is then added into dx row by row. Other strides
+run im2col and one BLAS GEMM per sample (cgp.kernels.blas).
 
 Determinism. Every element of the forward pass and of the input gradient is one chain of
-multiply-adds over its own sample's data, in an order fixed by the layer's shape: it never
+multiply-adds over its own sample's data (through the column matrix: one chain per tap, the
+taps added in order), in an order fixed by the layer's shape: it never
 depends on the other samples of the chunk, and splitting a batch leaves it bitwise the same.
 The weight gradient is kept per part (the engine's chunks; a call may cover several), each
 element one chain over the part's samples in order, then positions, so it depends on the
