@@ -13,8 +13,8 @@ run im2col and one BLAS GEMM per sample (cgp.kernels.blas).
 
 Determinism. Every element of the forward pass and of the input gradient is one chain of
 multiply-adds over its own sample's data (through the column matrix: one chain per tap, the
-taps added in order), in an order fixed by the layer's shape: it never
-depends on the other samples of the chunk, and splitting a batch leaves it bitwise the same.
+taps added in order), in an order fixed by the layer's shape: it never depends on the other
+samples of the chunk, and splitting a batch leaves it bitwise the same.
 The weight gradient is kept per part (the engine's chunks; a call may cover several), each
 element one chain over the part's samples in order, then positions, so it depends on the
 part's composition; chunk boundaries are fixed by the batch size and the chunk count, never
