@@ -1,8 +1,8 @@
 """Where a 2-thread step loses time inside its chunk phase: per layer call (a task), its wall
 time, the CPU time its thread got, and the difference (time spent waiting: for the interpreter
-lock between kernels, or descheduled); how far apart the threads' calls start and finish; and
-the context switches per step; and the steal time (CPU time the hypervisor gave to other
-guests). One thread runs the same calls with nothing to wait for.
+lock between kernels, or descheduled); how far apart the threads' calls start and finish; the
+context switches per step; and the steal time (CPU time the hypervisor gave to other guests).
+One thread runs the same calls with nothing to wait for.
 
     python bench/thread_waits.py [mnist|cifar10] [--threads 1,2] [--steps 300] [--data-dir DIR]
 """
@@ -89,6 +89,7 @@ def measure(model, threads, steps, data_dir):
           f"{(after.ru_nivcsw - before.ru_nivcsw) / steps:.1f} involuntary per step")
     print(f"  steal time           {stolen:7.3f} of {os.cpu_count()} CPUs withheld by the "
           "hypervisor")
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

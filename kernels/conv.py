@@ -40,10 +40,8 @@ import numpy as np
 from numba import njit
 
 from cgp.kernels.blas import gemm
-from cgp.kernels.tile import SHAPES, choose, lanes, shifted_copy, tile, transpose_block
+from cgp.kernels.tile import T_MAX, choose, lanes, shifted_copy, tile, transpose_block
 
-# The largest T of a tile shape: how many rows a tile may run past the end of what it covers.
-T_MAX = max(shape[0] for shape in SHAPES)
 # Output positions per block of the weight gradient: the block of dycl that every tile of
 # the block reads stays in the L1 cache.
 POSITION_BLOCK = 128

@@ -25,11 +25,10 @@ K outputs per row.
 """
 from numba import njit
 
-from cgp.kernels.tile import SHAPES, choose, lanes, tile, transpose_block
+from cgp.kernels.tile import SHAPES, T_MAX, choose, lanes, tile, transpose_block
 
 # rows_axpy's scratch, per row of w: the rows of a tile may reach T_MAX - 1 past the last
 # row of out, and its vectors EDGE_MAX elements along w's rows.
-T_MAX = max(T for T, _ in SHAPES)
 EDGE_MAX = max(KV for _, KV in SHAPES) * lanes(4)
 
 

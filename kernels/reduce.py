@@ -9,7 +9,7 @@ factored gradient), and any cut gives the same sums.
 """
 from numba import literally, njit
 
-from cgp.kernels.tile import SHAPES, VECTOR_BYTES, choose, lanes, tile
+from cgp.kernels.tile import SHAPES, T_MAX, VECTOR_BYTES, choose, lanes, tile
 
 # Elements a factored operand must extend past its last row (tiles read up to T - 1 past a
 # row of A and KV vectors past a row of B; counted in float32, which has the most lanes).
@@ -18,7 +18,7 @@ OUTER_PAD = max(max(T, KV * VECTOR_BYTES // 4) for T, KV in SHAPES)
 # float64), and the elements per chunk of outer_tree_sum's panel scratch: one panel of the
 # tallest tile's rows.
 OUTER_COLUMNS = 960
-OUTER_SCRATCH = max(T for T, _ in SHAPES) * OUTER_COLUMNS
+OUTER_SCRATCH = T_MAX * OUTER_COLUMNS
 
 # Columns per pass of the whole tree: the partial sums of one tile stay in a small
 # cache-resident scratch, so each chunk buffer is read once and only row 0 is written.

@@ -45,6 +45,8 @@ VECTOR_BYTES = 64
 # operand vectors and a broadcast fits the 32 vector registers of AVX-512. (Each shape costs
 # compile time at every call site; shapes with one vector were slower everywhere measured.)
 SHAPES = ((12, 2), (8, 2), (6, 2), (8, 3), (6, 4), (3, 4))
+# The largest T of a shape: how many rows a tile may run past the end of what it covers.
+T_MAX = max(T for T, _ in SHAPES)
 # Their measured speeds, relative (multiply-adds per second in convolution kernels on a Xeon
 # with AVX-512, operands streaming from L2), where the T broadcast operands lie side by side
 # (a_ts = 1) and where they lie a run-time stride apart: fewer accumulators hide less latency
