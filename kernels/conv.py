@@ -148,11 +148,17 @@ def widen(src, out, off, S, dil_w, shift_h, shift_w, rows, cols):
             base = off + (c * S + s) * rows * cols
             col_shift = s * dil_w - shift_w
             q_lo, q_hi = _valid_range(col_shift, 1, Ws, cols)
-            shifted_copy(out, base, sf, 0, 0, 0, h_lo * cols)
-            for h in range(h_lo, h_hi):
-                shifted_copy(out, base + h * cols, sf, (c * Hs + h - shift_h) * Ws + col_shift,
-                             q_lo, q_hi, cols)
-            shifted_copy(out, base + h_hi * cols, sf, 0, 0, 0, (rows - h_hi) * cols)
+            shifted_copy(out, base, sf, 0, cols, 0, 0, h_lo * cols)
+            first = (c * Hs + h_lo - shift_h) * Ws + col_shift
+            if cols == Ws:
+                # Rows as long as the source's ("same" padding): one copy of all of them.
+                shifted_copy(out, base + h_lo * cols, sf, first, cols, q_lo, q_hi,
+                             (h_hi - h_lo) * cols)
+            else:
+                for h in range(h_lo, h_hi):
+                    shifted_copy(out, base + h * cols, sf, first + (h - h_lo) * Ws, cols, q_lo,
+                                 q_hi, cols)
+            shifted_copy(out, base + h_hi * cols, sf, 0, cols, 0, 0, (rows - h_hi) * cols)
 
 
 @njit(cache=True, nogil=True)

@@ -1,6 +1,6 @@
 """SIMD building blocks for Numba kernels, written with explicit 64-byte vectors (16 float32 or
 8 float64 lanes): `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix
-product), and two data movers, `shifted_copy` (a row copy with zero fill) and
+product), and two data movers, `shifted_copy` (a copy of rows with zero fill) and
 `transpose_block`. No packing, no blocking for caches, no threads: callers lay their operands
 out so that these loops stream them.
 
@@ -207,14 +207,15 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
 
 
 @intrinsic
-def shifted_copy(typingctx, out, out_off, src, src_off, lo, hi, n):
-    """out[out_off + i] = src[src_off + i] for lo <= i < hi, else 0, for i < n: a row copy with
-    zero fill, in vectors with masked loads (src is read only at lo <= i < hi) and stores."""
+def shifted_copy(typingctx, out, out_off, src, src_off, period, lo, hi, n):
+    """out[out_off + i] = src[src_off + i] where lo <= i % period < hi, else 0, for i < n: rows
+    of `period` elements copied with zero fill at both ends of every row (one row: period >= n),
+    in vectors with masked loads (src is read only where the copy takes it) and stores."""
     if not (isinstance(out, types.Array) and isinstance(src, types.Array)
             and out.dtype == src.dtype and out.dtype in (types.float32, types.float64)):
         return None
     dtype = out.dtype
-    sig = types.void(out, out_off, src, src_off, lo, hi, n)
+    sig = types.void(out, out_off, src, src_off, period, lo, hi, n)
 
     def codegen(context, builder, signature, args):
         tys = signature.args
@@ -222,30 +223,51 @@ def shifted_copy(typingctx, out, out_off, src, src_off, lo, hi, n):
         width = VECTOR_BYTES // context.get_abi_sizeof(fty)
         vty = ir.VectorType(fty, width)
         intp = context.get_value_type(types.intp)
-        ivty = ir.VectorType(intp, width)
         i32 = ir.IntType(32)
+        i32v = ir.VectorType(i32, width)
         bits = "32" if dtype == types.float32 else "64"
         masked_load, masked_store = _masked_memory(builder, vty, width, bits)
         out_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
         src_p = cgutils.create_struct_proxy(tys[2])(context, builder, args[2]).data
-        out_off_, src_off_, lo_, hi_, n_ = [context.cast(builder, args[i], tys[i], types.intp)
-                                            for i in (1, 3, 4, 5, 6)]
+        out_off_, src_off_, period_, lo_, hi_, n_ = [
+            context.cast(builder, args[i], tys[i], types.intp) for i in (1, 3, 4, 5, 6, 7)]
 
         def splat(value):
-            one = builder.insert_element(ir.Constant(ivty, ir.Undefined), value,
-                                         ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(ivty, ir.Undefined),
-                                          ir.Constant(ir.VectorType(i32, width), [0] * width))
+            # Lane arithmetic in 32 bits (a copy is shorter than 2**31): half the work of 64.
+            one = builder.insert_element(ir.Constant(i32v, ir.Undefined),
+                                         builder.trunc(value, i32), ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, ir.Constant(i32v, ir.Undefined),
+                                          ir.Constant(i32v, [0] * width))
 
-        lane = ir.Constant(ivty, list(range(width)))
-        lo_v, hi_v, n_v = splat(lo_), splat(hi_), splat(n_)
+        def wrap(col):
+            # col < 2 * period -> col % period
+            return builder.select(builder.icmp_signed(">=", col, period_v),
+                                  builder.sub(col, period_v), col)
+
+        lane = ir.Constant(i32v, list(range(width)))
+        lo_v, hi_v, n_v, period_v = splat(lo_), splat(hi_), splat(n_), splat(period_)
+        # Each lane's i % period, kept from vector to vector by adding width % period and
+        # wrapping once: no division per vector. The first vector takes (width - 1) // period
+        # wraps. One row (period >= n) needs no division at all: it wraps past n only.
+        step = cgutils.alloca_once_value(builder, ir.Constant(intp, width))
+        wraps = cgutils.alloca_once_value(builder, ir.Constant(intp, 0))
+        with builder.if_then(builder.icmp_signed("<", period_, n_)):
+            builder.store(builder.srem(ir.Constant(intp, width), period_), step)
+            builder.store(builder.sdiv(ir.Constant(intp, width - 1), period_), wraps)
+        step_v = splat(builder.load(step))
+        col = cgutils.alloca_once_value(builder, lane)
+        with cgutils.for_range(builder, builder.load(wraps)):
+            builder.store(wrap(builder.load(col)), col)
         count = builder.udiv(builder.add(n_, ir.Constant(intp, width - 1)),
                              ir.Constant(intp, width))
         with cgutils.for_range(builder, count) as loop:
             i0 = builder.mul(loop.index, ir.Constant(intp, width))
             idx = builder.add(splat(i0), lane)
-            inside = builder.and_(builder.icmp_signed(">=", idx, lo_v),
-                                  builder.icmp_signed("<", idx, hi_v))
+            col_v = builder.load(col)
+            builder.store(wrap(builder.add(col_v, step_v)), col)
+            inside = builder.and_(builder.and_(builder.icmp_signed(">=", col_v, lo_v),
+                                               builder.icmp_signed("<", col_v, hi_v)),
+                                  builder.icmp_signed("<", idx, n_v))
             src_at = builder.bitcast(builder.gep(src_p, [builder.add(src_off_, i0)]),
                                      vty.as_pointer())
             value = builder.call(masked_load, [src_at, ir.Constant(i32, 1), inside,

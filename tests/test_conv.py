@@ -310,8 +310,8 @@ def _transpose(dst, src, sums, rows, cols, add):
 
 
 @njit
-def _copy(out, src, lo, hi, n):
-    shifted_copy(out, 2, src, 5, lo, hi, n)
+def _copy(out, src, period, lo, hi, n):
+    shifted_copy(out, 2, src, 5, period, lo, hi, n)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -329,12 +329,15 @@ def test_transpose_and_copy(dtype):
         for j in range(cols):  # the sums run in column order
             total[1:1 + rows] += block[:, j]
         assert np.array_equal(sums, total)
-    for lo, hi, n in ((0, 0, 5), (2, 7, 20), (0, 3, 3), (4, 40, 40)):
-        out = np.full(50, -1.0, dtype)
-        _copy(out, src, lo, hi, n)
-        want = np.full(50, -1.0, dtype)
-        want[2:2 + n] = [src[5 + i] if lo <= i < hi else 0 for i in range(n)]
-        assert np.array_equal(out, want)
+    # One row (period >= n), then rows of periods below, at and above the vector's lanes.
+    for period, lo, hi, n in ((5, 0, 0, 5), (20, 2, 7, 20), (3, 0, 3, 3), (41, 4, 40, 40),
+                              (8, 2, 8, 48), (3, 0, 2, 45), (1, 0, 1, 17), (V, 0, V - 3, 48),
+                              (V + 4, 3, V + 1, 48), (7, 5, 5, 30)):
+        out = np.full(60, -1.0, dtype)
+        _copy(out, src, period, lo, hi, n)
+        want = np.full(60, -1.0, dtype)
+        want[2:2 + n] = [src[5 + i] if lo <= i % period < hi else 0 for i in range(n)]
+        assert np.array_equal(out, want), (period, lo, hi, n)
 
 
 @njit
