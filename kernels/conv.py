@@ -15,6 +15,11 @@ Determinism. Every element of the forward pass and of the input gradient is one 
 multiply-adds over its own sample's data (through the column matrix: one chain per tap, the
 taps added in order), in an order fixed by the layer's shape: it never depends on the other
 samples of the chunk, and splitting a batch leaves it bitwise the same.
+Products with padding rows are left out where a kernel row reads nothing else: for a whole
+tile of positions (forward and gathering), and in the weight gradient for each kernel row.
+A zero product leaves a sum as it is (a sum that starts from +0 is never -0), so no finite
+result changes; only where an operand is infinite or NaN does a left-out product, which would
+have been NaN, not spread.
 The weight gradient is kept per part (the engine's chunks; a call may cover several), each
 element one chain over the part's samples in order, then positions, so it depends on the
 part's composition; chunk boundaries are fixed by the batch size and the chunk count, never
@@ -172,19 +177,26 @@ def _tile_unit(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_o
 
 @njit(cache=True, nogil=True)
 def _convolve_rows(e, e_off, row_len, r_step, wt, wt_off, KoT, out, out_off, Ko, PQo, R, steps,
-                   T, KV, V):
+                   Qo, dil, shift, Hi, T, KV, V):
     """One sample and group of a stride-1 convolution over widened rows (flat arrays):
     out[out_off + k*PQo + j] = sum over r < R, then i < steps, of
         wt[wt_off + (r*steps + i)*KoT + k] * e[e_off + r*r_step + i*row_len + j]
     for k < Ko output channels (wt rows padded to KoT) and j < PQo positions, one chain per
-    element, in tiles of T channels by KV vectors of positions. (Cutting the reduction into
-    blocks that fit the L1 cache gained nothing measurable: the tiles stream it from L2.)"""
+    element, in tiles of T channels by KV vectors of positions. Output row j // Qo reads, at
+    kernel row r, row j // Qo + r*dil - shift of an input Hi rows high, e's padding outside
+    it: a tile leaves out the kernel rows that read only padding for all its positions (zero
+    products leave its sums as they are). (Cutting the reduction into blocks that fit the L1
+    cache gained nothing measurable: the tiles stream it from L2.)"""
     KVV = KV * V
     for j0 in range(0, PQo, KVV):
+        p0, p1 = j0 // Qo, (min(j0 + KVV, PQo) - 1) // Qo
+        # r from the first that row p1 reads inside the input to the last that row p0 does.
+        r0 = max(-((p1 - shift) // dil), 0)
+        r1 = max(min((Hi - 1 - p0 + shift) // dil + 1, R), r0)
         for k0 in range(0, Ko, T):
             _tile_unit(T, KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0, False,
-                       wt, wt_off + k0, steps * KoT, KoT,
-                       e, e_off + j0, r_step, row_len, R, steps)
+                       wt, wt_off + r0 * steps * KoT + k0, steps * KoT, KoT,
+                       e, e_off + r0 * r_step + j0, r_step, row_len, r1 - r0, steps)
 
 
 @njit(cache=True, nogil=True)
@@ -223,7 +235,8 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
         widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
         for gr in range(group):
             _convolve_rows(e, gr * CSg * HpQ, HpQ, dil_h * Q, wpt, gr * R * CSg * KgT,
-                           KgT, yf, (n * K + gr * Kg) * PQ, Kg, PQ, R, CSg, T, KV, V)
+                           KgT, yf, (n * K + gr * Kg) * PQ, Kg, PQ, R, CSg, Q, dil_h, pad_h, H,
+                           T, KV, V)
         if b.size > 0:
             for k in range(K):
                 bk = b[k]
@@ -317,16 +330,20 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         for n in range(n0, n1):
             widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
             for p0 in range(0, PQ, POSITION_BLOCK):
-                steps = min(POSITION_BLOCK, PQ - p0)
-                for gr in range(group):
-                    for kb in range(nkb):
-                        blk = gr * nkb + kb
-                        for r in range(R):
+                for r in range(R):
+                    # Only the positions whose kernel row r reads no padding row (see
+                    # Determinism above).
+                    p_lo, p_hi = _valid_range(r * dil_h - pad_h, 1, H, P)
+                    j0 = min(max(p_lo * Q, p0), p0 + POSITION_BLOCK)
+                    steps = max(min(p_hi * Q, PQ, p0 + POSITION_BLOCK) - j0, 0)
+                    for gr in range(group):
+                        for kb in range(nkb):
+                            blk = gr * nkb + kb
                             for cs0 in range(0, CSg, T):
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
                                      CSg - cs0, KVV, n > n0 or p0 > 0,
-                                     e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + p0,
-                                     HpQ, 0, 1, dycl, (n * PQ + p0) * Kp + blk * KVV, 0, Kp, 1,
+                                     e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + j0,
+                                     HpQ, 0, 1, dycl, (n * PQ + j0) * Kp + blk * KVV, 0, Kp, 1,
                                      steps)
         # Into dw, reading dwt in its order (a block of S rows of KVV channels at a time):
         # read across channels first, each pass over the channels would stream all of dwt.
@@ -385,7 +402,8 @@ def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, V):
         widen(dy[n], eb, 0, S, dil_w, shift_h, shift_w, Hb, W)
         for gr in range(group):
             _convolve_rows(eb, gr * KSg * HbW, HbW, dil_h * W, wft, gr * R * KSg * CgT, CgT,
-                           dxf, (n * C + gr * Cg) * HW, Cg, HW, R, KSg, T, KV, V)
+                           dxf, (n * C + gr * Cg) * HW, Cg, HW, R, KSg, W, dil_h, shift_h,
+                           dy.shape[2], T, KV, V)
 
 
 @njit(cache=True, nogil=True)

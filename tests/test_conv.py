@@ -203,6 +203,10 @@ LARGE = [
     (24, "kernel_size: 1", (2, 40, 5, 6), {}),
     (24, "kernel_size: 5 pad: 1", (2, 7, 9, 8), dict(pad=(1, 1))),  # padded, through columns
     (20, "kernel_size: 3 stride: 2 pad: 1", (2, 12, 9, 8), dict(stride=(2, 2), pad=(1, 1))),
+    # Rows that read only padding, whole tiles of them and tiles of a few rows: the kernel
+    # rows left out there must be exactly the padding's.
+    (20, "kernel_size: 3 pad: 3", (2, 3, 5, 40), dict(pad=(3, 3))),
+    (16, "kernel_size: 3 dilation: 3 pad: 4", (2, 4, 7, 5), dict(pad=(4, 4), dilation=(3, 3))),
 ]
 
 
