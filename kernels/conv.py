@@ -153,7 +153,8 @@ def widen(src, out, off, S, dil_w, shift_h, shift_w, rows, cols):
             base = off + (c * S + s) * rows * cols
             col_shift = s * dil_w - shift_w
             q_lo, q_hi = _valid_range(col_shift, 1, Ws, cols)
-            shifted_copy(out, base, sf, 0, cols, 0, 0, h_lo * cols)
+            # Zero rows: nothing inside [lo, hi) = [0, 0), one row of any period.
+            shifted_copy(out, base, sf, 0, rows * cols, 0, 0, h_lo * cols)
             first = (c * Hs + h_lo - shift_h) * Ws + col_shift
             if cols == Ws:
                 # Rows as long as the source's ("same" padding): one copy of all of them.
@@ -163,7 +164,8 @@ def widen(src, out, off, S, dil_w, shift_h, shift_w, rows, cols):
                 for h in range(h_lo, h_hi):
                     shifted_copy(out, base + h * cols, sf, first + (h - h_lo) * Ws, cols, q_lo,
                                  q_hi, cols)
-            shifted_copy(out, base + h_hi * cols, sf, 0, cols, 0, 0, (rows - h_hi) * cols)
+            shifted_copy(out, base + h_hi * cols, sf, 0, rows * cols, 0, 0,
+                         (rows - h_hi) * cols)
 
 
 @njit(cache=True, nogil=True)
