@@ -1,0 +1,121 @@
+"""Interleaved A/B of the stride-1 convolution kernels against another git revision: the
+forward pass, the backward pass without and with the input gradient, on the convolutions of
+LeNet and cifar10_quick, one thread. Each round times the base revision's kernel and then the
+working tree's on the same data, so a change of the machine's speed hits both alike; prints
+milliseconds per 100 samples (medians), the working tree's speed as the median of the
+per-round ratios, and whether the two gave the same bits.
+
+    python bench/kernel_ab.py --base REV [--layers cifar2,cifar3] [--samples 12] [--rounds 60]
+
+The base revision's kernels/conv.py and kernels/tile.py are taken with `git show` into a
+temporary folder and imported from there (the rest of the package is the working tree's).
+Scratch starts zeroed, as the engine allocates it: uninitialised memory may hold subnormal
+floats, which tiles read in lanes they never store and which then slow every multiply-add.
+"""
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from cgp.kernels import conv
+
+# name: (C, H, W, K, R, S, pad): the stride-1 convolutions of the shipped nets.
+LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
+          "cifar1": (3, 32, 32, 32, 5, 5, 2), "cifar2": (32, 16, 16, 32, 5, 5, 2),
+          "cifar3": (32, 8, 8, 64, 5, 5, 2)}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def base_module(rev, folder):
+    """The revision's kernels/conv.py, importing its own tile.py, as module base_conv."""
+    def show(path):
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+    (folder / "base_tile.py").write_text(show("kernels/tile.py"))
+    source = show("kernels/conv.py").replace("from cgp.kernels.tile import",
+                                             "from base_tile import")
+    (folder / "base_conv.py").write_text(source)
+    sys.path.insert(0, str(folder))
+    import base_conv
+    return base_conv
+
+
+def runs(module, shape, n, seed=0):
+    """The three calls of one layer with the module's kernels, each returning its result."""
+    C, H, W, K, R, S, pad = shape
+    sizes = [max(pair) for pair in zip(*(
+        module.direct_sizes(C, H, W, K, R, S, pad, pad, 1, 1, 1, V) for V in (16, 8)))]
+    e, e_extra, wpt, dycl, dycl_extra, dwt, dbacc, eb, wft, dxp = sizes
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, C, H, W)).astype(np.float32)
+    w = rng.standard_normal((K, C, R, S)).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    P, Q = H + 2 * pad - R + 1, W + 2 * pad - S + 1
+    y = np.zeros((n, K, P, Q), np.float32)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx = np.zeros_like(x)
+    dw, db = np.zeros(2 * w.size, np.float32), np.zeros(2 * K, np.float32)
+    starts = np.array([0, n // 2, n], np.int64)  # two parts, as a call of two chunks
+    scratch = [np.zeros(size, np.float32) for size in
+               (e + e_extra, n * dycl + dycl_extra, dwt, dbacc, eb, wft, dxp)]
+    wpt = np.zeros(wpt, np.float32)
+
+    def forward():
+        module.conv_forward_direct(x, w, b, y, scratch[0], wpt, pad, pad, 1, 1, 1)
+        return y
+
+    def backward(need_dx):
+        def call():
+            dw[:], db[:] = 0, 0
+            module.conv_backward_direct(x, w, dy, dx, dw, w.size, db, K, starts, *scratch,
+                                        pad, pad, 1, 1, 1, need_dx)
+            return np.concatenate([dw, db] + ([dx.ravel()] if need_dx else []))
+        return call
+
+    return {"forward": forward, "backward, no dx": backward(False),
+            "backward": backward(True)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--layers", default=",".join(LAYERS))
+    parser.add_argument("--samples", type=int, default=12, help="samples per call")
+    parser.add_argument("--rounds", type=int, default=60)
+    args = parser.parse_args()
+    layers = args.layers.split(",")
+    unknown = [name for name in layers if name not in LAYERS]
+    if unknown:
+        parser.error(f"unknown layers {unknown}; known: {', '.join(LAYERS)}")
+    with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
+        try:
+            base = base_module(args.base, Path(folder))
+        except subprocess.CalledProcessError as err:
+            sys.exit(f"kernel_ab: git show {args.base}: {err.stderr.strip()}")
+        print(f"base {args.base} against the working tree, {args.samples} samples per call, "
+              f"{args.rounds} rounds; ms per 100 samples")
+        for name in layers:
+            old, new = runs(base, LAYERS[name], args.samples), runs(conv, LAYERS[name],
+                                                                   args.samples)
+            for call in old:
+                same = np.array_equal(old[call]().view(np.int32), new[call]().view(np.int32))
+                t_old, t_new = [], []
+                for _ in range(args.rounds):
+                    for fn, times in ((old[call], t_old), (new[call], t_new)):
+                        start = time.perf_counter()
+                        fn()
+                        times.append(time.perf_counter() - start)
+                scale = 1e3 * 100 / args.samples
+                ratio = np.median(np.array(t_old) / np.array(t_new))
+                print(f"  {name:7s} {call:16s} base {np.median(t_old) * scale:7.2f}  "
+                      f"now {np.median(t_new) * scale:7.2f}  speed x{ratio:.3f}  "
+                      f"same bits: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
