@@ -205,7 +205,7 @@ LARGE = [
     (20, "kernel_size: 3 stride: 2 pad: 1", (2, 12, 9, 8), dict(stride=(2, 2), pad=(1, 1))),
     # Rows that read only padding, whole tiles of them and tiles of a few rows: the kernel
     # rows left out there must be exactly the padding's.
-    (20, "kernel_size: 3 pad: 3", (2, 3, 5, 40), dict(pad=(3, 3))),
+    (21, "kernel_size: 3 pad: 3 group: 3", (2, 3, 5, 40), dict(pad=(3, 3), group=3)),
     (16, "kernel_size: 3 dilation: 3 pad: 4", (2, 4, 7, 5), dict(pad=(4, 4), dilation=(3, 3))),
 ]
 
