@@ -103,7 +103,13 @@ def main():
             old, new = runs(base, LAYERS[name], args.samples), runs(conv, LAYERS[name],
                                                                    args.samples)
             for call in old:
-                same = np.array_equal(old[call]().view(np.int32), new[call]().view(np.int32))
+                try:
+                    first = old[call]()
+                except (TypeError, ValueError) as err:
+                    sys.exit(f"kernel_ab: {args.base}'s kernels take other arguments or "
+                             f"scratch than this script gives them ({err}); compare with a "
+                             f"later revision")
+                same = np.array_equal(first.view(np.int32), new[call]().view(np.int32))
                 t_old, t_new = [], []
                 for _ in range(args.rounds):
                     for fn, times in ((old[call], t_old), (new[call], t_new)):
