@@ -7,20 +7,24 @@ An average divides by the window clipped to the *padded* image, as Caffe does, s
 overhang the padding (ceil rounding) divide by fewer cells, while cells of the padding itself
 count as zeros.
 
-Forward runs in two passes per plane, through a scratch of H x Q row results: first every
-input row's window columns (the max and where it is, or the sum), then down each window's R
-rows. The first pass is one long loop over the whole plane when the columns tile it
-(W == stride_w * Q, as in Caffe's nets), with the window width and stride as literals for the
-common 2- and 3-wide windows, so it compiles to SIMD code; windows that overhang the image's
-left or right edge are then redone one by one. A window-by-window loop with R*S selects in a
-chain was several times slower.
+MAX forward runs in two passes per plane, through a scratch of H x Q row results: first every
+input row's window columns (the max and where it is), then down each window's R rows. The
+first pass is one long loop over the whole plane when the columns tile it (W == stride_w * Q,
+as in Caffe's nets), with the window width and stride as literals for the common 2- and 3-wide
+windows, so it compiles to SIMD code; windows that overhang the image's left or right edge are
+then redone one by one. A window-by-window loop with R*S selects in a chain was several times
+slower. Taking each row's first max, then the first of the rows' maxima, is the row-major first
+max over the window, so the tie rule (a later cell must be strictly greater) is Caffe's
+exactly. 2x2 windows with stride 2 (LeNet's) do not overlap and take one pass, vectorised
+across each output row: faster there than two.
 
-- MAX: taking each row's first max, then the first of the rows' maxima, is the row-major
-  first max over the window, so the tie rule (a later cell must be strictly greater) is
-  Caffe's exactly. 2x2 windows with stride 2 (LeNet's) do not overlap and take one pass,
-  vectorised across each output row: faster there than two.
-- AVE: the window's sum is its row sums added top to bottom, where Caffe adds all cells in
-  row-major order: the same sum, rounded differently (a few units in the last place of float32).
+AVE runs PLANE_BLOCK planes at a time, turned so that the planes lie innermost: every step of
+a window's sum, forward and backward, is then one vector loop over the block's planes (a plane
+of 8 x 8 or 16 x 16 cells is too small to vectorise by itself; this ran 1.2 - 5x as fast as
+loops over each plane, with the same bits). Forward sums each of the window's rows left to
+right, then the rows top to bottom, where Caffe adds all cells in row-major order: the same
+sum, rounded differently (a few units in the last place of float32). Backward adds each
+cell's shares in Caffe's order.
 
 Dimension letters: N samples in the chunk, C channels, H W input height and width, P Q output
 height and width, R S window height and width.
@@ -28,9 +32,13 @@ height and width, R S window height and width.
 import numpy as np
 from numba import njit
 
+from cgp.kernels.tile import lanes, transpose_block
+
 # Caffe starts every max at -FLT_MAX (for float and double alike), so a window of -inf or NaN
 # reports -FLT_MAX.
 _LOWEST = -3.4028234663852886e38
+# Planes that AVE's backward takes at a time (see ave_pool_backward).
+PLANE_BLOCK = 64
 
 
 @njit(cache=True, nogil=True)
@@ -245,131 +253,134 @@ def _window_rows(p, R, stride_h, pad_h, H):
 
 # -- AVE ----------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _row_sum(xf, xb, rsum, u_lo, u_hi, off, S, stride_w):
-    """For u in [u_lo, u_hi): rsum[u] = the sum of the plane cells off + u*stride_w + [0, S),
-    left to right (the plane starting at xf[xb])."""
-    for u in range(u_lo, u_hi):
-        base = xb + off + u * stride_w
-        acc = xf[np.uintp(base)]
-        for j in range(1, S):
-            acc += xf[np.uintp(base + j)]
-        rsum[np.uintp(u)] = acc
+def ave_sizes(H, W, P, Q):
+    """Scratch of ave_pool_forward and ave_pool_backward: (float elements, int32 elements)."""
+    return (P * Q + H * W + 1) * PLANE_BLOCK + P * Q, 2 * (H + W)
 
 
 @njit(cache=True, nogil=True)
-def _row_sums(xf, xb, rsum, H, W, Q, S, stride_w, pad_w):
-    """Pass 1 of average pooling over the plane at xf[xb]: rsum[h*Q + q] = the sum of row h
-    over window q's columns (clipped to the image), left to right."""
-    q_lo, q_hi = inner_columns(Q, W, S, stride_w, pad_w)
-    if _tiles(W, Q, stride_w, pad_w):
-        u_lo, u_hi = q_lo, (H - 1) * Q + q_hi
-        if S == 2 and stride_w == 2:
-            _row_sum(xf, xb, rsum, u_lo, u_hi, -pad_w, 2, 2)
-        elif S == 3 and stride_w == 2:
-            _row_sum(xf, xb, rsum, u_lo, u_hi, -pad_w, 3, 2)
-        else:
-            _row_sum(xf, xb, rsum, u_lo, u_hi, -pad_w, S, stride_w)
-    else:
-        for h in range(H):
-            _row_sum(xf, xb, rsum, h * Q + q_lo, h * Q + q_hi, h * (W - stride_w * Q) - pad_w,
-                     S, stride_w)
-    for h in range(H):
-        for q in range(Q):
-            if q == q_lo:
-                break
-            _clipped_row_sum(xf, xb, rsum, h, q, W, Q, S, stride_w, pad_w)
-        for q in range(q_hi, Q):
-            _clipped_row_sum(xf, xb, rsum, h, q, W, Q, S, stride_w, pad_w)
+def _to_blocks(src, first, n, cells, dst, at, B):
+    """dst[at + cell*B + i] = src[(first + i)*cells + cell] for i < n planes: a block of
+    planes turned so that the planes lie innermost."""
+    V = lanes(src.itemsize)
+    for i0 in range(0, n, V):
+        for c0 in range(0, cells, V):
+            transpose_block(dst, at + c0 * B + i0, B, src, (first + i0) * cells + c0, cells,
+                            min(V, n - i0), min(V, cells - c0), dst, 0, False)
 
 
 @njit(cache=True, nogil=True)
-def _clipped_row_sum(xf, xb, rsum, h, q, W, Q, S, stride_w, pad_w):
-    """rsum at h*Q + q for a window that overhangs the image's edge (a plain loop, as in
-    _clipped_row_max)."""
-    w0 = q * stride_w - pad_w
-    w1 = min(w0 + S, W)
-    w0 = max(w0, 0)
-    acc = xf.dtype.type(0)
-    for w in range(h * W + w0, h * W + w1):
-        acc += xf[np.uintp(xb + w)]
-    rsum[np.uintp(h * Q + q)] = acc
+def _from_blocks(src, at, B, dst, first, n, cells):
+    """The inverse of _to_blocks: dst[(first + i)*cells + cell] = src[at + cell*B + i]."""
+    V = lanes(src.itemsize)
+    for c0 in range(0, cells, V):
+        for i0 in range(0, n, V):
+            transpose_block(dst, (first + i0) * cells + c0, cells, src, at + c0 * B + i0, B,
+                            min(V, cells - c0), min(V, n - i0), src, 0, False)
 
 
 @njit(cache=True, nogil=True)
-def _col_sum(rsum, yf, out, first, Q, R, size_h, W, S, stride_w, pad_w):
-    """Pass 2 for one output row: yf[out + q] = (rsum[first + q] + rsum[first + Q + q] + ...,
-    R rows, top to bottom) / (size_h times window q's width clipped to the padded image),
-    divided in the arrays' type as Caffe does."""
-    for q in range(Q):
-        acc = rsum[np.uintp(first + q)]
-        for i in range(1, R):
-            acc += rsum[np.uintp(first + i * Q + q)]
-        w0 = q * stride_w - pad_w
-        size = size_h * (min(w0 + S, W + pad_w) - w0)
-        yf[np.uintp(out + q)] = acc / rsum.dtype.type(size)
+def ave_pool_forward(x, y, planes, R, S, stride_h, stride_w, pad_h, pad_w):
+    """x: (N, C, H, W); y: (N, C, P, Q); planes: scratch (ave_sizes). y = (sum of the
+    window's image cells: each row's cells left to right, from the first cell (from 0 for a
+    window that overhangs the left or right edge), then the rows top to bottom) / (size of the
+    window clipped to the padded image).
 
-
-@njit(cache=True, nogil=True)
-def ave_pool_forward(x, y, rsum, R, S, stride_h, stride_w, pad_h, pad_w):
-    """x: (N, C, H, W); y: (N, C, P, Q); rsum: (H*Q,) scratch. y = (sum of the window's image
-    cells: row sums, added top to bottom) / (size of the window clipped to the padded image).
-    Flat unsigned indices, as in max_pool_forward."""
+    In blocks of planes (see the module's docstring)."""
     N, C, H, W = x.shape
     P, Q = y.shape[2], y.shape[3]
-    xf = x.reshape(N * C * H * W)
-    yf = y.reshape(N * C * P * Q)
-    for plane in range(N * C):
-        _row_sums(xf, plane * H * W, rsum, H, W, Q, S, stride_w, pad_w)
+    HW, PQ, B = H * W, P * Q, PLANE_BLOCK
+    if planes.size < (PQ + HW + 1) * B:
+        raise ValueError("ave_pool_forward: scratch too small")
+    # planes: the block's cells (HW rows of B planes), its outputs (PQ rows of B), then one
+    # row's sum (B).
+    xt, yt, row = 0, HW * B, (HW + PQ) * B
+    xf = x.reshape(N * C * HW)
+    yf = y.reshape(N * C * PQ)
+    q_lo, q_hi = inner_columns(Q, W, S, stride_w, pad_w)
+    for b0 in range(0, N * C, B):
+        n = min(B, N * C - b0)
+        _to_blocks(xf, b0, n, HW, planes, xt, B)
+        r = planes[row:row + n]
         for p in range(P):
             h0, h1, size_h = _window_rows(p, R, stride_h, pad_h, H)
-            out = (plane * P + p) * Q
-            if h1 - h0 == 3:
-                _col_sum(rsum, yf, out, h0 * Q, Q, 3, size_h, W, S, stride_w, pad_w)
-            else:
-                _col_sum(rsum, yf, out, h0 * Q, Q, h1 - h0, size_h, W, S, stride_w, pad_w)
+            for q in range(Q):
+                w0 = q * stride_w - pad_w
+                size = planes.dtype.type(size_h * (min(w0 + S, W + pad_w) - w0))
+                c0, c1 = max(w0, 0), min(w0 + S, W)
+                out = planes[yt + (p * Q + q) * B:yt + (p * Q + q) * B + n]
+                for h in range(h0, h1):
+                    if q_lo <= q < q_hi:
+                        cell = planes[xt + (h * W + c0) * B:xt + (h * W + c0) * B + n]
+                        r[:] = cell
+                        c = c0 + 1
+                    else:
+                        r[:] = 0
+                        c = c0
+                    for w in range(c, c1):
+                        cell = planes[xt + (h * W + w) * B:xt + (h * W + w) * B + n]
+                        for i in range(n):
+                            r[i] += cell[i]
+                    if h == h0:
+                        out[:] = r
+                    else:
+                        for i in range(n):
+                            out[i] += r[i]
+                for i in range(n):
+                    out[i] = out[i] / size
+        _from_blocks(planes, yt, B, yf, b0, n, PQ)
 
 
 @njit(cache=True, nogil=True)
-def ave_pool_backward(dy, dx, R, S, stride_h, stride_w, pad_h, pad_w):
-    """dy: (N, C, P, Q); dx: (N, C, H, W), OVERWRITTEN: each window's image cells get
-    dy / (window size, as in forward); overlapping windows add up in (p, q) order, window by
-    window as Caffe does, each window's share divided once."""
+def _covering(i, size, stride, pad, count):
+    """(lo, hi): the windows j in [lo, hi) (of count) whose cells j*stride - pad + [0, size)
+    include cell i. Floor division rounds toward -inf, as the bounds need."""
+    lo = max((i + pad - size) // stride + 1, 0)
+    hi = min((i + pad) // stride + 1, count)
+    return lo, max(lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def ave_pool_backward(dy, dx, planes, cover, R, S, stride_h, stride_w, pad_h, pad_w):
+    """dy: (N, C, P, Q); dx: (N, C, H, W), OVERWRITTEN; scratch (ave_sizes): planes, cover
+    (int32). Each window's image cells get dy / (window size, as in forward); a cell covered
+    by several windows adds their shares to 0 in (p, q) order, as Caffe's window-by-window
+    loop does, each share divided once. In blocks of planes (see the module's docstring)."""
     N, C, P, Q = dy.shape
     H, W = dx.shape[2], dx.shape[3]
-    dyf = dy.reshape(N * C * P * Q)
-    dxf = dx.reshape(N * C * H * W)
-    q_lo, q_hi = inner_columns(Q, W, S, stride_w, pad_w)
-    for plane in range(N * C):
-        xb = plane * H * W
-        dxf[xb:xb + H * W] = 0
-        for p in range(P):
-            h0, h1, size_h = _window_rows(p, R, stride_h, pad_h, H)
-            row = (plane * P + p) * Q
-            # Left border windows, then the inner ones, then the right border: (p, q) order.
-            for q in range(q_lo):
-                _ave_window_backward(dyf, dxf, xb, row + q, W, h0, h1, size_h,
-                                     q * stride_w - pad_w, S, pad_w)
-            size = dy.dtype.type(size_h * S)
-            for q in range(q_lo, q_hi):
-                g = dyf[np.uintp(row + q)] / size
-                left = xb + q * stride_w - pad_w
-                for h in range(h0, h1):
-                    cell = left + h * W
-                    for j in range(S):
-                        dxf[np.uintp(cell + j)] += g
-            for q in range(q_hi, Q):
-                _ave_window_backward(dyf, dxf, xb, row + q, W, h0, h1, size_h,
-                                     q * stride_w - pad_w, S, pad_w)
-
-
-@njit(cache=True, nogil=True)
-def _ave_window_backward(dyf, dxf, xb, o, W, h0, h1, size_h, w0, S, pad_w):
-    """One window's share: dxf[xb + h*W + w] += dyf[o] / size over its image cells."""
-    w1 = min(w0 + S, W + pad_w)
-    size = size_h * (w1 - w0)
-    w0 = max(w0, 0)
-    w1 = min(w1, W)
-    g = dyf[np.uintp(o)] / dyf.dtype.type(size)
-    for h in range(h0, h1):
-        for w in range(h * W + w0, h * W + w1):
-            dxf[np.uintp(xb + w)] += g
+    PQ, HW, B = P * Q, H * W, PLANE_BLOCK
+    if planes.size < (PQ + HW) * B + PQ or cover.size < 2 * (H + W):
+        raise ValueError("ave_pool_backward: scratch too small")
+    # planes: the block's shares by window (PQ rows of B planes), its cells by cell (HW rows
+    # of B), the windows' sizes (PQ). cover: the windows over row h, [cover[2h], cover[2h+1]),
+    # then over column w, [cover[2H + 2w], cover[2H + 2w + 1]).
+    gt, dxt, sizes = 0, PQ * B, (PQ + HW) * B
+    for p in range(P):
+        size_h = _window_rows(p, R, stride_h, pad_h, H)[2]
+        for q in range(Q):
+            w0 = q * stride_w - pad_w
+            planes[sizes + p * Q + q] = size_h * (min(w0 + S, W + pad_w) - w0)
+    for h in range(H):
+        cover[2 * h], cover[2 * h + 1] = _covering(h, R, stride_h, pad_h, P)
+    for w in range(W):
+        cover[2 * (H + w)], cover[2 * (H + w) + 1] = _covering(w, S, stride_w, pad_w, Q)
+    dyf = dy.reshape(N * C * PQ)
+    dxf = dx.reshape(N * C * HW)
+    for b0 in range(0, N * C, B):
+        nb = min(B, N * C - b0)
+        _to_blocks(dyf, b0, nb, PQ, planes, gt, B)
+        for j in range(PQ):
+            size = planes[sizes + j]
+            g = planes[gt + j * B:gt + j * B + nb]
+            for i in range(nb):
+                g[i] = g[i] / size
+        for h in range(H):
+            for w in range(W):
+                cell = planes[dxt + (h * W + w) * B:dxt + (h * W + w) * B + nb]
+                cell[:] = 0
+                for p in range(cover[2 * h], cover[2 * h + 1]):
+                    for q in range(cover[2 * (H + w)], cover[2 * (H + w) + 1]):
+                        g = planes[gt + (p * Q + q) * B:gt + (p * Q + q) * B + nb]
+                        for i in range(nb):
+                            cell[i] += g[i]
+        _from_blocks(planes, dxt, B, dxf, b0, nb, HW)

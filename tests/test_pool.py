@@ -154,12 +154,13 @@ def test_average_gradient_adds_window_by_window():
     (p, q) order, each cell of the window (clipped to the image) adding dy / size, with
     overlapping windows, padding and CEIL-rounded border windows."""
     rng = np.random.default_rng(5)
-    for kernel, stride, pad, size in [(3, 2, 0, 16), (3, 2, 1, 8), (3, 1, 1, 5), (4, 2, 1, 9)]:
+    for kernel, stride, pad, size, C in [(3, 2, 0, 16, 3), (3, 2, 1, 8, 3), (3, 1, 1, 5, 3),
+                                         (4, 2, 1, 9, 3), (2, 3, 0, 10, 40)]:
         layer = build(pool_text(f"pool: AVE kernel_size: {kernel} stride: {stride} pad: {pad}"),
-                      [(2, 3, size, size)])
+                      [(2, C, size, size)])
         P, Q = layer.top_shapes[0][2:]
-        x = rng.standard_normal((2, 3, size, size)).astype(np.float32)
-        dy = rng.standard_normal((2, 3, P, Q)).astype(np.float32)
+        x = rng.standard_normal((2, C, size, size)).astype(np.float32)
+        dy = rng.standard_normal((2, C, P, Q)).astype(np.float32)
         _, (dx,), _ = backward(layer, [x], [], [dy])
         want = np.zeros_like(x)
         for p in range(P):
@@ -171,6 +172,27 @@ def test_average_gradient_adds_window_by_window():
                     for w in range(max(w0, 0), min(w1, size)):
                         want[:, :, h, w] += share
         np.testing.assert_array_equal(dx, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_average_over_blocks_of_planes(dtype):
+    """AVE runs blocks of planes (kernels.pool.PLANE_BLOCK) turned planes-innermost: more
+    planes than a block, a partial last block, non-square planes and both SIMD widths give
+    each plane bitwise what it gets alone, and the float64 reference's values."""
+    fields, kernel, stride, pad = "kernel_size: 3 stride: 2 pad: 1", (3, 3), (2, 2), (1, 1)
+    shape = (3, 29, 10, 9)  # 87 planes
+    layer = build(pool_text(f"pool: AVE {fields}"), [shape])
+    x = data(shape).astype(dtype)
+    dy = np.random.default_rng(4).standard_normal(layer.top_shapes[0]).astype(dtype)
+    (y,), _ = forward(layer, [x], [])
+    _, (dx,), _ = backward(layer, [x], [], [dy])
+    single = build(pool_text(f"pool: AVE {fields}"), [(1, 1) + shape[2:]])
+    for n, c in [(0, 0), (1, 7), (2, 6), (2, 28)]:  # planes 0, 36, 64 (block 2) and 86
+        (y1,), _ = forward(single, [x[n:n + 1, c:c + 1]], [])
+        _, (dx1,), _ = backward(single, [x[n:n + 1, c:c + 1]], [], [dy[n:n + 1, c:c + 1]])
+        assert np.array_equal(y[n, c], y1[0, 0]) and np.array_equal(dx[n, c], dx1[0, 0])
+    want, _ = pool_ref(x.astype(np.float64), kernel, stride, pad, layer.top_shapes[0][2:], "AVE")
+    np.testing.assert_allclose(y, want, rtol=1e-5 if dtype == np.float32 else 1e-12)
 
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])

@@ -46,8 +46,9 @@ class Pooling(Layer):
 
     Scratch: "arg" (MAX), the max's index per output as int32, for backward (and copied into
     the mask top; the kernel's vectorised loops run much faster on integer indices); and
-    the per-plane row results of the kernels' first pass, "rowmax" and "rowarg" (MAX) or
-    "rowsum" (AVE), H*Q each.
+    the per-plane row results of the kernels' first pass, "rowmax" and "rowarg" (MAX), H*Q
+    each; AVE's blocks of planes turned planes-innermost, "planes", and which windows cover
+    each row and column, "cover" (int32).
     """
     tops = (1, 2)
 
@@ -103,16 +104,17 @@ class Pooling(Layer):
         ceil = p.round_mode == PP.CEIL
         self.P = pooled_size(H, self.pad_h, self.R, self.stride_h, ceil)
         self.Q = pooled_size(W, self.pad_w, self.S, self.stride_w, ceil)
-        self.C, self.H = C, H
+        self.C, self.H, self.W = C, H, W
         top = (shape[0], C, self.P, self.Q)
         return [top] * len(self.lp.top)
 
     def scratch_shapes(self, n):
-        rows = (self.H * self.Q,)
         if self.max:
+            rows = (self.H * self.Q,)
             return {"arg": ((n, self.C, self.P, self.Q), np.int32), "rowmax": rows,
                     "rowarg": (rows, np.int32)}
-        return {"rowsum": rows}
+        planes, cover = K.ave_sizes(self.H, self.W, self.P, self.Q)
+        return {"planes": (planes,), "cover": ((cover,), np.int32)}
 
     def _window(self):
         return self.R, self.S, self.stride_h, self.stride_w, self.pad_h, self.pad_w
@@ -125,7 +127,7 @@ class Pooling(Layer):
             if len(top) == 2:
                 top[1][...] = arg
         else:
-            K.ave_pool_forward(bottom[0], top[0], scratch["rowsum"], *self._window())
+            K.ave_pool_forward(bottom[0], top[0], scratch["planes"], *self._window())
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
         if bottom_diff[0] is None:
@@ -133,4 +135,5 @@ class Pooling(Layer):
         if self.max:
             K.max_pool_backward(top_diff[0], scratch["arg"][:chunk.n], bottom_diff[0])
         else:
-            K.ave_pool_backward(top_diff[0], bottom_diff[0], *self._window())
+            K.ave_pool_backward(top_diff[0], bottom_diff[0], scratch["planes"], scratch["cover"],
+                                *self._window())
