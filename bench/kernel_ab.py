@@ -1,14 +1,16 @@
-"""Interleaved A/B of the stride-1 convolution kernels against another git revision: the
-forward pass, the backward pass without and with the input gradient, on the convolutions of
-LeNet and cifar10_quick, one thread. Each round times the base revision's kernel and then the
-working tree's on the same data, so a change of the machine's speed hits both alike; prints
-milliseconds per 100 samples (medians), the working tree's speed as the median of the
-per-round ratios, and whether the two gave the same bits.
+"""Interleaved A/B of the kernels against another git revision: the stride-1 convolutions of
+LeNet and cifar10_quick (forward, backward without and with the input gradient) and
+cifar10_quick's average pooling (forward, backward), one thread. Each round times the base
+revision's kernel and then the working tree's on the same data, so a change of the machine's
+speed hits both alike; prints milliseconds per 100 samples (medians), the working tree's
+speed as the median of the per-round ratios, and whether the two gave the same bits.
 
-    python bench/kernel_ab.py --base REV [--layers cifar2,cifar3] [--samples 12] [--rounds 60]
+    python bench/kernel_ab.py --base REV [--layers cifar2,cifar3,pool2] [--samples 12]
+                              [--rounds 60]
 
-The base revision's kernels/conv.py and kernels/tile.py are taken with `git show` into a
-temporary folder and imported from there (the rest of the package is the working tree's).
+The base revision's kernels/conv.py, kernels/pool.py and kernels/tile.py are taken with
+`git show` into a temporary folder and imported from there (the rest of the package is the
+working tree's).
 Scratch starts zeroed, as the engine allocates it: uninitialised memory may hold subnormal
 floats, which tiles read in lanes they never store and which then slow every multiply-add.
 """
@@ -22,27 +24,32 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp.kernels import conv
+from cgp.kernels import conv, pool
 
 # name: (C, H, W, K, R, S, pad): the stride-1 convolutions of the shipped nets.
 LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
           "cifar1": (3, 32, 32, 32, 5, 5, 2), "cifar2": (32, 16, 16, 32, 5, 5, 2),
           "cifar3": (32, 8, 8, 64, 5, 5, 2)}
+# name: (C, H, W, window, stride): cifar10_quick's average pooling (3 x 3, stride 2, CEIL).
+POOLS = {"pool2": (32, 16, 16, 3, 2), "pool3": (64, 8, 8, 3, 2)}
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def base_module(rev, folder):
-    """The revision's kernels/conv.py, importing its own tile.py, as module base_conv."""
+def base_modules(rev, folder):
+    """The revision's kernels/conv.py and kernels/pool.py, importing its own tile.py, as
+    modules base_conv and base_pool."""
     def show(path):
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout
     (folder / "base_tile.py").write_text(show("kernels/tile.py"))
-    source = show("kernels/conv.py").replace("from cgp.kernels.tile import",
-                                             "from base_tile import")
-    (folder / "base_conv.py").write_text(source)
+    for name in ("conv", "pool"):
+        source = show(f"kernels/{name}.py").replace("from cgp.kernels.tile import",
+                                                    "from base_tile import")
+        (folder / f"base_{name}.py").write_text(source)
     sys.path.insert(0, str(folder))
     import base_conv
-    return base_conv
+    import base_pool
+    return base_conv, base_pool
 
 
 def runs(module, shape, n, seed=0):
@@ -81,27 +88,61 @@ def runs(module, shape, n, seed=0):
             "backward": backward(True)}
 
 
+def pool_runs(module, shape, n, seed=0):
+    """Average pooling's two calls with the module's kernels. Before 30ef7d2 they took a row
+    scratch (forward) and none (backward); since, blocks of planes (ave_sizes)."""
+    C, H, W, R, stride = shape
+    P, Q = -(-(H - R) // stride) + 1, -(-(W - R) // stride) + 1
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, C, H, W)).astype(np.float32)
+    dy = rng.standard_normal((n, C, P, Q)).astype(np.float32)
+    y, dx = np.zeros_like(dy), np.zeros_like(x)
+    window = (R, R, stride, stride, 0, 0)
+    if hasattr(module, "ave_sizes"):
+        size, cover = module.ave_sizes(H, W, P, Q)
+        planes, cover = np.zeros(size, np.float32), np.zeros(cover, np.int32)
+        fwd = (planes,)
+        bwd = (planes, cover)
+    else:
+        fwd, bwd = (np.zeros(H * Q, np.float32),), ()
+
+    def forward():
+        module.ave_pool_forward(x, y, *fwd, *window)
+        return y
+
+    def backward():
+        module.ave_pool_backward(dy, dx, *bwd, *window)
+        return dx
+
+    return {"forward": forward, "backward": backward}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare against")
-    parser.add_argument("--layers", default=",".join(LAYERS))
+    parser.add_argument("--layers", default=",".join(list(LAYERS) + list(POOLS)))
     parser.add_argument("--samples", type=int, default=12, help="samples per call")
     parser.add_argument("--rounds", type=int, default=60)
     args = parser.parse_args()
     layers = args.layers.split(",")
-    unknown = [name for name in layers if name not in LAYERS]
+    known = list(LAYERS) + list(POOLS)
+    unknown = [name for name in layers if name not in known]
     if unknown:
-        parser.error(f"unknown layers {unknown}; known: {', '.join(LAYERS)}")
+        parser.error(f"unknown layers {unknown}; known: {', '.join(known)}")
     with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
         try:
-            base = base_module(args.base, Path(folder))
+            base_conv, base_pool = base_modules(args.base, Path(folder))
         except subprocess.CalledProcessError as err:
             sys.exit(f"kernel_ab: git show {args.base}: {err.stderr.strip()}")
         print(f"base {args.base} against the working tree, {args.samples} samples per call, "
               f"{args.rounds} rounds; ms per 100 samples")
         for name in layers:
-            old, new = runs(base, LAYERS[name], args.samples), runs(conv, LAYERS[name],
-                                                                   args.samples)
+            if name in POOLS:
+                old = pool_runs(base_pool, POOLS[name], args.samples)
+                new = pool_runs(pool, POOLS[name], args.samples)
+            else:
+                old = runs(base_conv, LAYERS[name], args.samples)
+                new = runs(conv, LAYERS[name], args.samples)
             for call in old:
                 try:
                     first = old[call]()
