@@ -20,7 +20,7 @@ across each output row: faster there than two.
 
 AVE runs PLANE_BLOCK planes at a time, turned so that the planes lie innermost: every step of
 a window's sum, forward and backward, is then one vector loop over the block's planes (a plane
-of 8 x 8 or 16 x 16 cells is too small to vectorise by itself; this ran 1.2 - 5x as fast as
+of 8 x 8 or 16 x 16 cells is too small to vectorise by itself; this ran 1.2 - 6x as fast as
 loops over each plane, with the same bits). Forward sums each of the window's rows left to
 right, then the rows top to bottom, where Caffe adds all cells in row-major order: the same
 sum, rounded differently (a few units in the last place of float32). Backward adds each
@@ -37,7 +37,7 @@ from cgp.kernels.tile import lanes, transpose_block
 # Caffe starts every max at -FLT_MAX (for float and double alike), so a window of -inf or NaN
 # reports -FLT_MAX.
 _LOWEST = -3.4028234663852886e38
-# Planes that AVE's backward takes at a time (see ave_pool_backward).
+# Planes that AVE's kernels take at a time (see above).
 PLANE_BLOCK = 64
 
 
