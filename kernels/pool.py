@@ -8,7 +8,9 @@ overhang the padding (ceil rounding) divide by fewer cells, while cells of the p
 count as zeros.
 
 MAX forward runs in two passes per plane, through a scratch of H x Q row results: first every
-input row's window columns (the max and where it is), then down each window's R rows. The
+input row's window columns (the max and where it is), then down each window's R rows, a
+vector of an output row's columns at a time (tile.column_max: a row of 8 or 16 outputs is too
+short for Numba's own vector loops, and this pass took half the time as a scalar loop). The
 first pass is one long loop over the whole plane when the columns tile it (W == stride_w * Q,
 as in Caffe's nets), with the window width and stride as literals for the common 2- and 3-wide
 windows, so it compiles to SIMD code; windows that overhang the image's left or right edge are
@@ -32,7 +34,7 @@ height and width, R S window height and width.
 import numpy as np
 from numba import njit
 
-from cgp.kernels.tile import lanes, transpose_block
+from cgp.kernels.tile import column_max, lanes, transpose_block
 
 # Caffe starts every max at -FLT_MAX (for float and double alike), so a window of -inf or NaN
 # reports -FLT_MAX.
@@ -126,23 +128,6 @@ def _clipped_row_max(xf, xb, rmax, rarg, h, q, W, Q, S, stride_w, pad_w, lowest)
 
 
 @njit(cache=True, nogil=True)
-def _col_max(rmax, rarg, yf, af, out, first, Q, R):
-    """Pass 2 for one output row: yf[out + q], af[out + q] = the first max over the R row
-    results rmax[first + i*Q + q], i = 0, 1, ... The winning row is kept as a number and its
-    index read once at the end: selecting between two loaded indices compiles to a branch."""
-    for q in range(Q):
-        best = rmax[np.uintp(first + q)]
-        which = 0
-        for i in range(1, R):
-            v = rmax[np.uintp(first + i * Q + q)]
-            greater = v > best
-            which = i if greater else which
-            best = v if greater else best
-        yf[np.uintp(out + q)] = best
-        af[np.uintp(out + q)] = rarg[np.uintp(first + which * Q + q)]
-
-
-@njit(cache=True, nogil=True)
 def _max_2x2(xf, yf, af, xb, out, top, q_lo, q_hi, W):
     """Windows q in [q_lo, q_hi) of one output row of 2x2 windows with stride 2, wholly inside
     the image: rows top // W and the next, columns 2q + [0, 2), top = h0*W - pad_w. One pass
@@ -217,12 +202,7 @@ def max_pool_forward(x, y, arg, rmax, rarg, R, S, stride_h, stride_w, pad_h, pad
         for p in range(P):
             h0, h1, _ = _window_rows(p, R, stride_h, pad_h, H)
             out = (plane * P + p) * Q
-            if h1 - h0 == 2:
-                _col_max(rmax, rarg, yf, af, out, h0 * Q, Q, 2)
-            elif h1 - h0 == 3:
-                _col_max(rmax, rarg, yf, af, out, h0 * Q, Q, 3)
-            else:
-                _col_max(rmax, rarg, yf, af, out, h0 * Q, Q, h1 - h0)
+            column_max(yf, af, out, rmax, rarg, h0 * Q, Q, h1 - h0)
 
 
 @njit(cache=True, nogil=True)

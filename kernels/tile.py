@@ -1,8 +1,8 @@
 """SIMD building blocks for Numba kernels, written with explicit 64-byte vectors (16 float32 or
 8 float64 lanes): `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix
-product), and two data movers, `shifted_copy` (a copy of rows with zero fill) and
-`transpose_block`. No packing, no blocking for caches, no threads: callers lay their operands
-out so that these loops stream them.
+product), two data movers, `shifted_copy` (a copy of rows with zero fill) and
+`transpose_block`, and `column_max` (max pooling's second pass). No packing, no blocking for
+caches, no threads: callers lay their operands out so that these loops stream them.
 
 Numba's own vectorised loops use 256-bit registers on CPUs that LLVM tunes for "prefer 256-bit"
 (most AVX-512 Xeons), half the arithmetic width. Vectors written out as LLVM vector types are
@@ -77,17 +77,18 @@ def choose(nt, nv, V, unit):
     return best_t, best_kv
 
 
-def _masked_memory(builder, vty, width, bits):
-    """LLVM's masked load and store of vectors vty (width lanes of f<bits>), for codegen:
-    load(pointer, align, mask, passthrough) and store(value, pointer, align, mask)."""
+def _masked_memory(builder, vty, width, bits, kind="f"):
+    """LLVM's masked load and store of vectors vty (width lanes of <kind><bits>: f32, f64,
+    i32), for codegen: load(pointer, align, mask, passthrough) and store(value, pointer,
+    align, mask)."""
     i32 = ir.IntType(32)
     mask_ty = ir.VectorType(ir.IntType(1), width)
     load = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vty, [vty.as_pointer(), i32, mask_ty, vty]),
-        f"llvm.masked.load.v{width}f{bits}.p0")
+        f"llvm.masked.load.v{width}{kind}{bits}.p0")
     store = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [vty, vty.as_pointer(), i32, mask_ty]),
-        f"llvm.masked.store.v{width}f{bits}.p0")
+        f"llvm.masked.store.v{width}{kind}{bits}.p0")
     return load, store
 
 
@@ -354,6 +355,75 @@ def transpose_block(typingctx, dst, dst_off, dst_ld, src, src_off, src_ld, rows,
                 with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, j), cols_)):
                     builder.store(builder.fadd(builder.load(total), rows_v[j]), total)
             builder.call(masked_store, [builder.load(total), ptr, ir.Constant(i32, 1), store_mask])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def column_max(typingctx, y, a, out, rmax, rarg, first, Q, R):
+    """For q < Q: y[out + q] = the first max of rmax[first + i*Q + q] over i < R (a later row
+    must be strictly greater; NaN never is) and a[out + q] = rarg at the same row, in vectors
+    with a masked tail: the second pass of max pooling, one output row at a time. y and rmax
+    are of one float dtype, a and rarg int32."""
+    floats, ints = (y, rmax), (a, rarg)
+    if not (all(isinstance(x, types.Array) for x in floats + ints)
+            and y.dtype == rmax.dtype and y.dtype in (types.float32, types.float64)
+            and all(x.dtype == types.int32 for x in ints)):
+        return None
+    dtype = y.dtype
+    sig = types.void(y, a, out, rmax, rarg, first, Q, R)
+
+    def codegen(context, builder, signature, args):
+        tys = signature.args
+        fty = context.get_value_type(dtype)
+        width = VECTOR_BYTES // context.get_abi_sizeof(fty)
+        vty = ir.VectorType(fty, width)
+        i32 = ir.IntType(32)
+        i32v = ir.VectorType(i32, width)
+        intp = context.get_value_type(types.intp)
+        bits = "32" if dtype == types.float32 else "64"
+        load_f, store_f = _masked_memory(builder, vty, width, bits)
+        load_i, store_i = _masked_memory(builder, i32v, width, "32", "i")
+        y_p, a_p, rmax_p, rarg_p = [
+            cgutils.create_struct_proxy(tys[i])(context, builder, args[i]).data
+            for i in (0, 1, 3, 4)]
+        out_, first_, q_, r_ = [context.cast(builder, args[i], tys[i], types.intp)
+                                for i in (2, 5, 6, 7)]
+        lane = ir.Constant(i32v, list(range(width)))
+        one = ir.Constant(i32, 1)
+
+        def at(p, vt, off):
+            return builder.bitcast(builder.gep(p, [off]), vt.as_pointer())
+
+        count = builder.udiv(builder.add(q_, ir.Constant(intp, width - 1)),
+                             ir.Constant(intp, width))
+        with cgutils.for_range(builder, count) as loop:
+            v0 = builder.mul(loop.index, ir.Constant(intp, width))
+            left = builder.trunc(builder.sub(q_, v0), i32)
+            left_v = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(i32v, ir.Undefined), left,
+                                       ir.Constant(i32, 0)),
+                ir.Constant(i32v, ir.Undefined), ir.Constant(i32v, [0] * width))
+            mask = builder.icmp_signed("<", lane, left_v)
+            row0 = builder.add(first_, v0)
+            best = cgutils.alloca_once_value(builder, builder.call(
+                load_f, [at(rmax_p, vty, row0), one, mask, ir.Constant(vty, None)]))
+            where = cgutils.alloca_once_value(builder, builder.call(
+                load_i, [at(rarg_p, i32v, row0), one, mask, ir.Constant(i32v, None)]))
+            with cgutils.for_range(builder, builder.sub(r_, ir.Constant(intp, 1))) as row:
+                off = builder.add(row0, builder.mul(builder.add(row.index,
+                                                                ir.Constant(intp, 1)), q_))
+                v = builder.call(load_f, [at(rmax_p, vty, off), one, mask,
+                                          ir.Constant(vty, None)])
+                greater = builder.fcmp_ordered(">", v, builder.load(best))
+                builder.store(builder.select(greater, v, builder.load(best)), best)
+                w = builder.call(load_i, [at(rarg_p, i32v, off), one, mask,
+                                          ir.Constant(i32v, None)])
+                builder.store(builder.select(greater, w, builder.load(where)), where)
+            target = builder.add(out_, v0)
+            builder.call(store_f, [builder.load(best), at(y_p, vty, target), one, mask])
+            builder.call(store_i, [builder.load(where), at(a_p, i32v, target), one, mask])
         return context.get_dummy_value()
 
     return sig, codegen

@@ -175,6 +175,22 @@ def test_average_gradient_adds_window_by_window():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_over_rows_wider_than_a_vector(dtype):
+    """MAX's second pass runs a vector of output columns at a time (tile.column_max): rows of
+    20 outputs, more than a vector's lanes in both widths, with ties everywhere (few distinct
+    values): the row-major first max and its index, as the reference's."""
+    fields, kernel, stride, pad = "kernel_size: 3 stride: 2 pad: 1", (3, 3), (2, 2), (1, 1)
+    shape = (2, 3, 7, 39)
+    layer = build(pool_text(f"pool: MAX {fields}", tops=("y", "mask")), [shape])
+    P, Q = layer.top_shapes[0][2:]
+    assert Q == 20
+    x = np.random.default_rng(2).integers(0, 4, shape).astype(dtype)
+    (y, mask), _ = forward(layer, [x], [])
+    want, want_mask = pool_ref(x.astype(np.float64), kernel, stride, pad, (P, Q), "MAX")
+    assert np.array_equal(y, want) and np.array_equal(mask, want_mask)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_average_over_blocks_of_planes(dtype):
     """AVE runs blocks of planes (kernels.pool.PLANE_BLOCK) turned planes-innermost: more
     planes than a block, a partial last block, non-square planes and both SIMD widths give
