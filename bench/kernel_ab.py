@@ -1,6 +1,6 @@
 """Interleaved A/B of the kernels against another git revision: the stride-1 convolutions of
 LeNet and cifar10_quick (forward, backward without and with the input gradient) and
-cifar10_quick's average pooling (forward, backward), one thread. Each round times the base
+cifar10_quick's pooling (forward, backward), one thread. Each round times the base
 revision's kernel and then the working tree's on the same data, so a change of the machine's
 speed hits both alike; prints milliseconds per 100 samples (medians), the working tree's
 speed as the median of the per-round ratios, and whether the two gave the same bits.
@@ -30,8 +30,9 @@ from cgp.kernels import conv, pool
 LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
           "cifar1": (3, 32, 32, 32, 5, 5, 2), "cifar2": (32, 16, 16, 32, 5, 5, 2),
           "cifar3": (32, 8, 8, 64, 5, 5, 2)}
-# name: (C, H, W, window, stride): cifar10_quick's average pooling (3 x 3, stride 2, CEIL).
-POOLS = {"pool2": (32, 16, 16, 3, 2), "pool3": (64, 8, 8, 3, 2)}
+# name: (C, H, W, window, stride, MAX or AVE): cifar10_quick's pooling (3 x 3, stride 2, CEIL).
+POOLS = {"pool1": (32, 32, 32, 3, 2, "MAX"), "pool2": (32, 16, 16, 3, 2, "AVE"),
+         "pool3": (64, 8, 8, 3, 2, "AVE")}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -89,15 +90,28 @@ def runs(module, shape, n, seed=0):
 
 
 def pool_runs(module, shape, n, seed=0):
-    """Average pooling's two calls with the module's kernels. Before 30ef7d2 they took a row
-    scratch (forward) and none (backward); since, blocks of planes (ave_sizes)."""
-    C, H, W, R, stride = shape
+    """Pooling's two calls with the module's kernels. Before 30ef7d2 average pooling took a
+    row scratch (forward) and none (backward); since, blocks of planes (ave_sizes)."""
+    C, H, W, R, stride, method = shape
     P, Q = -(-(H - R) // stride) + 1, -(-(W - R) // stride) + 1
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, C, H, W)).astype(np.float32)
     dy = rng.standard_normal((n, C, P, Q)).astype(np.float32)
     y, dx = np.zeros_like(dy), np.zeros_like(x)
     window = (R, R, stride, stride, 0, 0)
+    if method == "MAX":
+        arg = np.zeros(y.shape, np.int32)
+        rmax, rarg = np.zeros(H * Q, np.float32), np.zeros(H * Q, np.int32)
+
+        def max_forward():
+            module.max_pool_forward(x, y, arg, rmax, rarg, *window)
+            return np.concatenate([y.ravel(), arg.ravel().view(np.float32)])
+
+        def max_backward():
+            module.max_pool_backward(dy, arg, dx)
+            return dx
+
+        return {"forward": max_forward, "backward": max_backward}
     if hasattr(module, "ave_sizes"):
         size, cover = module.ave_sizes(H, W, P, Q)
         planes, cover = np.zeros(size, np.float32), np.zeros(cover, np.int32)
