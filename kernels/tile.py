@@ -92,6 +92,27 @@ def _masked_memory(builder, vty, width, bits, kind="f"):
     return load, store
 
 
+def _vectors(context, dtype):
+    """For codegen: (width, vty, i32, i32v, intp, bits): the lanes of dtype's 64-byte vectors,
+    the vector type, 32-bit integers and vectors of them, the index type, dtype's bits."""
+    fty = context.get_value_type(dtype)
+    width = VECTOR_BYTES // context.get_abi_sizeof(fty)
+    i32 = ir.IntType(32)
+    return (width, ir.VectorType(fty, width), i32, ir.VectorType(i32, width),
+            context.get_value_type(types.intp), "32" if dtype == types.float32 else "64")
+
+
+def _lanes_below(builder, count, width):
+    """For codegen: the mask of the vector lanes below count (an index)."""
+    i32 = ir.IntType(32)
+    i32v = ir.VectorType(i32, width)
+    one = builder.insert_element(ir.Constant(i32v, ir.Undefined), builder.trunc(count, i32),
+                                 ir.Constant(i32, 0))
+    bound = builder.shuffle_vector(one, ir.Constant(i32v, ir.Undefined),
+                                   ir.Constant(i32v, [0] * width))
+    return builder.icmp_signed("<", ir.Constant(i32v, list(range(width))), bound)
+
+
 @intrinsic
 def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
          a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep):
@@ -106,12 +127,7 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
 
     def codegen(context, builder, signature, args):
         tys = signature.args
-        fty = context.get_value_type(dtype)
-        width = VECTOR_BYTES // context.get_abi_sizeof(fty)
-        vty = ir.VectorType(fty, width)
-        i32 = ir.IntType(32)
-        i32v = ir.VectorType(i32, width)
-        intp = context.get_value_type(types.intp)
+        width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
 
         def pointer(i):
             return cgutils.create_struct_proxy(tys[i])(context, builder, args[i]).data
@@ -128,7 +144,6 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
         a_off_, a_ts_, a_gstep_, a_step_ = index(9), index(10), index(11), index(12)
         b_off_, b_gstep_, b_step_ = index(14), index(15), index(16)
         nseg_, nstep_ = index(17), index(18)
-        bits = "32" if dtype == types.float32 else "64"
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
                                              f"llvm.fma.v{width}f{bits}")
         masked_load, masked_store = _masked_memory(builder, vty, width, bits)
@@ -220,13 +235,7 @@ def shifted_copy(typingctx, out, out_off, src, src_off, period, lo, hi, n):
 
     def codegen(context, builder, signature, args):
         tys = signature.args
-        fty = context.get_value_type(dtype)
-        width = VECTOR_BYTES // context.get_abi_sizeof(fty)
-        vty = ir.VectorType(fty, width)
-        intp = context.get_value_type(types.intp)
-        i32 = ir.IntType(32)
-        i32v = ir.VectorType(i32, width)
-        bits = "32" if dtype == types.float32 else "64"
+        width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
         masked_load, masked_store = _masked_memory(builder, vty, width, bits)
         out_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
         src_p = cgutils.create_struct_proxy(tys[2])(context, builder, args[2]).data
@@ -299,13 +308,7 @@ def transpose_block(typingctx, dst, dst_off, dst_ld, src, src_off, src_ld, rows,
 
     def codegen(context, builder, signature, args):
         tys = signature.args
-        fty = context.get_value_type(dtype)
-        width = VECTOR_BYTES // context.get_abi_sizeof(fty)
-        vty = ir.VectorType(fty, width)
-        i32 = ir.IntType(32)
-        i32v = ir.VectorType(i32, width)
-        intp = context.get_value_type(types.intp)
-        bits = "32" if dtype == types.float32 else "64"
+        width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
         masked_load, masked_store = _masked_memory(builder, vty, width, bits)
         dst_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
         src_p = cgutils.create_struct_proxy(tys[3])(context, builder, args[3]).data
@@ -314,15 +317,9 @@ def transpose_block(typingctx, dst, dst_off, dst_ld, src, src_off, src_ld, rows,
             context.cast(builder, args[i], tys[i], types.intp) for i in (1, 2, 4, 5, 6, 7, 9)]
         add_ = context.cast(builder, args[10], tys[10], types.boolean)
 
-        def lanes_below(count):
-            one = builder.insert_element(ir.Constant(i32v, ir.Undefined),
-                                         builder.trunc(count, i32), ir.Constant(i32, 0))
-            bound = builder.shuffle_vector(one, ir.Constant(i32v, ir.Undefined),
-                                           ir.Constant(i32v, [0] * width))
-            return builder.icmp_signed("<", ir.Constant(i32v, list(range(width))), bound)
-
         zero = ir.Constant(vty, None)
-        load_mask, store_mask = lanes_below(cols_), lanes_below(rows_)
+        load_mask = _lanes_below(builder, cols_, width)
+        store_mask = _lanes_below(builder, rows_, width)
         rows_v = []
         for i in range(width):
             slot = cgutils.alloca_once_value(builder, zero)
@@ -376,13 +373,7 @@ def column_max(typingctx, y, a, out, rmax, rarg, first, Q, R):
 
     def codegen(context, builder, signature, args):
         tys = signature.args
-        fty = context.get_value_type(dtype)
-        width = VECTOR_BYTES // context.get_abi_sizeof(fty)
-        vty = ir.VectorType(fty, width)
-        i32 = ir.IntType(32)
-        i32v = ir.VectorType(i32, width)
-        intp = context.get_value_type(types.intp)
-        bits = "32" if dtype == types.float32 else "64"
+        width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
         load_f, store_f = _masked_memory(builder, vty, width, bits)
         load_i, store_i = _masked_memory(builder, i32v, width, "32", "i")
         y_p, a_p, rmax_p, rarg_p = [
@@ -390,7 +381,6 @@ def column_max(typingctx, y, a, out, rmax, rarg, first, Q, R):
             for i in (0, 1, 3, 4)]
         out_, first_, q_, r_ = [context.cast(builder, args[i], tys[i], types.intp)
                                 for i in (2, 5, 6, 7)]
-        lane = ir.Constant(i32v, list(range(width)))
         one = ir.Constant(i32, 1)
 
         def at(p, vt, off):
@@ -400,12 +390,7 @@ def column_max(typingctx, y, a, out, rmax, rarg, first, Q, R):
                              ir.Constant(intp, width))
         with cgutils.for_range(builder, count) as loop:
             v0 = builder.mul(loop.index, ir.Constant(intp, width))
-            left = builder.trunc(builder.sub(q_, v0), i32)
-            left_v = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(i32v, ir.Undefined), left,
-                                       ir.Constant(i32, 0)),
-                ir.Constant(i32v, ir.Undefined), ir.Constant(i32v, [0] * width))
-            mask = builder.icmp_signed("<", lane, left_v)
+            mask = _lanes_below(builder, builder.sub(q_, v0), width)
             row0 = builder.add(first_, v0)
             best = cgutils.alloca_once_value(builder, builder.call(
                 load_f, [at(rmax_p, vty, row0), one, mask, ir.Constant(vty, None)]))
