@@ -102,15 +102,21 @@ def _vectors(context, dtype):
             context.get_value_type(types.intp), "32" if dtype == types.float32 else "64")
 
 
-def _lanes_below(builder, count, width):
-    """For codegen: the mask of the vector lanes below count (an index)."""
+def _splat32(builder, value, width):
+    """For codegen: value (an index) in every lane of a vector of 32-bit integers; lane
+    arithmetic in 32 bits does half the work of 64 (a copy or a row is shorter than 2**31)."""
     i32 = ir.IntType(32)
     i32v = ir.VectorType(i32, width)
-    one = builder.insert_element(ir.Constant(i32v, ir.Undefined), builder.trunc(count, i32),
+    one = builder.insert_element(ir.Constant(i32v, ir.Undefined), builder.trunc(value, i32),
                                  ir.Constant(i32, 0))
-    bound = builder.shuffle_vector(one, ir.Constant(i32v, ir.Undefined),
-                                   ir.Constant(i32v, [0] * width))
-    return builder.icmp_signed("<", ir.Constant(i32v, list(range(width))), bound)
+    return builder.shuffle_vector(one, ir.Constant(i32v, ir.Undefined),
+                                  ir.Constant(i32v, [0] * width))
+
+
+def _lanes_below(builder, count, width):
+    """For codegen: the mask of the vector lanes below count (an index)."""
+    lanes_ = ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(width)))
+    return builder.icmp_signed("<", lanes_, _splat32(builder, count, width))
 
 
 @intrinsic
@@ -152,15 +158,15 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
             # Unaligned: operands start anywhere in their arrays.
             return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
 
-        def splat(scalar, ty):
-            one = builder.insert_element(ir.Constant(ty, ir.Undefined), scalar,
+        def broadcast(scalar):
+            one = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar,
                                          ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(ty, ir.Undefined),
+            return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
                                           ir.Constant(i32v, [0] * width))
 
         def emit(n_t, n_v):
             """The loop for one tile shape, at the builder's position."""
-            valid = splat(builder.trunc(v_valid_, i32), i32v)
+            valid = _splat32(builder, v_valid_, width)
             masks = [builder.icmp_signed(
                 "<", ir.Constant(i32v, [v * width + i for i in range(width)]), valid)
                 for v in range(n_v)]
@@ -195,7 +201,7 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
                         at = builder.add(b_i, ir.Constant(intp, v * width))
                         bv.append(builder.load(vector_at(b_p, at), align=1))
                     for t in range(n_t):
-                        s = splat(builder.load(builder.gep(a_p, [builder.add(a_i, a_t[t])])), vty)
+                        s = broadcast(builder.load(builder.gep(a_p, [builder.add(a_i, a_t[t])])))
                         for v in range(n_v):
                             builder.store(builder.call(fma, [s, bv[v], builder.load(acc[t][v])]),
                                           acc[t][v])
@@ -243,11 +249,7 @@ def shifted_copy(typingctx, out, out_off, src, src_off, period, lo, hi, n):
             context.cast(builder, args[i], tys[i], types.intp) for i in (1, 3, 4, 5, 6, 7)]
 
         def splat(value):
-            # Lane arithmetic in 32 bits (a copy is shorter than 2**31): half the work of 64.
-            one = builder.insert_element(ir.Constant(i32v, ir.Undefined),
-                                         builder.trunc(value, i32), ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(i32v, ir.Undefined),
-                                          ir.Constant(i32v, [0] * width))
+            return _splat32(builder, value, width)
 
         def wrap(col):
             # col < 2 * period -> col % period
@@ -255,7 +257,7 @@ def shifted_copy(typingctx, out, out_off, src, src_off, period, lo, hi, n):
                                   builder.sub(col, period_v), col)
 
         lane = ir.Constant(i32v, list(range(width)))
-        lo_v, hi_v, n_v, period_v = splat(lo_), splat(hi_), splat(n_), splat(period_)
+        lo_v, hi_v, period_v = splat(lo_), splat(hi_), splat(period_)
         # Each lane's i % period, kept from vector to vector by adding width % period and
         # wrapping once: no division per vector. The first vector takes (width - 1) // period
         # wraps. One row (period >= n) needs no division at all: it wraps past n only.
@@ -272,20 +274,19 @@ def shifted_copy(typingctx, out, out_off, src, src_off, period, lo, hi, n):
                              ir.Constant(intp, width))
         with cgutils.for_range(builder, count) as loop:
             i0 = builder.mul(loop.index, ir.Constant(intp, width))
-            idx = builder.add(splat(i0), lane)
+            before_n = _lanes_below(builder, builder.sub(n_, i0), width)
             col_v = builder.load(col)
             builder.store(wrap(builder.add(col_v, step_v)), col)
             inside = builder.and_(builder.and_(builder.icmp_signed(">=", col_v, lo_v),
                                                builder.icmp_signed("<", col_v, hi_v)),
-                                  builder.icmp_signed("<", idx, n_v))
+                                  before_n)
             src_at = builder.bitcast(builder.gep(src_p, [builder.add(src_off_, i0)]),
                                      vty.as_pointer())
             value = builder.call(masked_load, [src_at, ir.Constant(i32, 1), inside,
                                                ir.Constant(vty, None)])
             out_at = builder.bitcast(builder.gep(out_p, [builder.add(out_off_, i0)]),
                                      vty.as_pointer())
-            builder.call(masked_store, [value, out_at, ir.Constant(i32, 1),
-                                        builder.icmp_signed("<", idx, n_v)])
+            builder.call(masked_store, [value, out_at, ir.Constant(i32, 1), before_n])
         return context.get_dummy_value()
 
     return sig, codegen
