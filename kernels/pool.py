@@ -234,8 +234,20 @@ def _window_rows(p, R, stride_h, pad_h, H):
 # -- AVE ----------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def ave_sizes(H, W, P, Q):
-    """Scratch of ave_pool_forward and ave_pool_backward: (float elements, int32 elements)."""
+    """Scratch of ave_pool_forward and ave_pool_backward: (float elements, int32 elements).
+    Both keep the windows' sizes after (P*Q + H*W + 1) blocks' rows (_window_sizes)."""
     return (P * Q + H * W + 1) * PLANE_BLOCK + P * Q, 2 * (H + W)
+
+
+@njit(cache=True, nogil=True)
+def _window_sizes(planes, at, H, W, P, Q, R, S, stride_h, stride_w, pad_h, pad_w):
+    """planes[at + p*Q + q] = the size of window (p, q) clipped to the padded image, the
+    average's divisor."""
+    for p in range(P):
+        size_h = _window_rows(p, R, stride_h, pad_h, H)[2]
+        for q in range(Q):
+            w0 = q * stride_w - pad_w
+            planes[at + p * Q + q] = size_h * (min(w0 + S, W + pad_w) - w0)
 
 
 @njit(cache=True, nogil=True)
@@ -270,11 +282,12 @@ def ave_pool_forward(x, y, planes, R, S, stride_h, stride_w, pad_h, pad_w):
     N, C, H, W = x.shape
     P, Q = y.shape[2], y.shape[3]
     HW, PQ, B = H * W, P * Q, PLANE_BLOCK
-    if planes.size < (PQ + HW + 1) * B:
+    if planes.size < (PQ + HW + 1) * B + PQ:
         raise ValueError("ave_pool_forward: scratch too small")
-    # planes: the block's cells (HW rows of B planes), its outputs (PQ rows of B), then one
-    # row's sum (B).
-    xt, yt, row = 0, HW * B, (HW + PQ) * B
+    # planes: the block's cells (HW rows of B planes), its outputs (PQ rows of B), one row's
+    # sum (B), the windows' sizes (PQ).
+    xt, yt, row, sizes = 0, HW * B, (HW + PQ) * B, (HW + PQ + 1) * B
+    _window_sizes(planes, sizes, H, W, P, Q, R, S, stride_h, stride_w, pad_h, pad_w)
     xf = x.reshape(N * C * HW)
     yf = y.reshape(N * C * PQ)
     q_lo, q_hi = inner_columns(Q, W, S, stride_w, pad_w)
@@ -283,10 +296,10 @@ def ave_pool_forward(x, y, planes, R, S, stride_h, stride_w, pad_h, pad_w):
         _to_blocks(xf, b0, n, HW, planes, xt, B)
         r = planes[row:row + n]
         for p in range(P):
-            h0, h1, size_h = _window_rows(p, R, stride_h, pad_h, H)
+            h0, h1, _ = _window_rows(p, R, stride_h, pad_h, H)
             for q in range(Q):
                 w0 = q * stride_w - pad_w
-                size = planes.dtype.type(size_h * (min(w0 + S, W + pad_w) - w0))
+                size = planes[sizes + p * Q + q]
                 c0, c1 = max(w0, 0), min(w0 + S, W)
                 out = planes[yt + (p * Q + q) * B:yt + (p * Q + q) * B + n]
                 for h in range(h0, h1):
@@ -329,17 +342,13 @@ def ave_pool_backward(dy, dx, planes, cover, R, S, stride_h, stride_w, pad_h, pa
     N, C, P, Q = dy.shape
     H, W = dx.shape[2], dx.shape[3]
     PQ, HW, B = P * Q, H * W, PLANE_BLOCK
-    if planes.size < (PQ + HW) * B + PQ or cover.size < 2 * (H + W):
+    if planes.size < (PQ + HW + 1) * B + PQ or cover.size < 2 * (H + W):
         raise ValueError("ave_pool_backward: scratch too small")
     # planes: the block's shares by window (PQ rows of B planes), its cells by cell (HW rows
-    # of B), the windows' sizes (PQ). cover: the windows over row h, [cover[2h], cover[2h+1]),
-    # then over column w, [cover[2H + 2w], cover[2H + 2w + 1]).
-    gt, dxt, sizes = 0, PQ * B, (PQ + HW) * B
-    for p in range(P):
-        size_h = _window_rows(p, R, stride_h, pad_h, H)[2]
-        for q in range(Q):
-            w0 = q * stride_w - pad_w
-            planes[sizes + p * Q + q] = size_h * (min(w0 + S, W + pad_w) - w0)
+    # of B), one unused row (B), the windows' sizes (PQ). cover: the windows over row h,
+    # [cover[2h], cover[2h+1]), then over column w, [cover[2H + 2w], cover[2H + 2w + 1]).
+    gt, dxt, sizes = 0, PQ * B, (PQ + HW + 1) * B
+    _window_sizes(planes, sizes, H, W, P, Q, R, S, stride_h, stride_w, pad_h, pad_w)
     for h in range(H):
         cover[2 * h], cover[2 * h + 1] = _covering(h, R, stride_h, pad_h, P)
     for w in range(W):
