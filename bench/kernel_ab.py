@@ -1,16 +1,18 @@
 """Interleaved A/B of the kernels against another git revision: the stride-1 convolutions of
-LeNet and cifar10_quick (forward, backward without and with the input gradient) and
-cifar10_quick's pooling (forward, backward), one thread. Each round times the base
-revision's kernel and then the working tree's on the same data, so a change of the machine's
-speed hits both alike; prints milliseconds per 100 samples (medians), the working tree's
+LeNet and cifar10_quick (forward, backward without and with the input gradient),
+cifar10_quick's pooling (forward, backward) and the reduction of the InnerProduct weight
+gradients that the engine sums from factors (LeNet's ip1, cifar10_quick's ip1: 16 chunks of
+the whole batch), one thread. Each round times the base revision's kernel and then the
+working tree's on the same data, so a change of the machine's speed hits both alike; prints
+milliseconds per 100 samples (medians; per batch for the reductions), the working tree's
 speed as the median of the per-round ratios, and whether the two gave the same bits.
 
-    python bench/kernel_ab.py --base REV [--layers cifar2,cifar3,pool2] [--samples 12]
+    python bench/kernel_ab.py --base REV [--layers cifar2,cifar3,pool2,ip1sum] [--samples 12]
                               [--rounds 60]
 
-The base revision's kernels/conv.py, kernels/pool.py and kernels/tile.py are taken with
-`git show` into a temporary folder and imported from there (the rest of the package is the
-working tree's).
+The base revision's kernels/conv.py, pool.py, reduce.py and tile.py are taken with `git show`
+into a temporary folder and imported from there (the rest of the package is the working
+tree's).
 Scratch starts zeroed, as the engine allocates it: uninitialised memory may hold subnormal
 floats, which tiles read in lanes they never store and which then slow every multiply-add.
 """
@@ -24,7 +26,8 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp.kernels import conv, pool
+from cgp.engine import chunk_bounds
+from cgp.kernels import conv, pool, reduce
 
 # name: (C, H, W, K, R, S, pad): the stride-1 convolutions of the shipped nets.
 LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
@@ -33,24 +36,27 @@ LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0
 # name: (C, H, W, window, stride, MAX or AVE): cifar10_quick's pooling (3 x 3, stride 2, CEIL).
 POOLS = {"pool1": (32, 32, 32, 3, 2, "MAX"), "pool2": (32, 16, 16, 3, 2, "AVE"),
          "pool3": (64, 8, 8, 3, 2, "AVE")}
+# name: (batch, J, L): a factored weight gradient's shape, summed over 16 chunks.
+REDUCTIONS = {"ip1sum": (64, 500, 800), "cifar-ip1sum": (100, 64, 1024)}
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def base_modules(rev, folder):
-    """The revision's kernels/conv.py and kernels/pool.py, importing its own tile.py, as
-    modules base_conv and base_pool."""
+    """The revision's kernels/conv.py, pool.py and reduce.py, importing its own tile.py, as
+    modules base_conv, base_pool and base_reduce."""
     def show(path):
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout
     (folder / "base_tile.py").write_text(show("kernels/tile.py"))
-    for name in ("conv", "pool"):
+    for name in ("conv", "pool", "reduce"):
         source = show(f"kernels/{name}.py").replace("from cgp.kernels.tile import",
                                                     "from base_tile import")
         (folder / f"base_{name}.py").write_text(source)
     sys.path.insert(0, str(folder))
     import base_conv
     import base_pool
-    return base_conv, base_pool
+    import base_reduce
+    return base_conv, base_pool, base_reduce
 
 
 def runs(module, shape, n, seed=0):
@@ -131,27 +137,57 @@ def pool_runs(module, shape, n, seed=0):
     return {"forward": forward, "backward": backward}
 
 
+def reduce_runs(module, shape, seed=0):
+    """A factored gradient's sum over 16 chunks. Before this script knew reductions, it took a
+    panel scratch and a tree scratch; since, a stack of register tiles (outer_stack_size)."""
+    batch, J, L = shape
+    bounds = chunk_bounds(batch, 16)
+    starts = np.array([first for first, _ in bounds] + [batch], np.int64)
+    rng = np.random.default_rng(seed)
+    a = np.zeros(batch * J + module.OUTER_PAD, np.float32)
+    b = np.zeros(batch * L + module.OUTER_PAD, np.float32)
+    a[:batch * J] = rng.standard_normal(batch * J)
+    b[:batch * L] = rng.standard_normal(batch * L)
+    out = np.zeros(J * L, np.float32)
+    if hasattr(module, "outer_stack_size"):
+        scratch = [np.zeros(module.outer_stack_size(len(bounds)), np.float32)]
+    else:
+        scratch = [np.zeros((len(bounds), module.OUTER_SCRATCH), np.float32),
+                   np.zeros((len(bounds), module.TILE), np.float32)]
+
+    def call():
+        module.outer_tree_sum(a, b, J, L, starts, 0, J, *scratch, out)
+        return out
+
+    return {"tree sum": call}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare against")
-    parser.add_argument("--layers", default=",".join(list(LAYERS) + list(POOLS)))
+    parser.add_argument("--layers", default=",".join(list(LAYERS) + list(POOLS) + list(REDUCTIONS)))
     parser.add_argument("--samples", type=int, default=12, help="samples per call")
     parser.add_argument("--rounds", type=int, default=60)
     args = parser.parse_args()
     layers = args.layers.split(",")
-    known = list(LAYERS) + list(POOLS)
+    known = list(LAYERS) + list(POOLS) + list(REDUCTIONS)
     unknown = [name for name in layers if name not in known]
     if unknown:
         parser.error(f"unknown layers {unknown}; known: {', '.join(known)}")
     with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
         try:
-            base_conv, base_pool = base_modules(args.base, Path(folder))
+            base_conv, base_pool, base_reduce = base_modules(args.base, Path(folder))
         except subprocess.CalledProcessError as err:
             sys.exit(f"kernel_ab: git show {args.base}: {err.stderr.strip()}")
         print(f"base {args.base} against the working tree, {args.samples} samples per call, "
-              f"{args.rounds} rounds; ms per 100 samples")
+              f"{args.rounds} rounds; ms per 100 samples (per batch for the reductions)")
         for name in layers:
-            if name in POOLS:
+            scale = 1e3 * 100 / args.samples
+            if name in REDUCTIONS:
+                old = reduce_runs(base_reduce, REDUCTIONS[name])
+                new = reduce_runs(reduce, REDUCTIONS[name])
+                scale = 1e3
+            elif name in POOLS:
                 old = pool_runs(base_pool, POOLS[name], args.samples)
                 new = pool_runs(pool, POOLS[name], args.samples)
             else:
@@ -171,7 +207,6 @@ def main():
                         start = time.perf_counter()
                         fn()
                         times.append(time.perf_counter() - start)
-                scale = 1e3 * 100 / args.samples
                 ratio = np.median(np.array(t_old) / np.array(t_new))
                 print(f"  {name:7s} {call:16s} base {np.median(t_old) * scale:7.2f}  "
                       f"now {np.median(t_new) * scale:7.2f}  speed x{ratio:.3f}  "

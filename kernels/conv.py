@@ -45,7 +45,8 @@ import numpy as np
 from numba import njit
 
 from cgp.kernels.blas import gemm
-from cgp.kernels.tile import T_MAX, choose, lanes, shifted_copy, tile, transpose_block
+from cgp.kernels.tile import (T_MAX, aligned, choose, lanes, shifted_copy, tile,
+                               transpose_block)
 
 # Output positions per block of the weight gradient: the block of dycl that every tile of
 # the block reads stays in the L1 cache.
@@ -100,7 +101,7 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """Scratch sizes (elements) of the direct path for vectors of V lanes, as the tuple
     (e, e extra, wpt, dycl per sample, dycl extra, dwt, dbacc, eb, wft, dxp): see
     conv_forward_direct and conv_backward_direct. Every buffer that feeds vectors has V
-    elements to spare, for _aligned."""
+    elements to spare, for aligned."""
     Cg, Kg = C // group, K // group
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
@@ -129,13 +130,6 @@ def _e_slack(row, V):
     tiles run up to T_MAX rows (of `row` elements) past the last row, and forward tiles up to
     four vectors past the last position."""
     return T_MAX * row + 4 * V
-
-
-@njit(cache=True, nogil=True)
-def _aligned(a, V):
-    """a[i:] for the first i that puts the view on a vector boundary (V elements): a vector
-    load that straddles two cache lines costs two. Scratch sizes allow V extra elements."""
-    return a[(-a.ctypes.data // a.itemsize) % V:]
 
 
 @njit(cache=True, nogil=True)
@@ -221,7 +215,7 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
     HpQ = Hp * Q
     CSg = Cg * S
     esz = C * S * HpQ
-    e, wpt = _aligned(e, V), _aligned(wpt, V)
+    e, wpt = aligned(e, V), aligned(wpt, V)
     if e.size < esz + _e_slack(HpQ, V) or wpt.size < group * R * CSg * KgT:
         raise ValueError("conv_forward_direct: scratch too small")
     # Weights by (group, r, c, s), output channels innermost (padded with zeros to KgT).
@@ -315,7 +309,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     CSg = Cg * S
     CSp = _round_up(CSg, T)
     esz = C * S * HpQ
-    e, dycl = _aligned(e, V), _aligned(dycl, V)
+    e, dycl = aligned(e, V), aligned(dycl, V)
     if (dycl.size < N * PQ * Kp or dwt.size < Kp * R * CSp or dbacc.size < Kp
             or e.size < esz + _e_slack(HpQ, V)):
         raise ValueError("conv_backward_direct: scratch too small")
@@ -366,9 +360,9 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                                 dw[out + kk * CgRS + s] += dwt[row + kk]
     if not need_dx:
         return
-    eb, wft = _aligned(eb, V), _aligned(wft, V)
+    eb, wft = aligned(eb, V), aligned(wft, V)
     if columns:
-        _dx_columns(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
+        _dx_columns(w, dy, dx, eb, wft, aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
                     T_x, KV_x, V)
     else:
         _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, V)
