@@ -13,8 +13,10 @@ speed as the median of the per-round ratios, and whether the two gave the same b
 The base revision's kernels/conv.py, pool.py, reduce.py and tile.py are taken with `git show`
 into a temporary folder and imported from there (the rest of the package is the working
 tree's).
-Scratch starts zeroed, as the engine allocates it: uninitialised memory may hold subnormal
-floats, which tiles read in lanes they never store and which then slow every multiply-add.
+Every array starts on a cache line, and scratch starts zeroed, as the engine allocates them:
+an operand that straddles cache lines runs at another speed, and uninitialised memory may
+hold subnormal floats, which tiles read in lanes they never store and which then slow every
+multiply-add.
 """
 import argparse
 import subprocess
@@ -28,6 +30,7 @@ from threadpoolctl import threadpool_limits
 
 from cgp.engine import chunk_bounds
 from cgp.kernels import conv, pool, reduce
+from cgp.layers import aligned_zeros
 
 # name: (C, H, W, K, R, S, pad): the stride-1 convolutions of the shipped nets.
 LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
@@ -59,6 +62,13 @@ def base_modules(rev, folder):
     return base_conv, base_pool, base_reduce
 
 
+def normal(rng, shape):
+    """Standard normal float32 values in an array that starts on a cache line."""
+    out = aligned_zeros(shape, np.float32)
+    out[...] = rng.standard_normal(shape)
+    return out
+
+
 def runs(module, shape, n, seed=0):
     """The three calls of one layer with the module's kernels, each returning its result."""
     C, H, W, K, R, S, pad = shape
@@ -66,18 +76,16 @@ def runs(module, shape, n, seed=0):
         module.direct_sizes(C, H, W, K, R, S, pad, pad, 1, 1, 1, V) for V in (16, 8)))]
     e, e_extra, wpt, dycl, dycl_extra, dwt, dbacc, eb, wft, dxp = sizes
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, C, H, W)).astype(np.float32)
-    w = rng.standard_normal((K, C, R, S)).astype(np.float32)
-    b = rng.standard_normal(K).astype(np.float32)
+    x, w, b = normal(rng, (n, C, H, W)), normal(rng, (K, C, R, S)), normal(rng, K)
     P, Q = H + 2 * pad - R + 1, W + 2 * pad - S + 1
-    y = np.zeros((n, K, P, Q), np.float32)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
-    dx = np.zeros_like(x)
-    dw, db = np.zeros(2 * w.size, np.float32), np.zeros(2 * K, np.float32)
+    y = aligned_zeros((n, K, P, Q), np.float32)
+    dy = normal(rng, y.shape)
+    dx = aligned_zeros(x.shape, np.float32)
+    dw, db = aligned_zeros(2 * w.size, np.float32), aligned_zeros(2 * K, np.float32)
     starts = np.array([0, n // 2, n], np.int64)  # two parts, as a call of two chunks
-    scratch = [np.zeros(size, np.float32) for size in
+    scratch = [aligned_zeros(size, np.float32) for size in
                (e + e_extra, n * dycl + dycl_extra, dwt, dbacc, eb, wft, dxp)]
-    wpt = np.zeros(wpt, np.float32)
+    wpt = aligned_zeros(wpt, np.float32)
 
     def forward():
         module.conv_forward_direct(x, w, b, y, scratch[0], wpt, pad, pad, 1, 1, 1)
@@ -101,13 +109,12 @@ def pool_runs(module, shape, n, seed=0):
     C, H, W, R, stride, method = shape
     P, Q = -(-(H - R) // stride) + 1, -(-(W - R) // stride) + 1
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, C, H, W)).astype(np.float32)
-    dy = rng.standard_normal((n, C, P, Q)).astype(np.float32)
-    y, dx = np.zeros_like(dy), np.zeros_like(x)
+    x, dy = normal(rng, (n, C, H, W)), normal(rng, (n, C, P, Q))
+    y, dx = aligned_zeros(dy.shape, np.float32), aligned_zeros(x.shape, np.float32)
     window = (R, R, stride, stride, 0, 0)
     if method == "MAX":
-        arg = np.zeros(y.shape, np.int32)
-        rmax, rarg = np.zeros(H * Q, np.float32), np.zeros(H * Q, np.int32)
+        arg = aligned_zeros(y.shape, np.int32)
+        rmax, rarg = aligned_zeros(H * Q, np.float32), aligned_zeros(H * Q, np.int32)
 
         def max_forward():
             module.max_pool_forward(x, y, arg, rmax, rarg, *window)
@@ -120,11 +127,11 @@ def pool_runs(module, shape, n, seed=0):
         return {"forward": max_forward, "backward": max_backward}
     if hasattr(module, "ave_sizes"):
         size, cover = module.ave_sizes(H, W, P, Q)
-        planes, cover = np.zeros(size, np.float32), np.zeros(cover, np.int32)
+        planes, cover = aligned_zeros(size, np.float32), aligned_zeros(cover, np.int32)
         fwd = (planes,)
         bwd = (planes, cover)
     else:
-        fwd, bwd = (np.zeros(H * Q, np.float32),), ()
+        fwd, bwd = (aligned_zeros(H * Q, np.float32),), ()
 
     def forward():
         module.ave_pool_forward(x, y, *fwd, *window)
@@ -138,22 +145,22 @@ def pool_runs(module, shape, n, seed=0):
 
 
 def reduce_runs(module, shape, seed=0):
-    """A factored gradient's sum over 16 chunks. Before this script knew reductions, it took a
-    panel scratch and a tree scratch; since, a stack of register tiles (outer_stack_size)."""
+    """A factored gradient's sum over 16 chunks: a panel scratch and a tree scratch, except in
+    a7a6a9a and 6b15401, which summed a stack of register tiles (outer_stack_size)."""
     batch, J, L = shape
     bounds = chunk_bounds(batch, 16)
     starts = np.array([first for first, _ in bounds] + [batch], np.int64)
     rng = np.random.default_rng(seed)
-    a = np.zeros(batch * J + module.OUTER_PAD, np.float32)
-    b = np.zeros(batch * L + module.OUTER_PAD, np.float32)
+    a = aligned_zeros(batch * J + module.OUTER_PAD, np.float32)
+    b = aligned_zeros(batch * L + module.OUTER_PAD, np.float32)
     a[:batch * J] = rng.standard_normal(batch * J)
     b[:batch * L] = rng.standard_normal(batch * L)
-    out = np.zeros(J * L, np.float32)
+    out = aligned_zeros(J * L, np.float32)
     if hasattr(module, "outer_stack_size"):
-        scratch = [np.zeros(module.outer_stack_size(len(bounds)), np.float32)]
+        scratch = [aligned_zeros(module.outer_stack_size(len(bounds)), np.float32)]
     else:
-        scratch = [np.zeros((len(bounds), module.OUTER_SCRATCH), np.float32),
-                   np.zeros((len(bounds), module.TILE), np.float32)]
+        scratch = [aligned_zeros((len(bounds), module.OUTER_SCRATCH), np.float32),
+                   aligned_zeros((len(bounds), module.TILE), np.float32)]
 
     def call():
         module.outer_tree_sum(a, b, J, L, starts, 0, J, *scratch, out)

@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cgp.kernels.reduce import TILE, outer_stack_size, outer_tree_sum, tree_sum
+from cgp.kernels.reduce import OUTER_SCRATCH, TILE, outer_tree_sum, tree_sum
+from cgp.layers import aligned_zeros
 
 BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enough to balance
 # Rows of a factored gradient per task: a multiple of every register tile's height.
@@ -56,20 +57,20 @@ class ThreadCommunicator:
         self._scratch = {}
 
     def _worker_scratch(self, k, dtype):
-        """Per worker: the tree's tile of partial sums, and a factored gradient's stack of
-        register tiles, for k chunks."""
+        """Per worker: the tree's tile of partial sums, and a factored gradient's panel for
+        each of k chunks."""
         key = (k, dtype)
         if key not in self._scratch:
             threads = self.pool.threads
-            self._scratch[key] = (np.zeros((threads, k, TILE), dtype),
-                                  np.zeros((threads, outer_stack_size(k)), dtype))
+            self._scratch[key] = (aligned_zeros((threads, k, TILE), dtype),
+                                  aligned_zeros((threads, k, OUTER_SCRATCH), dtype))
         return self._scratch[key]
 
     def reduce(self, bufs, factored=()):
         """bufs: (K, P), one row per chunk; factored: FactoredGrad blocks of the gradient that
         the rows of bufs leave out. Returns the sum, written into row 0, in one fixed tree
         over chunk index for every element."""
-        sums, stacks = self._worker_scratch(bufs.shape[0], bufs.dtype)
+        sums, partials = self._worker_scratch(bufs.shape[0], bufs.dtype)
         tasks = []  # each a function of the worker that runs it (whose scratch it uses)
         for lo, hi in uncovered(bufs.shape[1], factored):
             for a, b in blocks(hi - lo):
@@ -79,7 +80,7 @@ class ThreadCommunicator:
             rows = max(ROW_GRAIN, BLOCK // f.L // ROW_GRAIN * ROW_GRAIN)
             for j0, j1 in blocks(f.J, rows):
                 tasks.append(lambda w, f=f, out=out, j0=j0, j1=j1: outer_tree_sum(
-                    f.a, f.b, f.J, f.L, f.starts, j0, j1, stacks[w], out))
+                    f.a, f.b, f.J, f.L, f.starts, j0, j1, partials[w], sums[w], out))
         self.pool.run(lambda w, i: tasks[i](w), len(tasks))
         return bufs[0]
 

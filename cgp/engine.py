@@ -25,7 +25,7 @@ from cgp.comm import FactoredGrad
 from cgp.errors import CgpError
 from cgp.kernels import fpenv
 from cgp.kernels.reduce import OUTER_PAD
-from cgp.layers import Chunk, Factors
+from cgp.layers import Chunk, Factors, aligned_zeros
 from cgp.net import Workspace
 
 
@@ -170,7 +170,7 @@ class Engine:
         self.backward = backward
         self.factored = []
         if backward:
-            self.chunk_grads = np.zeros((len(self.bounds), net.n_params), self.dtype)
+            self.chunk_grads = aligned_zeros((len(self.bounds), net.n_params), self.dtype)
             self.group_grad_views = [net.param_views(self.chunk_grads[c0:c1])
                                      for c0, c1 in self.groups]
             if factor:
@@ -197,8 +197,8 @@ class Engine:
         blob = self.net.param_blobs[entry.params[0]]
         M = self.net.batch_size * rows
         # Register tiles read up to OUTER_PAD elements past the last row.
-        a = np.zeros(M * J + OUTER_PAD, self.dtype)
-        b = np.zeros(M * L + OUTER_PAD, self.dtype)
+        a = aligned_zeros(M * J + OUTER_PAD, self.dtype)
+        b = aligned_zeros(M * L + OUTER_PAD, self.dtype)
         for g, group in enumerate(self.groups):
             first, n = self.samples(group)
             lo, hi = first * rows, (first + n) * rows

@@ -12,7 +12,7 @@ import numpy as np
 
 from cgp.errors import NetError
 from cgp.fillers import fill
-from cgp.layers import REGISTRY, alloc_scratch, supported_types
+from cgp.layers import REGISTRY, aligned_zeros, alloc_scratch, supported_types
 from cgp.proto import caffe_pb2
 
 PHASES = {caffe_pb2.TRAIN: "TRAIN", caffe_pb2.TEST: "TEST"}
@@ -435,8 +435,8 @@ class Workspace:
 
         def alloc(blob):
             shape = net.blob_shapes[blob]
-            return np.zeros((n_max,) + shape[1:] if self._per_sample[blob] else (parts,) + shape,
-                            dtype)
+            return aligned_zeros((n_max,) + shape[1:] if self._per_sample[blob]
+                                 else (parts,) + shape, dtype)
 
         sources = {t for e in net.sources for t in e.tops}
         self.data = [None if b in sources else alloc(b) for b in range(len(net.blob_names))]

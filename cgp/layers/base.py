@@ -29,6 +29,21 @@ def supported_types():
     return sorted(REGISTRY)
 
 
+# Bytes every engine buffer's first element is aligned to: a vector load or store that
+# straddles two cache lines costs two, and NumPy aligns its allocations to 16 bytes only, so
+# the same buffer would run at one speed in one process and at another in the next.
+ALIGN = 64
+
+
+def aligned_zeros(shape, dtype):
+    """np.zeros(shape, dtype) whose data starts on an ALIGN-byte boundary."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.zeros(size + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + size].view(dtype).reshape(shape)
+
+
 def alloc_scratch(layer, n, dtype):
     """A layer's scratch buffers for chunks of up to n samples. scratch_shapes gives a
     shape (the run's float dtype) or a (shape, dtype) pair, e.g. int32 argmax indices."""
@@ -38,7 +53,7 @@ def alloc_scratch(layer, n, dtype):
             shape, kind = spec
         else:
             shape, kind = spec, dtype
-        buffers[name] = np.zeros(shape, kind)
+        buffers[name] = aligned_zeros(shape, kind)
     return buffers
 
 
