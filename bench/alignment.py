@@ -10,10 +10,8 @@ per-round ratios; both train from one seed, and their weights must come out bitw
 """
 import argparse
 import statistics
-import time
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 import cgp.comm
 import cgp.engine
@@ -22,6 +20,7 @@ import cgp.net
 from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
+from interleave import interleaved_rounds  # bench/, on the path when run as a script
 
 # The modules that allocate engine buffers through aligned_zeros.
 ALLOCATORS = (cgp.layers.base, cgp.net, cgp.engine, cgp.comm)
@@ -59,17 +58,7 @@ def main():
     args = parser.parse_args()
     pair = [trainer(args.model, args.threads, args.data_dir, alloc)
             for alloc in (ALIGNED, off_line)]
-    times = [[], []]
-    with threadpool_limits(limits=1):
-        for t in pair:
-            for _ in range(3):
-                t.step()
-        for _ in range(args.rounds):
-            for t, row in zip(pair, times):
-                started = time.perf_counter()
-                for _ in range(args.steps):
-                    t.step()
-                row.append(time.perf_counter() - started)
+    times = interleaved_rounds(pair, args.rounds, args.steps)
     ratio = statistics.median(b / a for a, b in zip(*times))
     same = np.array_equal(pair[0].net.params, pair[1].net.params)
     print(f"{args.model}, {args.threads} thread(s), {args.rounds} rounds of {args.steps} steps: "

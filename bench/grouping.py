@@ -10,14 +10,12 @@ its speed relative to the first setting, as the median of the per-round ratios.
 """
 import argparse
 import statistics
-import time
-
-from threadpoolctl import threadpool_limits
 
 from cgp import models
 from cgp.engine import Engine
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
+from interleave import interleaved_rounds  # bench/, on the path when run as a script
 
 
 def trainer(model, threads, group, data_dir):
@@ -40,17 +38,8 @@ def main():
     args = parser.parse_args()
     groups = [None if g == "auto" else int(g) for g in args.groups.split(",")]
     trainers = [trainer(args.model, args.threads, g, args.data_dir) for g in groups]
-    times = [[] for _ in groups]
-    with threadpool_limits(limits=1):
-        for t in trainers:
-            for _ in range(3):
-                t.step()
-        for _ in range(args.rounds):
-            for t, row in zip(trainers, times):
-                started = time.perf_counter()
-                for _ in range(args.steps):
-                    t.step()
-                row.append((time.perf_counter() - started) / args.steps)
+    times = [[seconds / args.steps for seconds in row]
+             for row in interleaved_rounds(trainers, args.rounds, args.steps)]
     print(f"{args.model}, {args.threads} thread(s), {len(trainers[0].engine.bounds)} chunks, "
           f"{args.rounds} rounds of {args.steps} steps")
     for g, t, row in zip(groups, trainers, times):
