@@ -45,8 +45,7 @@ import numpy as np
 from numba import njit
 
 from cgp.kernels.blas import gemm
-from cgp.kernels.tile import (T_MAX, aligned, choose, lanes, shifted_copy, tile,
-                               transpose_block)
+from cgp.kernels.tile import T_MAX, choose, lanes, shifted_copy, tile, transpose_block
 
 # Output positions per block of the weight gradient: the block of dycl that every tile of
 # the block reads stays in the L1 cache.
@@ -101,7 +100,7 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """Scratch sizes (elements) of the direct path for vectors of V lanes, as the tuple
     (e, e extra, wpt, dycl per sample, dycl extra, dwt, dbacc, eb, wft, dxp): see
     conv_forward_direct and conv_backward_direct. Every buffer that feeds vectors has V
-    elements to spare, for aligned."""
+    elements to spare, for _aligned."""
     Cg, Kg = C // group, K // group
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
@@ -116,8 +115,7 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
         eb, wft, dxp = K * S * Hb * W, group * R * Kg * S * _round_up(Cg, T_x), 0
     return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, group * R * Cg * S * _round_up(Kg, T_f) + V,
             P * Q * Kp, V, Kp * R * _round_up(Cg * S, T_w) + K * Cg * R * S, Kp, eb + 4 * V + V,
-            wft + V,
-            dxp + V)
+            wft + V, dxp + V)
 
 
 @njit(cache=True, nogil=True)
@@ -131,6 +129,13 @@ def _e_slack(row, V):
     tiles run up to T_MAX rows (of `row` elements) past the last row, and forward tiles up to
     four vectors past the last position."""
     return T_MAX * row + 4 * V
+
+
+@njit(cache=True, nogil=True)
+def _aligned(a, V):
+    """a[i:] for the first i that puts the view on a vector boundary (V elements): a vector
+    load that straddles two cache lines costs two. Scratch sizes allow V extra elements."""
+    return a[(-a.ctypes.data // a.itemsize) % V:]
 
 
 @njit(cache=True, nogil=True)
@@ -216,7 +221,7 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
     HpQ = Hp * Q
     CSg = Cg * S
     esz = C * S * HpQ
-    e, wpt = aligned(e, V), aligned(wpt, V)
+    e, wpt = _aligned(e, V), _aligned(wpt, V)
     if e.size < esz + _e_slack(HpQ, V) or wpt.size < group * R * CSg * KgT:
         raise ValueError("conv_forward_direct: scratch too small")
     # Weights by (group, r, c, s), output channels innermost (padded with zeros to KgT).
@@ -283,11 +288,11 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     engine's chunks): part i is samples starts[i] to starts[i+1] - 1, and its weight gradient,
     laid out like w, is ADDED to at dws[i*dw_step:], its bias gradient (K,) at dbs[i*db_step:]
     (no bias when dbs is empty). Scratch, flat (direct_sizes): e, one sample's widened
-    input (as in conv_forward_direct); dycl, dy with channels
-    innermost; dwt, one part's weight gradient by channel block, then laid out like w; dbacc,
-    one sample's bias
-    gradient; eb, one sample's dy (widened, when gathering); wft, the weights repacked for
-    the input gradient; dxp, one group's column matrix of one sample (_dx_columns only).
+    input (as in conv_forward_direct); dycl, dy with channels innermost; dwt, one part's
+    weight gradient by channel block, followed by the same laid out like w; dbacc, one
+    sample's bias gradient; eb, one sample's dy (widened, when gathering); wft, the weights
+    repacked for the input gradient; dxp, one group's column matrix of one sample
+    (_dx_columns only).
     db[k] += sums of dy[n, k] over positions, one sample of the part at a time in sample order;
     dw[k, c, r, s] += one chain over the part's (n, p, q) of dy[n, k, p, q] *
     x[n, c, p + r*dil_h - pad_h, q + s*dil_w - pad_w]: each part's gradient is what a call
@@ -311,7 +316,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     CSg = Cg * S
     CSp = _round_up(CSg, T)
     esz = C * S * HpQ
-    e, dycl = aligned(e, V), aligned(dycl, V)
+    e, dycl = _aligned(e, V), _aligned(dycl, V)
     CgRS = Cg * R * S
     dwt_size = Kp * R * CSp
     if (dycl.size < N * PQ * Kp or dwt.size < dwt_size + K * CgRS or dbacc.size < Kp
@@ -367,9 +372,9 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
             dw[i] += dwk[i]
     if not need_dx:
         return
-    eb, wft = aligned(eb, V), aligned(wft, V)
+    eb, wft = _aligned(eb, V), _aligned(wft, V)
     if columns:
-        _dx_columns(w, dy, dx, eb, wft, aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
+        _dx_columns(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
                     T_x, KV_x, V)
     else:
         _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, V)

@@ -1,9 +1,8 @@
 """SIMD building blocks for Numba kernels, written with explicit 64-byte vectors (16 float32 or
 8 float64 lanes): `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix
 product), two data movers, `shifted_copy` (a copy of rows with zero fill) and
-`transpose_block`, and `column_max` (max pooling's second pass); and `aligned`, which puts a
-scratch buffer on a vector boundary. No packing, no blocking for caches, no threads: callers
-lay their operands out so that these loops stream them.
+`transpose_block`, and `column_max` (max pooling's second pass). No packing, no blocking for
+caches, no threads: callers lay their operands out so that these loops stream them.
 
 Numba's own vectorised loops use 256-bit registers on CPUs that LLVM tunes for "prefer 256-bit"
 (most AVX-512 Xeons), half the arithmetic width. Vectors written out as LLVM vector types are
@@ -76,14 +75,6 @@ def choose(nt, nv, V, unit):
         if best < 0 or cost < best:
             best_t, best_kv, best = T, KV, cost
     return best_t, best_kv
-
-
-@njit(cache=True, nogil=True)
-def aligned(a, V):
-    """a[i:] for the first i that puts the 1-d view on a vector boundary (V elements): a
-    vector load or store that straddles two cache lines costs two. Callers' scratch sizes
-    allow V extra elements."""
-    return a[(-a.ctypes.data // a.itemsize) % V:]
 
 
 def _masked_memory(builder, vty, width, bits, kind="f"):
