@@ -1,11 +1,13 @@
 """An upper bound on the share of a layer call's time that is Python (layer calls, Numba
 dispatch) rather than compiled kernels that release the GIL. Runs one net's forward and
-backward over the engine's first call at one thread (a group of chunks, see
-cgp.engine.group_size), with its samples and with none, single-threaded. The empty call also
-runs kernel work that does not depend on the samples (conv's weight repacking), which
-releases the GIL, so the true GIL-held share is lower.
+backward over the engine's first call at --threads (a group of chunks, see
+cgp.engine.group_size: the more threads, the smaller the calls), with its samples and with
+none, single-threaded. The empty call also runs kernel work that does not depend on the
+samples (conv's weight repacking), which releases the GIL, so the true GIL-held share is
+lower. With N threads, N such calls each hold the GIL that long, one at a time: when that
+adds up to more than one call's time, the interpreter lock, not the cores, sets the pace.
 
-    python bench/python_overhead.py [mnist|cifar10] [--chunks 16]
+    python bench/python_overhead.py [mnist|cifar10] [--chunks 16] [--threads 1]
 """
 import argparse
 import time
@@ -33,11 +35,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="mnist")
     parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="the thread count whose calls to measure (only their size)")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     # Trainer resolves the solver's net relative to the solver file.
     path = models.solver_path(args.model)
-    config = RunConfig(chunks=args.chunks, data_dir=args.data_dir)
+    config = RunConfig(chunks=args.chunks, data_dir=args.data_dir, threads=args.threads)
     trainer = Trainer(read_solver(path), path, config, log=lambda line: None)
     net, engine = trainer.net, trainer.engine
     c0, c1 = engine.groups[0]
@@ -64,12 +68,20 @@ def main():
         empty = best(lambda: call(empty_bounds, grad_views(0)), 200)
         full = best(lambda: call(bounds, grad_views(samples)), 10)
     calls = len(net.entries) + sum(e.backward for e in net.entries)
-    print(f"{args.model}, {args.chunks} chunks, the engine's calls on 1 thread: {len(bounds)} "
-          f"chunks ({samples} samples) per call, {calls} layer calls each")
+    threads = args.threads
+    print(f"{args.model}, {args.chunks} chunks, the engine's calls on {threads} thread(s): "
+          f"{len(bounds)} chunks ({samples} samples) per call, {calls} layer calls each")
     print(f"  Python overhead per call: {empty * 1e6:.0f} us "
           f"({empty * 1e6 / calls:.1f} us per layer call)")
     print(f"  whole call (forward+backward): {full * 1e3:.2f} ms")
     print(f"  empty-call share: {empty / full:.1%} (an upper bound on the GIL-held share)")
+    if threads > 1:
+        # Each thread's call holds the GIL for `empty` at most; the GIL serves one at a time.
+        bound = min(threads, full / empty)
+        print(f"  {threads} threads: up to {threads * empty * 1e3:.2f} ms of GIL per round of "
+              f"{threads} calls of {full * 1e3:.2f} ms: at most {bound:.1f}x as fast as the same "
+              f"calls one after another (efficiency {bound / threads:.2f}), before any other "
+              f"cost")
     trainer.close()
 
 
