@@ -102,6 +102,17 @@ def _vectors(context, dtype):
             context.get_value_type(types.intp), "32" if dtype == types.float32 else "64")
 
 
+def _pointers(context, builder, signature, args, *which):
+    """For codegen: the data pointers of the array arguments at positions `which`."""
+    return [cgutils.create_struct_proxy(signature.args[i])(context, builder, args[i]).data
+            for i in which]
+
+
+def _casts(context, builder, signature, args, *which, to=types.intp):
+    """For codegen: the scalar arguments at positions `which`, cast to `to`."""
+    return [context.cast(builder, args[i], signature.args[i], to) for i in which]
+
+
 def _splat32(builder, value, width):
     """For codegen: value (an index) in every lane of a vector of 32-bit integers; lane
     arithmetic in 32 bits does half the work of 64 (a copy or a row is shorter than 2**31)."""
@@ -135,18 +146,15 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
         tys = signature.args
         width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
 
-        def pointer(i):
-            return cgutils.create_struct_proxy(tys[i])(context, builder, args[i]).data
-
         def index(i):
             if isinstance(tys[i], types.IntegerLiteral):
                 return ir.Constant(intp, tys[i].literal_value)
-            return context.cast(builder, args[i], tys[i], types.intp)
+            return _casts(context, builder, signature, args, i)[0]
 
-        out_p, a_p, b_p = pointer(2), pointer(8), pointer(13)
+        out_p, a_p, b_p = _pointers(context, builder, signature, args, 2, 8, 13)
         n_t, n_kv = index(0), index(1)
         out_off_, out_ts_, t_valid_, v_valid_ = index(3), index(4), index(5), index(6)
-        accumulate_ = context.cast(builder, args[7], tys[7], types.boolean)
+        accumulate_, = _casts(context, builder, signature, args, 7, to=types.boolean)
         a_off_, a_ts_, a_gstep_, a_step_ = index(9), index(10), index(11), index(12)
         b_off_, b_gstep_, b_step_ = index(14), index(15), index(16)
         nseg_, nstep_ = index(17), index(18)
@@ -240,13 +248,11 @@ def shifted_copy(typingctx, out, out_off, src, src_off, period, lo, hi, n):
     sig = types.void(out, out_off, src, src_off, period, lo, hi, n)
 
     def codegen(context, builder, signature, args):
-        tys = signature.args
         width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
         masked_load, masked_store = _masked_memory(builder, vty, width, bits)
-        out_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
-        src_p = cgutils.create_struct_proxy(tys[2])(context, builder, args[2]).data
-        out_off_, src_off_, period_, lo_, hi_, n_ = [
-            context.cast(builder, args[i], tys[i], types.intp) for i in (1, 3, 4, 5, 6, 7)]
+        out_p, src_p = _pointers(context, builder, signature, args, 0, 2)
+        out_off_, src_off_, period_, lo_, hi_, n_ = _casts(context, builder, signature, args,
+                                                           1, 3, 4, 5, 6, 7)
 
         def splat(value):
             return _splat32(builder, value, width)
@@ -308,15 +314,12 @@ def transpose_block(typingctx, dst, dst_off, dst_ld, src, src_off, src_ld, rows,
     sig = types.void(dst, dst_off, dst_ld, src, src_off, src_ld, rows, cols, sums, sums_off, add)
 
     def codegen(context, builder, signature, args):
-        tys = signature.args
         width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
         masked_load, masked_store = _masked_memory(builder, vty, width, bits)
-        dst_p = cgutils.create_struct_proxy(tys[0])(context, builder, args[0]).data
-        src_p = cgutils.create_struct_proxy(tys[3])(context, builder, args[3]).data
-        sums_p = cgutils.create_struct_proxy(tys[8])(context, builder, args[8]).data
-        dst_off_, dst_ld_, src_off_, src_ld_, rows_, cols_, sums_off_ = [
-            context.cast(builder, args[i], tys[i], types.intp) for i in (1, 2, 4, 5, 6, 7, 9)]
-        add_ = context.cast(builder, args[10], tys[10], types.boolean)
+        dst_p, src_p, sums_p = _pointers(context, builder, signature, args, 0, 3, 8)
+        dst_off_, dst_ld_, src_off_, src_ld_, rows_, cols_, sums_off_ = _casts(
+            context, builder, signature, args, 1, 2, 4, 5, 6, 7, 9)
+        add_, = _casts(context, builder, signature, args, 10, to=types.boolean)
 
         zero = ir.Constant(vty, None)
         load_mask = _lanes_below(builder, cols_, width)
@@ -373,15 +376,11 @@ def column_max(typingctx, y, a, out, rmax, rarg, first, Q, R):
     sig = types.void(y, a, out, rmax, rarg, first, Q, R)
 
     def codegen(context, builder, signature, args):
-        tys = signature.args
         width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
         load_f, store_f = _masked_memory(builder, vty, width, bits)
         load_i, store_i = _masked_memory(builder, i32v, width, "32", "i")
-        y_p, a_p, rmax_p, rarg_p = [
-            cgutils.create_struct_proxy(tys[i])(context, builder, args[i]).data
-            for i in (0, 1, 3, 4)]
-        out_, first_, q_, r_ = [context.cast(builder, args[i], tys[i], types.intp)
-                                for i in (2, 5, 6, 7)]
+        y_p, a_p, rmax_p, rarg_p = _pointers(context, builder, signature, args, 0, 1, 3, 4)
+        out_, first_, q_, r_ = _casts(context, builder, signature, args, 2, 5, 6, 7)
         one = ir.Constant(i32, 1)
 
         def at(p, vt, off):
