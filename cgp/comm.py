@@ -66,10 +66,10 @@ class ThreadCommunicator:
                                   aligned_zeros((threads, k, OUTER_SCRATCH), dtype))
         return self._scratch[key]
 
-    def reduce(self, bufs, factored=()):
-        """bufs: (K, P), one row per chunk; factored: FactoredGrad blocks of the gradient that
-        the rows of bufs leave out. Returns the sum, written into row 0, in one fixed tree
-        over chunk index for every element."""
+    def plan(self, bufs, factored=()):
+        """The reduction of bufs and factored (as in reduce), cut into its tasks once: returns
+        a function of no arguments that runs them and returns the sum, for a caller that
+        reduces the same buffers every iteration (the engine)."""
         sums, partials = self._worker_scratch(bufs.shape[0], bufs.dtype)
         tasks = []  # each a function of the worker that runs it (whose scratch it uses)
         for lo, hi in uncovered(bufs.shape[1], factored):
@@ -81,8 +81,20 @@ class ThreadCommunicator:
             for j0, j1 in blocks(f.J, rows):
                 tasks.append(lambda w, f=f, out=out, j0=j0, j1=j1: outer_tree_sum(
                     f.a, f.b, f.J, f.L, f.starts, j0, j1, partials[w], sums[w], out))
-        self.pool.run(lambda w, i: tasks[i](w), len(tasks))
-        return bufs[0]
+
+        def run(w, i):
+            tasks[i](w)
+
+        def reduce():
+            self.pool.run(run, len(tasks))
+            return bufs[0]
+        return reduce
+
+    def reduce(self, bufs, factored=()):
+        """bufs: (K, P), one row per chunk; factored: FactoredGrad blocks of the gradient that
+        the rows of bufs leave out. Returns the sum, written into row 0, in one fixed tree
+        over chunk index for every element."""
+        return self.plan(bufs, factored)()
 
 
 def reference_reduce(bufs):

@@ -70,17 +70,51 @@ def group_size(net, chunks, threads):
     return -(-len(bounds) // calls)
 
 
+class _Run:
+    """One Pool.run: hands tasks out in index order to whichever worker asks next, and
+    counts them done. The first exception stops the handing out; Pool.run re-raises it."""
+
+    def __init__(self, fn, tasks):
+        self.fn, self.tasks = fn, tasks
+        self.next = self.done = 0
+        self.error = None
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+
+    def work(self, w):
+        while True:
+            with self.lock:
+                i = self.next
+                if i >= self.tasks:
+                    return
+                self.next = i + 1
+            try:
+                self.fn(w, i)
+            except BaseException as error:  # Pool.run re-raises it in the caller
+                with self.lock:
+                    self.error = self.error or error
+                    self.done += self.tasks - self.next   # the tasks nobody will start
+                    self.next = self.tasks
+            with self.lock:
+                self.done += 1
+                if self.done == self.tasks:
+                    self.finished.set()
+
+
 class Pool:
     """`threads` workers that share a list of tasks; task i runs as fn(worker, i).
-    With one thread everything runs inline in the caller: plain sequential execution.
-    affinity: pin worker k to the k-th CPU this process may use (Linux), so the OS
-    does not migrate workers between cores; results never depend on it. A single
-    thread runs in the caller, which is left unpinned (pinning it would also pin every
-    thread it starts later).
+    The calling thread is worker 0 and runs tasks itself, beside threads-1 pool threads:
+    it is running already, where a pool thread must first be woken (tens of microseconds on
+    a VM, more when its CPU has gone idle), and a run returns as soon as its last task is
+    done, without waiting for a late thread to wake and find nothing left. With one thread
+    everything runs in the caller: plain sequential execution.
+    affinity: pin worker k to the k-th CPU this process may use (Linux), so the OS does not
+    migrate workers between cores; results never depend on it. As OpenMP pins its master
+    thread, the caller is pinned too (with more than one thread), until close(); threads it
+    starts meanwhile inherit that CPU.
     flush_denormals: every task runs with subnormal floats flushed to zero (see
-    cgp.kernels.fpenv), or with IEEE subnormals; the workers keep the mode for their
-    life, the caller's thread only while it runs tasks, so every thread count computes
-    alike."""
+    cgp.kernels.fpenv), or with IEEE subnormals; the pool threads keep the mode for their
+    life, the caller only while it runs tasks, so every thread count computes alike."""
 
     def __init__(self, threads, affinity=False, flush_denormals=True):
         if threads < 1:
@@ -88,20 +122,24 @@ class Pool:
         self.threads = threads
         self.flush = flush_denormals
         self.pinned = []
+        self._caller_cpus = None
         cpus = sorted(os.sched_getaffinity(0)) if affinity and hasattr(os, "sched_getaffinity") else []
         if affinity and not cpus:
             raise CgpError("--affinity needs an OS that lets threads be pinned (Linux)")
         if threads == 1:
             self._executor = None
             return
-        slots = itertools.count()
+        slots = itertools.count(1)
 
         def start_worker():
             fpenv.set_flush(flush_denormals)
             if cpus:
                 self._pin(cpus[next(slots) % len(cpus)])
 
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="cgp",
+        if cpus:
+            self._caller_cpus = os.sched_getaffinity(0)
+            self._pin(cpus[0])
+        self._executor = ThreadPoolExecutor(threads - 1, thread_name_prefix="cgp",
                                             initializer=start_worker)
 
     def _pin(self, cpu):
@@ -109,32 +147,27 @@ class Pool:
         self.pinned.append(cpu)
 
     def run(self, fn, tasks):
-        if self._executor is None or tasks == 1:
-            state = fpenv.set_flush(self.flush)
-            try:
-                for i in range(tasks):
-                    fn(0, i)
-            finally:
-                fpenv.restore(state)
+        if tasks < 1:
             return
-        counter = itertools.count()
-        lock = threading.Lock()
-
-        def worker(w):
-            while True:
-                with lock:
-                    i = next(counter)
-                if i >= tasks:
-                    return
-                fn(w, i)
-
-        futures = [self._executor.submit(worker, w) for w in range(min(self.threads, tasks))]
-        for f in futures:
-            f.result()  # re-raises a worker's exception here
+        run = _Run(fn, tasks)
+        if self._executor is not None:
+            for w in range(1, min(self.threads, tasks)):
+                self._executor.submit(run.work, w)
+        state = fpenv.set_flush(self.flush)
+        try:
+            run.work(0)
+        finally:
+            fpenv.restore(state)
+        run.finished.wait()
+        if run.error is not None:
+            raise run.error
 
     def close(self):
         if self._executor is not None:
             self._executor.shutdown()
+        if self._caller_cpus is not None:
+            os.sched_setaffinity(0, self._caller_cpus)
+            self._caller_cpus = None
 
 
 class Engine:
@@ -176,6 +209,7 @@ class Engine:
             if factor:
                 for index in net.factorable:
                     self.factored.append(self._factor(index))
+            self.reduce = comm.plan(self.chunk_grads, self.factored)
         # The batch values reported: loss tops and unread scalar outputs (accuracy, ...).
         tracked = dict(net.scalar_outputs())
         for blob in net.loss_weights:
@@ -236,5 +270,5 @@ class Engine:
         values = {name: float(v) for (_, name), v in zip(self.tracked, totals)}
         loss = float(sum(self.dtype.type(net.loss_weights[blob]) * totals[j]
                          for j, (blob, _) in enumerate(self.tracked) if blob in net.loss_weights))
-        grad = self.comm.reduce(self.chunk_grads, self.factored) if self.backward else None
+        grad = self.reduce() if self.backward else None
         return values, loss, grad

@@ -329,6 +329,39 @@ def test_equivalence_command_passes(mnist_dir):
     assert out.stdout.count("identical") >= len(THREADS)
 
 
+def test_pool_runs_every_task_once_with_the_caller_as_worker_zero():
+    import threading
+    for threads in (1, 2, 3):
+        pool = Pool(threads)
+        ran, lock = [], threading.Lock()
+
+        def task(w, i):
+            with lock:
+                ran.append((i, w, threading.get_ident()))
+
+        pool.run(task, 40)
+        pool.run(task, 0)   # nothing to run: returns at once
+        assert sorted(i for i, _, _ in ran) == list(range(40))
+        assert {w for _, w, _ in ran} <= set(range(threads))
+        caller = threading.get_ident()
+        assert all((ident == caller) == (w == 0) for _, w, ident in ran)
+        # A task's exception reaches the caller once every started task has ended, and no
+        # task starts after it.
+        started = []
+
+        def failing(w, i):
+            started.append(i)
+            if i == 3:
+                raise ValueError("task 3")
+
+        with pytest.raises(ValueError, match="task 3"):
+            pool.run(failing, 200)
+        assert 3 in started and len(started) < 200
+        pool.run(task, 5)   # the pool still works
+        assert len(ran) == 45
+        pool.close()
+
+
 def test_affinity_pins_workers_and_changes_nothing(mnist_dir):
     import os
     if not hasattr(os, "sched_setaffinity"):
@@ -338,11 +371,17 @@ def test_affinity_pins_workers_and_changes_nothing(mnist_dir):
     pinned = train_run(sp, None, RunConfig(threads=2, affinity=True, data_dir=str(mnist_dir)), 2)
     assert pinned.sha256 == plain.sha256 and pinned.losses == plain.losses
     import threading
+    allowed = os.sched_getaffinity(0)
     pool = Pool(2, affinity=True)
     both = threading.Barrier(2)  # holds task 0 until a second worker has started
-    pool.run(lambda w, i: both.wait(timeout=10) if i < 2 else None, 4)
-    assert len(pool.pinned) == 2 and set(pool.pinned) <= os.sched_getaffinity(0)
+    cpus = [None] * 4
+    pool.run(lambda w, i: (cpus.__setitem__(i, os.sched_getaffinity(0)),
+                           both.wait(timeout=10) if i < 2 else None), 4)
+    # The caller (worker 0) and the pool thread each on a CPU of their own.
+    assert len(pool.pinned) == 2 and set(pool.pinned) <= allowed
+    assert sorted(map(len, cpus[:2])) == [1, 1] and (cpus[0] != cpus[1] or len(allowed) == 1)
     pool.close()
+    assert os.sched_getaffinity(0) == allowed   # the caller's pin ends with the pool
 
 
 def test_memory_is_reported_and_refused_before_running_out(mnist_dir):

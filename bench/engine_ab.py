@@ -1,0 +1,86 @@
+"""Interleaved A/B of whole training steps against another git revision's engine
+(cgp/engine.py: the Pool, the Engine and how it groups chunks), the rest of the package the
+working tree's. Two trainers train from one seed in one process, their steps interleaved
+round by round, so a change of the machine's speed hits both alike. Prints the median time
+of a step for each and the working tree's speed as the median of the per-round ratios; the
+two must end with bitwise equal weights.
+
+    python bench/engine_ab.py --base REV [mnist|cifar10] [--threads 2] [--rounds 21]
+                              [--steps 8] [--data-dir DIR]
+"""
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import cgp.train
+from cgp import models
+from cgp.prototxt import read_solver
+from cgp.train import RunConfig, Trainer
+from interleave import interleaved_rounds  # bench/, on the path when run as a script
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def base_engine(rev, folder):
+    """The engine module of git revision `rev`, imported from a copy in `folder`."""
+    try:
+        text = subprocess.run(["git", "show", f"{rev}:cgp/engine.py"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+    except subprocess.CalledProcessError as err:
+        sys.exit(f"engine_ab: git show {rev}: {err.stderr.strip()}")
+    path = Path(folder) / "base_engine.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("base_engine", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def trainer(model, threads, data_dir, engine=None):
+    """A Trainer whose Engine and Pool come from `engine` (a module; default the working
+    tree's)."""
+    names = ("Engine", "Pool", "group_size")
+    own = {name: getattr(cgp.train, name) for name in names}
+    if engine is not None:
+        for name in names:
+            setattr(cgp.train, name, getattr(engine, name))
+    try:
+        path = models.solver_path(model)
+        config = RunConfig(threads=threads, progress=False, data_dir=data_dir)
+        return Trainer(read_solver(path), path, config, log=lambda line: None)
+    finally:
+        for name, value in own.items():
+            setattr(cgp.train, name, value)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="mnist")
+    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--data-dir", default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        pair = [trainer(args.model, args.threads, args.data_dir, base_engine(args.base, folder)),
+                trainer(args.model, args.threads, args.data_dir)]
+    times = interleaved_rounds(pair, args.rounds, args.steps)
+    ratio = statistics.median(a / b for a, b in zip(*times))
+    same = np.array_equal(pair[0].net.params, pair[1].net.params)
+    base_ms, own_ms = (1e3 * statistics.median(t) / args.steps for t in times)
+    print(f"{args.model}, {args.threads} thread(s), {args.rounds} rounds of {args.steps} steps: "
+          f"{args.base} {base_ms:.2f} ms, working tree {own_ms:.2f} ms per step; working tree "
+          f"x{ratio:.3f} as fast; same weights: {'yes' if same else 'NO'}")
+    for t in pair:
+        t.close()
+
+
+if __name__ == "__main__":
+    main()
