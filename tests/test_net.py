@@ -140,3 +140,23 @@ def test_legacy_input_fields_rejected_clearly():
     param = parse_net('input: "data" input_dim: 1 input_dim: 1 input_dim: 4 input_dim: 4', "old.prototxt")
     with pytest.raises(NetError, match="Input layer"):
         Net(param, caffe_pb2.TEST)
+
+
+def test_part_span_views_every_part_and_lets_go_of_dead_arrays():
+    import gc
+
+    from cgp.layers import base
+    grads = np.zeros((4, 30), np.float32)
+    parts = grads[1:4, 5:17].reshape(3, 3, 4)     # three parts, 30 elements apart
+    span, step = base.part_span(parts)
+    assert step == 30 and span.shape == (2 * 30 + 12,)
+    span[2 * 30 + 11] = 7                           # the last element of the last part
+    assert parts[2, 2, 3] == 7 and np.shares_memory(span, grads)
+    again, _ = base.part_span(parts)
+    assert again is span                            # the same views every call
+    with pytest.raises(ValueError, match="C-contiguous"):
+        base.part_span(grads[:, ::2].reshape(4, 15)[:, :3])
+    key = id(parts)
+    del parts, span, again
+    gc.collect()
+    assert key not in base._spans                   # nothing keeps the gradients alive

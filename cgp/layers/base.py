@@ -4,6 +4,7 @@ A layer holds its configuration and shapes only. Activations, gradients and scra
 space live in buffers that the engine owns, one set per worker, so a single layer
 object serves every chunk of every iteration on every thread.
 """
+import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, NamedTuple
@@ -114,18 +115,33 @@ class Factors(NamedTuple):
     b: np.ndarray
 
 
+# part_span's results by the identity of the array they came from, which the entry watches:
+# the engine hands every call of a group the same gradient views, and numpy's as_strided
+# costs about 5 microseconds of interpreter time (held lock) per call otherwise.
+_spans = {}
+
+
 def part_span(a):
     """a: (parts, ...) per-part gradients, each part C-contiguous, at a fixed distance from
     the next -> (one flat view from a[0] over all the parts, elements from a part to the
     next), the form kernels take: a view of varying strides would compile a kernel for each
     memory layout."""
+    key = id(a)
+    seen = _spans.get(key)
+    if seen is not None and seen[0]() is a:
+        return seen[1], seen[2]
     size = a[0].size
     step = a.strides[0] // a.itemsize if a.shape[0] > 1 else size
     if not a[0].flags.c_contiguous or step < size:
         raise ValueError(f"per-part gradients must be C-contiguous and apart, got strides "
                          f"{a.strides}")
-    return np.lib.stride_tricks.as_strided(a, ((a.shape[0] - 1) * step + size,),
-                                           (a.itemsize,), writeable=True), step
+    # From a[0], whose base is the buffer's owner: a view made from `a` itself would keep
+    # `a` alive through the entry below.
+    span = np.lib.stride_tricks.as_strided(a[0], ((a.shape[0] - 1) * step + size,),
+                                           (a.itemsize,), writeable=True)
+    # The entry goes when `a` does, before its id can be reused.
+    _spans[key] = (weakref.ref(a, lambda _, key=key: _spans.pop(key, None)), span, step)
+    return span, step
 
 
 class Layer:
