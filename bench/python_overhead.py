@@ -14,11 +14,17 @@ import time
 
 from threadpoolctl import threadpool_limits
 
+import cgp.layers.conv
+import cgp.layers.inner_product
 from cgp import models
 from cgp.engine import call_chunk
 from cgp.layers import Factors
+from cgp.layers.base import build_span, part_span
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
+
+# The layers that call part_span.
+SPAN_USERS = (cgp.layers.conv, cgp.layers.inner_product)
 
 
 def best(fn, reps, rounds=5):
@@ -66,13 +72,23 @@ def main():
 
         empty_bounds = [(0, 0)] * len(bounds)   # the same parts, no samples
         empty = best(lambda: call(empty_bounds, grad_views(0)), 200)
+
+        # The same with part_span building its views every call, as before it kept them.
+        for module in SPAN_USERS:
+            module.part_span = build_span
+        try:
+            uncached = best(lambda: call(empty_bounds, grad_views(0)), 200)
+        finally:
+            for module in SPAN_USERS:
+                module.part_span = part_span
         full = best(lambda: call(bounds, grad_views(samples)), 10)
     calls = len(net.entries) + sum(e.backward for e in net.entries)
     threads = args.threads
     print(f"{args.model}, {args.chunks} chunks, the engine's calls on {threads} thread(s): "
           f"{len(bounds)} chunks ({samples} samples) per call, {calls} layer calls each")
     print(f"  Python overhead per call: {empty * 1e6:.0f} us "
-          f"({empty * 1e6 / calls:.1f} us per layer call)")
+          f"({empty * 1e6 / calls:.1f} us per layer call; {uncached * 1e6:.0f} us when "
+          f"part_span rebuilds its views every call)")
     print(f"  whole call (forward+backward): {full * 1e3:.2f} ms")
     print(f"  empty-call share: {empty / full:.1%} (an upper bound on the GIL-held share)")
     if threads > 1:

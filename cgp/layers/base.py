@@ -130,18 +130,23 @@ def part_span(a):
     seen = _spans.get(key)
     if seen is not None and seen[0]() is a:
         return seen[1], seen[2]
+    span, step = build_span(a)
+    # The entry goes when `a` does, before its id can be reused.
+    _spans[key] = (weakref.ref(a, lambda _, key=key: _spans.pop(key, None)), span, step)
+    return span, step
+
+
+def build_span(a):
+    """part_span without keeping the result."""
     size = a[0].size
     step = a.strides[0] // a.itemsize if a.shape[0] > 1 else size
     if not a[0].flags.c_contiguous or step < size:
         raise ValueError(f"per-part gradients must be C-contiguous and apart, got strides "
                          f"{a.strides}")
     # From a[0], whose base is the buffer's owner: a view made from `a` itself would keep
-    # `a` alive through the entry below.
-    span = np.lib.stride_tricks.as_strided(a[0], ((a.shape[0] - 1) * step + size,),
-                                           (a.itemsize,), writeable=True)
-    # The entry goes when `a` does, before its id can be reused.
-    _spans[key] = (weakref.ref(a, lambda _, key=key: _spans.pop(key, None)), span, step)
-    return span, step
+    # `a` alive through part_span's entry.
+    return np.lib.stride_tricks.as_strided(a[0], ((a.shape[0] - 1) * step + size,),
+                                           (a.itemsize,), writeable=True), step
 
 
 class Layer:
