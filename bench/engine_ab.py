@@ -5,24 +5,21 @@ round by round, so a change of the machine's speed hits both alike. Prints the m
 of a step for each and the working tree's speed as the median of the per-round ratios; the
 two must end with bitwise equal weights.
 
-    python bench/engine_ab.py --base REV [mnist|cifar10] [--threads 2] [--rounds 21]
+    python bench/engine_ab.py --base REV [mnist|cifar10] [--threads 2] [--rounds 15]
                               [--steps 8] [--data-dir DIR]
 """
 import argparse
 import importlib.util
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 import cgp.train
 from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
-from interleave import interleaved_rounds  # bench/, on the path when run as a script
+from interleave import ab_pair, add_pair_options  # bench/, on the path when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,25 +58,13 @@ def trainer(model, threads, data_dir, engine=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="mnist")
+    add_pair_options(parser, threads=2)
     parser.add_argument("--base", required=True, help="git revision to compare against")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         pair = [trainer(args.model, args.threads, args.data_dir, base_engine(args.base, folder)),
                 trainer(args.model, args.threads, args.data_dir)]
-    times = interleaved_rounds(pair, args.rounds, args.steps)
-    ratio = statistics.median(a / b for a, b in zip(*times))
-    same = np.array_equal(pair[0].net.params, pair[1].net.params)
-    base_ms, own_ms = (1e3 * statistics.median(t) / args.steps for t in times)
-    print(f"{args.model}, {args.threads} thread(s), {args.rounds} rounds of {args.steps} steps: "
-          f"{args.base} {base_ms:.2f} ms, working tree {own_ms:.2f} ms per step; working tree "
-          f"x{ratio:.3f} as fast; same weights: {'yes' if same else 'NO'}")
-    for t in pair:
-        t.close()
+    ab_pair(pair, (args.base, "working tree"), args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Timing helper shared by the bench scripts that compare trainers in one process."""
+import statistics
 import time
 
+import numpy as np
 from threadpoolctl import threadpool_limits
 
 
@@ -20,3 +22,28 @@ def interleaved_rounds(trainers, rounds, steps, warmup=3):
                     t.step()
                 row.append(time.perf_counter() - started)
     return times
+
+
+def add_pair_options(parser, threads):
+    """The options of a bench script that compares two trainers (ab_pair)."""
+    parser.add_argument("model", nargs="?", default="mnist")
+    parser.add_argument("--threads", type=int, default=threads)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--data-dir", default=None)
+
+
+def ab_pair(pair, names, args):
+    """Interleaved rounds (above) of two trainers A, B that train from one seed, as args
+    (add_pair_options) ask. Prints A's and B's median time per step, B's speed relative to A
+    as the median of the per-round ratios, and whether their weights came out bitwise equal;
+    closes both. names: what to call A and B."""
+    times = interleaved_rounds(pair, args.rounds, args.steps)
+    ratio = statistics.median(a / b for a, b in zip(*times))
+    same = np.array_equal(pair[0].net.params, pair[1].net.params)
+    for t in pair:
+        t.close()
+    a_ms, b_ms = (1e3 * statistics.median(t) / args.steps for t in times)
+    print(f"{args.model}, {args.threads} thread(s), {args.rounds} rounds of {args.steps} steps: "
+          f"{names[0]} {a_ms:.2f} ms, {names[1]} {b_ms:.2f} ms per step; {names[1]} "
+          f"x{ratio:.3f} as fast; same weights: {'yes' if same else 'NO'}")
