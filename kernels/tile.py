@@ -92,6 +92,17 @@ def _masked_memory(builder, vty, width, bits, kind="f"):
     return load, store
 
 
+def _float_dtype(*arrays):
+    """For typing: the dtype the arrays share, float32 or float64; None (no such intrinsic)
+    unless all are arrays of one of those."""
+    if not all(isinstance(x, types.Array) for x in arrays):
+        return None
+    dtype = arrays[0].dtype
+    if dtype not in (types.float32, types.float64) or any(x.dtype != dtype for x in arrays):
+        return None
+    return dtype
+
+
 def _vectors(context, dtype):
     """For codegen: (width, vty, i32, i32v, intp, bits): the lanes of dtype's 64-byte vectors,
     the vector type, 32-bit integers and vectors of them, the index type, dtype's bits."""
@@ -133,11 +144,8 @@ def _lanes_below(builder, count, width):
 @intrinsic
 def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
          a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep):
-    arrays = (out, a, b)
-    if not all(isinstance(x, types.Array) for x in arrays):
-        return None
-    dtype = out.dtype
-    if dtype not in (types.float32, types.float64) or any(x.dtype != dtype for x in arrays):
+    dtype = _float_dtype(out, a, b)
+    if dtype is None:
         return None
     sig = types.void(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
                      a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep)
@@ -241,10 +249,9 @@ def shifted_copy(typingctx, out, out_off, src, src_off, period, lo, hi, n):
     """out[out_off + i] = src[src_off + i] where lo <= i % period < hi, else 0, for i < n: rows
     of `period` elements copied with zero fill at both ends of every row (one row: period >= n),
     in vectors with masked loads (src is read only where the copy takes it) and stores."""
-    if not (isinstance(out, types.Array) and isinstance(src, types.Array)
-            and out.dtype == src.dtype and out.dtype in (types.float32, types.float64)):
+    dtype = _float_dtype(out, src)
+    if dtype is None:
         return None
-    dtype = out.dtype
     sig = types.void(out, out_off, src, src_off, period, lo, hi, n)
 
     def codegen(context, builder, signature, args):
@@ -305,12 +312,9 @@ def transpose_block(typingctx, dst, dst_off, dst_ld, src, src_off, src_ld, rows,
     at most V (a lane count): one V x V block through vector registers (log2(V) rounds of
     interleaving rows i and i + V/2), with masked loads and stores at the edges. With `add`,
     also sums[sums_off + i] += src[src_off + i*src_ld + j] for j = 0, 1, ... in that order."""
-    arrays = (dst, src, sums)
-    if not (all(isinstance(x, types.Array) for x in arrays)
-            and all(x.dtype == dst.dtype for x in arrays)
-            and dst.dtype in (types.float32, types.float64)):
+    dtype = _float_dtype(dst, src, sums)
+    if dtype is None:
         return None
-    dtype = dst.dtype
     sig = types.void(dst, dst_off, dst_ld, src, src_off, src_ld, rows, cols, sums, sums_off, add)
 
     def codegen(context, builder, signature, args):
@@ -367,12 +371,10 @@ def column_max(typingctx, y, a, out, rmax, rarg, first, Q, R):
     must be strictly greater; NaN never is) and a[out + q] = rarg at the same row, in vectors
     with a masked tail: the second pass of max pooling, one output row at a time. y and rmax
     are of one float dtype, a and rarg int32."""
-    floats, ints = (y, rmax), (a, rarg)
-    if not (all(isinstance(x, types.Array) for x in floats + ints)
-            and y.dtype == rmax.dtype and y.dtype in (types.float32, types.float64)
-            and all(x.dtype == types.int32 for x in ints)):
+    dtype = _float_dtype(y, rmax)
+    if dtype is None or not all(isinstance(x, types.Array) and x.dtype == types.int32
+                                for x in (a, rarg)):
         return None
-    dtype = y.dtype
     sig = types.void(y, a, out, rmax, rarg, first, Q, R)
 
     def codegen(context, builder, signature, args):

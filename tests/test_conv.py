@@ -347,6 +347,36 @@ def test_transpose_and_copy(dtype):
         assert np.array_equal(out, want), (period, lo, hi, n)
 
 
+def test_intrinsics_refuse_operands_of_mixed_or_other_types():
+    """Each SIMD intrinsic compiles only for arrays of one float dtype (and column_max's int32
+    indices); anything else is a typing error, not a kernel for the wrong type."""
+    from numba.core.errors import TypingError
+
+    from cgp.kernels.tile import column_max
+    f32, f64, i32 = (np.zeros(64, t) for t in (np.float32, np.float64, np.int32))
+
+    @njit
+    def copy(out, src):
+        shifted_copy(out, 0, src, 0, 4, 0, 4, 4)
+
+    @njit
+    def transpose(dst, src, sums):
+        transpose_block(dst, 0, 4, src, 0, 4, 4, 4, sums, 0, False)
+
+    @njit
+    def cmax(y, a, rmax, rarg):
+        column_max(y, a, 0, rmax, rarg, 0, 4, 2)
+
+    copy(f32, f32)
+    transpose(f64, f64, f64)
+    cmax(f32, i32, f32, i32)
+    for call in (lambda: copy(f32, f64), lambda: copy(i32, i32),
+                 lambda: transpose(f32, f32, f64), lambda: cmax(f32, i32, f64, i32),
+                 lambda: cmax(f32, f32, f32, i32), lambda: cmax(i32, i32, i32, i32)):
+        with pytest.raises(TypingError):
+            call()
+
+
 @njit
 def _gemm(alpha, a, b, beta, c):
     gemm(alpha, a, b, beta, c)
