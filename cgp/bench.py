@@ -21,7 +21,7 @@ SIMD_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx5
 
 
 def add_bench(sub):
-    from cgp.cli import EPILOG, add_denormals_option
+    from cgp.cli import EPILOG, add_denormals_option, add_workers_option
     p = sub.add_parser("bench", help="measure training speed")
     kinds = p.add_subparsers(dest="bench", required=True)
     s = kinds.add_parser(
@@ -38,6 +38,7 @@ def add_bench(sub):
                         "logical cores); 1 is always added, the baseline of the speedups")
     s.add_argument("--chunks", type=int, default=16,
                    help="fixed pieces each batch is cut into (default 16), as for cgp train")
+    add_workers_option(s)
     add_denormals_option(s)
     s.add_argument("--data-dir", default=None,
                    help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
@@ -508,7 +509,7 @@ def cmd_speedup(args, log=print):
         for t in threads:
             config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
                                data_dir=args.data_dir, download=not args.no_download,
-                               progress=False, denormals=args.denormals)
+                               progress=False, denormals=args.denormals, workers=args.workers)
             trainers[t] = Trainer(sp, path, config, log=lambda line: None)
         net = trainers[1].net
         images = net.batch_size * sp.iter_size
@@ -523,6 +524,7 @@ def cmd_speedup(args, log=print):
                             for t in threads]
         log(f"cgp bench speedup: {path}, net '{net.name}', batch {images} in "
             f"{len(trainers[1].engine.bounds)} chunks; threads {','.join(map(str, threads))}"
+            f"{' (as processes)' if args.workers == 'processes' else ''}"
             f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}; {args.warmup} warm-up "
             f"+ {args.repeats} x {args.iters} iterations each, interleaved")
         matmul = []  # NumPy's matmul rate, timed in every round like the configurations
@@ -556,6 +558,7 @@ def cmd_speedup(args, log=print):
     extra = {"torch": torch_ref.version()} if torch_ref else {}
     report = {"model": model, "solver": str(path), "net": net.name, "batch": images,
               "chunks": len(trainers[1].engine.bounds), "denormals": args.denormals,
+              "workers": args.workers,
               "iters": args.iters,
               "repeats": args.repeats, "warmup": args.warmup, "seed": trainers[1].seed,
               "threads": threads, "compare": args.compare,

@@ -14,6 +14,7 @@ from cgp.engine import Engine, Pool
 from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
+from cgp.procs import Processes, share_params
 from cgp.prototxt import read_net
 from cgp.snapshot import copy_weights, read_caffemodel
 
@@ -34,17 +35,25 @@ def load_weights(net, names, log):
 
 
 def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, download=True,
-             log=print, flush_denormals=True):
-    """Run `iterations` TEST batches; returns ({output: mean}, mean loss)."""
+             log=print, flush_denormals=True, workers="threads", affinity=False):
+    """Run `iterations` TEST batches; returns ({output: mean}, mean loss). workers, affinity:
+    as cgp train's (RunConfig)."""
     if iterations < 1:
         raise CgpError(f"--iterations must be at least 1, got {iterations}")
     if not Path(model).is_file():
         raise CgpError(f"model '{model}' not found (looked in {Path.cwd()})")
     net = Net(read_net(model), caffe_pb2.TEST, RunOptions(data_dir, download))
     load_weights(net, weights, log)
-    pool = Pool(threads, flush_denormals=flush_denormals)
+    shared = workers == "processes"
+    if shared:
+        share_params(net)
+    pool = Pool(threads, affinity, flush_denormals)
+    procs = None
     try:
-        engine = Engine(net, chunks, pool, ThreadCommunicator(pool), backward=False)
+        engine = Engine(net, chunks, pool, ThreadCommunicator(pool), backward=False,
+                        shared=shared)
+        if shared:
+            procs = Processes(threads, [engine], affinity, flush_denormals)
         if not engine.tracked:
             raise CgpError(f"model {model}: the TEST net has no scalar outputs (loss, accuracy) "
                            "to score")
@@ -65,6 +74,8 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
                     sums[name] += np.float32(value)
                     log(f"Batch {i}, {name} = {fmt(value)}")
     finally:
+        if procs is not None:
+            procs.close()
         pool.close()
         for entry in net.sources:
             if hasattr(entry.layer, "close"):

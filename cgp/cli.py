@@ -21,6 +21,19 @@ def add_denormals_option(p):
                         "them (IEEE, as Caffe). Results depend on this, never on --threads")
 
 
+def add_workers_option(p, listed=False):
+    if listed:
+        p.add_argument("--workers", default="threads",
+                       help="'threads', 'processes' or both, comma-separated: every thread count "
+                            "runs in each (default threads); all must give the same bits")
+    else:
+        p.add_argument("--workers", choices=("threads", "processes"), default="threads",
+                       help="run the --threads workers as threads of this process (default) "
+                            "or as forked processes (Linux, macOS), which never wait for "
+                            "each other's Python interpreter lock: for many cores. Results "
+                            "are identical either way")
+
+
 def add_run_options(p, threads_list=False):
     """How a run executes: --threads and --affinity never change what it computes;
     --chunks and --denormals do, the same for every thread count."""
@@ -34,7 +47,8 @@ def add_run_options(p, threads_list=False):
                    help="fixed pieces each batch is cut into (default 16). Results depend on "
                         "this, never on --threads; at most this many threads do useful work")
     p.add_argument("--affinity", action="store_true",
-                   help="pin each worker thread to its own core (Linux)")
+                   help="pin each worker to its own core (Linux)")
+    add_workers_option(p, listed=threads_list)
     add_denormals_option(p)
     p.add_argument("--data-dir", default=None,
                    help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
@@ -108,7 +122,8 @@ def cmd_train(args, log=print):
                        data_dir=args.data_dir, download=not args.no_download,
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
-                       sighup_effect=args.sighup_effect, denormals=args.denormals)
+                       sighup_effect=args.sighup_effect, denormals=args.denormals,
+                       workers=args.workers)
     check_threads(args.threads, log)
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
@@ -116,7 +131,7 @@ def cmd_train(args, log=print):
         net = trainer.net
         log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
             f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
-            f"thread(s), seed {trainer.seed}, {denormals_text(trainer.pool.flush)}")
+            f"{'thread(s)' if args.workers == 'threads' else 'process(es)'}, seed {trainer.seed}, {denormals_text(trainer.pool.flush)}")
         log(f"cgp: {trainer.memory_line}")
         if args.snapshot:
             trainer.restore(args.snapshot)
@@ -163,12 +178,16 @@ def cmd_equivalence(args, log=print):
     path = solver_file(args)
     sp = read_solver(path)
     threads = thread_list(args.threads)
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    if not workers or not set(workers) <= {"threads", "processes"}:
+        raise CgpError(f"--workers wants threads, processes or both, comma-separated; got "
+                       f"{args.workers!r}")
     config = RunConfig(chunks=args.chunks, seed=args.seed, data_dir=args.data_dir,
                        download=not args.no_download, affinity=args.affinity,
                        denormals=args.denormals)
     log(f"cgp equivalence: {path}, {args.iters} iterations, {args.chunks} chunks, "
-        f"threads {','.join(map(str, threads))}")
-    return equivalence.run(sp, path, config, threads, args.iters, log=log)
+        f"threads {','.join(map(str, threads))} in {' and '.join(workers)}")
+    return equivalence.run(sp, path, config, threads, args.iters, log=log, workers=workers)
 
 
 def add_test(sub):
@@ -185,7 +204,8 @@ def cmd_test(args, log=print):
     check_threads(args.threads, log)
     run_test(args.model, args.weights, args.iterations, threads=args.threads, chunks=args.chunks,
              data_dir=args.data_dir, download=not args.no_download, log=log,
-             flush_denormals=args.denormals == "flush")
+             flush_denormals=args.denormals == "flush", workers=args.workers,
+             affinity=args.affinity)
     return 0
 
 

@@ -174,14 +174,17 @@ class Engine:
     """Runs forward (and backward) of one net over the chunks of each batch."""
 
     def __init__(self, net, chunks, pool, comm, backward=True, params=None, factor=True,
-                 group=None):
+                 group=None, shared=False):
         """params: the flat parameter array to run with (default net.params); a float64
         copy runs the same kernels in float64 (the equivalence harness's reference).
         factor: let layers that can (see Layer.can_factor_param_diff) hand their weight
         gradient over as factors, which the communicator multiplies out while it sums the
         chunks; the same bits either way, with far less memory traffic.
         group: chunks per call (default: group_size); 1 where the net cannot group
-        (Net.groupable)."""
+        (Net.groupable).
+        shared: keep what calls read and write across workers (the batch, chunk gradients
+        and factors, loss shares) in shared memory, so that worker processes forked later
+        (cgp.procs.Processes) can run the calls; params must then be shared too."""
         self.net, self.pool, self.comm = net, pool, comm
         self.bounds = chunk_bounds(net.batch_size, chunks)
         if group is None:
@@ -203,27 +206,32 @@ class Engine:
         self.backward = backward
         self.factored = []
         if backward:
-            self.chunk_grads = aligned_zeros((len(self.bounds), net.n_params), self.dtype)
+            self.chunk_grads = aligned_zeros((len(self.bounds), net.n_params), self.dtype,
+                                             shared)
             self.group_grad_views = [net.param_views(self.chunk_grads[c0:c1])
                                      for c0, c1 in self.groups]
             if factor:
                 for index in net.factorable:
-                    self.factored.append(self._factor(index))
+                    self.factored.append(self._factor(index, shared))
             self.reduce = comm.plan(self.chunk_grads, self.factored)
         # The batch values reported: loss tops and unread scalar outputs (accuracy, ...).
         tracked = dict(net.scalar_outputs())
         for blob in net.loss_weights:
             tracked.setdefault(blob, net.blob_names[blob])
         self.tracked = list(tracked.items())
-        self.shares = np.zeros((len(self.bounds), len(self.tracked)), np.float64)
+        self.shares = aligned_zeros((len(self.bounds), len(self.tracked)), np.float64, shared)
         self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
+        # The batch as worker processes read it; None: calls read the caller's arrays.
+        self.inputs = {t: aligned_zeros(net.blob_shapes[t], self.dtype, True)
+                       for t in self.source_names} if shared else None
+        self.procs = None   # the Processes that run this engine's calls, once started
 
     def samples(self, group):
         """(first sample, samples) of a group (c0, c1) of chunks."""
         c0, c1 = group
         return span(self.bounds[c0:c1])
 
-    def _factor(self, index):
+    def _factor(self, index, shared):
         """Batch-wide buffers for the factors of entry `index`'s weight gradient; each group's
         gradient view of that weight becomes a Factors over the group's rows of them."""
         entry = self.net.entries[index]
@@ -231,8 +239,8 @@ class Engine:
         blob = self.net.param_blobs[entry.params[0]]
         M = self.net.batch_size * rows
         # Register tiles read up to OUTER_PAD elements past the last row.
-        a = aligned_zeros(M * J + OUTER_PAD, self.dtype)
-        b = aligned_zeros(M * L + OUTER_PAD, self.dtype)
+        a = aligned_zeros(M * J + OUTER_PAD, self.dtype, shared)
+        b = aligned_zeros(M * L + OUTER_PAD, self.dtype, shared)
         for g, group in enumerate(self.groups):
             first, n = self.samples(group)
             lo, hi = first * rows, (first + n) * rows
@@ -246,23 +254,12 @@ class Engine:
         loss, gradient or None). The gradient is the fixed-order sum over chunks."""
         net = self.net
         batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
-        by_name = {self.source_names[b]: a for b, a in batch.items()}
-
-        def work(worker, g):
-            c0, c1 = self.groups[g]
-            chunk = call_chunk(self.bounds[c0:c1], batch=net.batch_size, iteration=iteration,
-                               seed=seed, batch_tops=by_name)
-            ws = self.workspaces[worker]
-            data = net.forward(ws, chunk, batch, self.params)
-            for j, (blob, _) in enumerate(self.tracked):
-                self.shares[c0:c1, j] = data[blob][:c1 - c0]
-            if self.backward:
-                grads = self.chunk_grads[c0:c1]
-                for lo, hi in net.zero_ranges:  # layers that set their gradients need no zeros
-                    grads[:, lo:hi] = 0
-                net.backward(ws, chunk, data, self.params, self.group_grad_views[g])
-
-        self.pool.run(work, len(self.groups))
+        if self.procs is not None:
+            for b, a in batch.items():
+                self.inputs[b][...] = a
+            self.procs.run(self, iteration, seed)
+        else:
+            self.pool.run(lambda w, g: self.work(w, g, iteration, seed, batch), len(self.groups))
         # Shares add up in chunk order, in the dtype of the blobs they came from.
         totals = np.zeros(len(self.tracked), self.dtype)
         for row in self.shares:
@@ -272,3 +269,22 @@ class Engine:
                          for j, (blob, _) in enumerate(self.tracked) if blob in net.loss_weights))
         grad = self.reduce() if self.backward else None
         return values, loss, grad
+
+    def work(self, worker, g, iteration, seed, batch):
+        """One call: forward (and backward) of group g's samples in the worker's workspace,
+        writing the group's loss shares and chunk gradients. batch: source blob id ->
+        whole-batch array."""
+        net = self.net
+        c0, c1 = self.groups[g]
+        by_name = {self.source_names[b]: a for b, a in batch.items()}
+        chunk = call_chunk(self.bounds[c0:c1], batch=net.batch_size, iteration=iteration,
+                           seed=seed, batch_tops=by_name)
+        ws = self.workspaces[worker]
+        data = net.forward(ws, chunk, batch, self.params)
+        for j, (blob, _) in enumerate(self.tracked):
+            self.shares[c0:c1, j] = data[blob][:c1 - c0]
+        if self.backward:
+            grads = self.chunk_grads[c0:c1]
+            for lo, hi in net.zero_ranges:  # layers that set their gradients need no zeros
+                grads[:, lo:hi] = 0
+            net.backward(ws, chunk, data, self.params, self.group_grad_views[g])

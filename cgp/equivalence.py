@@ -22,6 +22,7 @@ STEP_TOLERANCE = 1e-3
 @dataclass
 class Outcome:
     threads: int
+    workers: str
     sha256: str
     params: np.ndarray
     losses: list
@@ -42,12 +43,12 @@ def train_run(sp, solver_path, config, iters, log=lambda line: None):
     finally:
         trainer.close()
     digest = hashlib.sha256(params.tobytes()).hexdigest()
-    return Outcome(config.threads, digest, params, losses, accuracy)
+    return Outcome(config.threads, config.workers, digest, params, losses, accuracy)
 
 
 def compare(outcomes):
-    """Rows of (threads, sha256, max |dw| vs the first, losses identical, accuracy) and
-    whether every run matched the first bit for bit."""
+    """Rows of (threads, workers, sha256, max |dw| vs the first, losses identical, accuracy,
+    bitwise the same) and whether every run matched the first bit for bit."""
     first = outcomes[0]
     rows, ok = [], True
     for o in outcomes:
@@ -55,7 +56,7 @@ def compare(outcomes):
         same_losses = o.losses == first.losses
         same = o.sha256 == first.sha256 and same_losses
         ok &= same
-        rows.append((o.threads, o.sha256, dw, same_losses, o.accuracy, same))
+        rows.append((o.threads, o.workers, o.sha256, dw, same_losses, o.accuracy, same))
     return rows, ok
 
 
@@ -84,24 +85,31 @@ def step_against_float64(sp, solver_path, config):
     return error, loss32, loss64
 
 
-def run(sp, solver_path, config, threads_list, iters, log=print):
-    """The whole harness; returns the process exit status (0: all equivalent)."""
+def run(sp, solver_path, config, threads_list, iters, log=print, workers=("threads",)):
+    """The whole harness; returns the process exit status (0: all equivalent). workers:
+    every thread count runs with its workers as each of these (RunConfig.workers)."""
     if not threads_list:
         raise CgpError("--threads needs at least one thread count")
     outcomes = []
-    for threads in threads_list:
-        outcomes.append(train_run(sp, solver_path, replace(config, threads=threads), iters))
-        o = outcomes[-1]
-        log(f"threads {threads:>3}: trained {iters} iterations, final loss {o.losses[-1]:.6g}")
+    for kind in workers:
+        for threads in threads_list:
+            outcomes.append(train_run(sp, solver_path,
+                                      replace(config, threads=threads, workers=kind), iters))
+            log(f"{kind} {threads:>3}: trained {iters} iterations, final loss "
+                f"{outcomes[-1].losses[-1]:.6g}")
     rows, ok = compare(outcomes)
     log("")
-    log(f"{'threads':>7}  {'sha256 of parameters':<64}  {'max|dw|':>9}  {'losses':>9}  accuracy")
-    for threads, digest, dw, same_losses, accuracy, _ in rows:
+    log(f"{'threads':>7}  {'workers':<9}  {'sha256 of parameters':<64}  {'max|dw|':>9}  "
+        f"{'losses':>9}  accuracy")
+    for threads, kind, digest, dw, same_losses, accuracy, _ in rows:
         acc = ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items()) or "-"
-        log(f"{threads:>7}  {digest}  {dw:9.3g}  {'identical' if same_losses else 'DIFFER':>9}  {acc}")
+        log(f"{threads:>7}  {kind:<9}  {digest}  {dw:9.3g}  "
+            f"{'identical' if same_losses else 'DIFFER':>9}  {acc}")
     status = 0 if ok else 1
     log("")
-    log("bitwise identical across thread counts: " + ("yes" if ok else "NO"))
+    log("bitwise identical across thread counts"
+        + (", in " + " and in ".join(workers) if len(workers) > 1 else "") + ": "
+        + ("yes" if ok else "NO"))
     plain_sgd = (sp.type == "SGD" and sp.iter_size == 1 and sp.clip_gradients < 0
                  and sp.regularization_type == "L2")
     if not plain_sgd:

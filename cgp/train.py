@@ -22,6 +22,7 @@ from cgp.comm import ThreadCommunicator, blocks
 from cgp.engine import Engine, Pool, group_size
 from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
+from cgp.procs import Processes, share_params
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, write_caffemodel,
@@ -44,11 +45,13 @@ class RunConfig:
     snapshot_prefix: str = None
     sigint_effect: str = "stop"       # Caffe's --sigint_effect: stop, snapshot or none
     sighup_effect: str = "snapshot"   # Caffe's --sighup_effect
-    affinity: bool = False    # pin worker threads to cores
+    affinity: bool = False    # pin workers to cores
+    workers: str = "threads"  # run the calls in "threads" or in forked "processes"
     denormals: str = "flush"  # subnormal floats: "flush" to zero (fast) or "keep" (IEEE)
 
 
 SIGNAL_EFFECTS = ("stop", "snapshot", "none")
+WORKERS = ("threads", "processes")
 
 
 def resolve(name, base_dir, what):
@@ -158,6 +161,12 @@ class Trainer:
             self.test_nets.append(Net(param, caffe_pb2.TEST, options, stages=state.stage,
                                       level=state.level))
         self.net.init_params(self.seed)
+        if config.workers not in WORKERS:
+            raise CgpError(f"--workers {config.workers}: expected one of {', '.join(WORKERS)}")
+        shared = config.workers == "processes"
+        if shared:
+            for net in [self.net] + self.test_nets:
+                share_params(net)
         for effect in (config.sigint_effect, config.sighup_effect):
             if effect not in SIGNAL_EFFECTS:
                 raise CgpError(f"signal effect '{effect}': expected one of "
@@ -166,9 +175,11 @@ class Trainer:
         self.pool = Pool(config.threads, config.affinity, config.denormals == "flush")
         comm = ThreadCommunicator(self.pool)
         self._check_memory(config.chunks)
-        self.engine = Engine(self.net, config.chunks, self.pool, comm)
-        self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False)
-                             for n in self.test_nets]
+        self.engine = Engine(self.net, config.chunks, self.pool, comm, shared=shared)
+        self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False,
+                                    shared=shared) for n in self.test_nets]
+        self.procs = Processes(config.threads, [self.engine] + self.test_engines,
+                               config.affinity, config.denormals == "flush") if shared else None
         self.slices = blocks(self.net.n_params)
         self.iter = 0
         # The iteration whose batch starts at record 0: 0, or the iteration of a Caffe
@@ -452,6 +463,8 @@ class Trainer:
             self.log(f"Kept initial weights for: {', '.join(dict.fromkeys(missing))}")
 
     def close(self):
+        if self.procs is not None:
+            self.procs.close()
         self.pool.close()
         for net in [self.net] + self.test_nets:
             for entry in net.sources:

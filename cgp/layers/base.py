@@ -4,6 +4,7 @@ A layer holds its configuration and shapes only. Activations, gradients and scra
 space live in buffers that the engine owns, one set per worker, so a single layer
 object serves every chunk of every iteration on every thread.
 """
+import mmap
 import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,10 +37,15 @@ def supported_types():
 ALIGN = 64
 
 
-def aligned_zeros(shape, dtype):
-    """np.zeros(shape, dtype) whose data starts on an ALIGN-byte boundary."""
+def aligned_zeros(shape, dtype, shared=False):
+    """np.zeros(shape, dtype) whose data starts on an ALIGN-byte boundary. shared: in an
+    anonymous shared mapping (page-aligned), which processes forked later share with this
+    one: the buffers worker processes write (cgp.procs)."""
     dtype = np.dtype(dtype)
     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if shared:
+        # The array's base keeps the mapping alive; the pages go when the last view does.
+        return np.frombuffer(mmap.mmap(-1, max(size, 1)), np.uint8, size).view(dtype).reshape(shape)
     raw = np.zeros(size + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
     return raw[start:start + size].view(dtype).reshape(shape)
