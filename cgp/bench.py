@@ -38,7 +38,7 @@ def add_bench(sub):
                         "logical cores); 1 is always added, the baseline of the speedups")
     s.add_argument("--chunks", type=int, default=16,
                    help="fixed pieces each batch is cut into (default 16), as for cgp train")
-    add_workers_option(s)
+    add_workers_option(s, listed=True)
     add_denormals_option(s)
     s.add_argument("--data-dir", default=None,
                    help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
@@ -255,7 +255,9 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
             ", ".join(f"{c.label} {c.rates[-1]:.0f}" for c in configs))
 
 
-def cgp_config(threads, trainer):
+def cgp_config(threads, trainer, workers="threads"):
+    """workers: how the trainer runs its workers (RunConfig.workers); the row's layout is
+    None for threads, "processes" for processes."""
     from threadpoolctl import threadpool_limits
 
     saved = []
@@ -274,8 +276,8 @@ def cgp_config(threads, trainer):
         for h, value in zip(trainer.solver.histories, histories):
             h[...] = value
     # As in Trainer.solve: BLAS single-threaded, the workers are the only threads.
-    return Config("cgp", threads, run=run, context=lambda: threadpool_limits(limits=1),
-                  save=save, restore=restore)
+    return Config("cgp", threads, None if workers == "threads" else workers, run=run,
+                  context=lambda: threadpool_limits(limits=1), save=save, restore=restore)
 
 
 def torch_config(torch_ref, threads, layout, trainer, data_trainer):
@@ -391,12 +393,19 @@ def _with_ci(value, ci):
 
 
 def table(rows, best):
-    lines = [f"{'threads':>7}  {'cgp img/s':>10}  {'min-max':>15}  {'speedup':>7}  "
-             f"{'efficiency':>10}  {'paired (95% CI)':>16}"
+    """The printed table: a line per cgp row, then the quiet rounds' speedups. A workers
+    column appears when the run timed more than one kind (cgp_config)."""
+    cgp = [r for r in rows if r["impl"] == "cgp"]
+    kinds = len({r["layout"] for r in cgp}) > 1
+
+    def workers(row):
+        return f"{row['layout'] or 'threads':<9}  " if kinds else ""
+    lines = [f"{'threads':>7}  {'workers':<9}  " * kinds + f"{'cgp img/s':>10}  {'min-max':>15}  "
+             f"{'speedup':>7}  {'efficiency':>10}  {'paired (95% CI)':>16}"
              + (f"  {'torch img/s':>11}  {'layout':<13}  {'cgp/torch':>9}  "
                 f"{'paired (95% CI)':>16}" if best else "")]
-    for row in (r for r in rows if r["impl"] == "cgp"):
-        line = (f"{row['threads']:>7}  {row['median']:>10.1f}  "
+    for row in cgp:
+        line = (f"{row['threads']:>7}  {workers(row)}{row['median']:>10.1f}  "
                 f"{row['min']:>7.0f}-{row['max']:<7.0f}  {row['speedup']:>7.2f}  "
                 f"{100 * row['efficiency']:>9.0f}%  "
                 f"{_with_ci(row['paired_speedup'], row['paired_speedup_ci']):>16}")
@@ -405,13 +414,14 @@ def table(rows, best):
             line += (f"  {t['median']:>11.1f}  {t['layout']:<13}  {row['cgp_over_torch']:>9.2f}"
                      f"  {_with_ci(row['paired_cgp_over_torch'], row['paired_cgp_over_torch_ci']):>16}")
         lines.append(line)
-    for row in (r for r in rows if r["impl"] == "cgp" and r["threads"] > 1):
+    for row in (r for r in cgp if r["threads"] > 1):
         rounds = len(row["images_per_s"])
         quiet = (f"paired speedup there {_with_ci(row['quiet_paired_speedup'], row['quiet_paired_speedup_ci'])}"
                  if row["quiet_rounds"] else "none")
-        lines.append(f"quiet rounds, {row['threads']} threads (the hypervisor withheld at most "
-                     f"{100 * QUIET_STEAL:g}% of the CPUs' time in both timings): "
-                     f"{row['quiet_rounds']} of {rounds}; {quiet}")
+        lines.append(f"quiet rounds, {row['threads']} threads"
+                     f"{' as ' + (row['layout'] or 'threads') if kinds else ''} (the hypervisor "
+                     f"withheld at most {100 * QUIET_STEAL:g}% of the CPUs' time in both "
+                     f"timings): {row['quiet_rounds']} of {rounds}; {quiet}")
     return lines
 
 
@@ -484,7 +494,7 @@ def model_name(args, path):
 def cmd_speedup(args, log=print):
     import statistics
 
-    from cgp.cli import check_threads, solver_file, thread_list
+    from cgp.cli import check_threads, solver_file, thread_list, worker_list
     from cgp.errors import CgpError
     from cgp.prototxt import read_solver
     from cgp.train import RunConfig, Trainer
@@ -492,6 +502,7 @@ def cmd_speedup(args, log=print):
     path = solver_file(args)
     threads = thread_list(args.threads) if args.threads else default_threads()
     threads = sorted(set(threads) | {1})   # speedups are over 1 thread
+    workers = worker_list(args.workers)
     for name in ("iters", "repeats"):
         if getattr(args, name) < 1:
             raise CgpError(f"--{name} must be at least 1")
@@ -504,27 +515,29 @@ def cmd_speedup(args, log=print):
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     started = time.gmtime()
     sp = read_solver(path)
-    trainers = {}
+    trainers = {}   # (workers, threads) -> Trainer
     try:
-        for t in threads:
-            config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
-                               data_dir=args.data_dir, download=not args.no_download,
-                               progress=False, denormals=args.denormals, workers=args.workers)
-            trainers[t] = Trainer(sp, path, config, log=lambda line: None)
-        net = trainers[1].net
+        for kind in workers:
+            for t in threads:
+                config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
+                                   data_dir=args.data_dir, download=not args.no_download,
+                                   progress=False, denormals=args.denormals, workers=kind)
+                trainers[kind, t] = Trainer(sp, path, config, log=lambda line: None)
+        first = trainers[workers[0], 1]
+        net = first.net
         images = net.batch_size * sp.iter_size
-        configs = [cgp_config(t, trainers[t]) for t in threads]
+        configs = [cgp_config(t, trainers[kind, t], kind) for kind in workers for t in threads]
         if torch_ref is not None:
-            if trainers[1].solver.type != "SGD":
+            if first.solver.type != "SGD":
                 log(f"cgp bench: note: PyTorch runs momentum SGD; the solver is "
-                    f"{trainers[1].solver.type}")
+                    f"{first.solver.type}")
             for layout in torch_ref.LAYOUTS:
                 configs += [torch_config(torch_ref, t, layout,
-                                         torch_ref.TorchTrainer(net, sp, layout), trainers[1])
+                                         torch_ref.TorchTrainer(net, sp, layout), first)
                             for t in threads]
         log(f"cgp bench speedup: {path}, net '{net.name}', batch {images} in "
-            f"{len(trainers[1].engine.bounds)} chunks; threads {','.join(map(str, threads))}"
-            f"{' (as processes)' if args.workers == 'processes' else ''}"
+            f"{len(first.engine.bounds)} chunks; threads {','.join(map(str, threads))}"
+            f" as {' and as '.join(workers)}"
             f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}; {args.warmup} warm-up "
             f"+ {args.repeats} x {args.iters} iterations each, interleaved")
         matmul = []  # NumPy's matmul rate, timed in every round like the configurations
@@ -557,10 +570,10 @@ def cmd_speedup(args, log=print):
     model = model_name(args, path)
     extra = {"torch": torch_ref.version()} if torch_ref else {}
     report = {"model": model, "solver": str(path), "net": net.name, "batch": images,
-              "chunks": len(trainers[1].engine.bounds), "denormals": args.denormals,
-              "workers": args.workers,
+              "chunks": len(first.engine.bounds), "denormals": args.denormals,
+              "workers": workers,
               "iters": args.iters,
-              "repeats": args.repeats, "warmup": args.warmup, "seed": trainers[1].seed,
+              "repeats": args.repeats, "warmup": args.warmup, "seed": first.seed,
               "threads": threads, "compare": args.compare,
               "training_flops_per_image": flops,
               "numpy_matmul_gflops": [round(r, 2) for r in matmul],

@@ -21,13 +21,16 @@ def add_denormals_option(p):
                         "them (IEEE, as Caffe). Results depend on this, never on --threads")
 
 
+WORKERS = ("threads", "processes")
+
+
 def add_workers_option(p, listed=False):
     if listed:
         p.add_argument("--workers", default="threads",
                        help="'threads', 'processes' or both, comma-separated: every thread count "
-                            "runs in each (default threads); all must give the same bits")
+                            "runs with its workers as each (default threads)")
     else:
-        p.add_argument("--workers", choices=("threads", "processes"), default="threads",
+        p.add_argument("--workers", choices=WORKERS, default="threads",
                        help="run the --threads workers as threads of this process (default) "
                             "or as forked processes (Linux, macOS), which never wait for "
                             "each other's Python interpreter lock: for many cores. Results "
@@ -170,6 +173,14 @@ def thread_list(text):
     return values
 
 
+def worker_list(text):
+    kinds = [w.strip() for w in str(text).split(",") if w.strip()]
+    if not kinds or not set(kinds) <= set(WORKERS):
+        raise CgpError(f"--workers wants threads, processes or both, comma-separated; got "
+                       f"{text!r}")
+    return list(dict.fromkeys(kinds))
+
+
 def cmd_equivalence(args, log=print):
     from cgp import equivalence
     from cgp.prototxt import read_solver
@@ -178,10 +189,7 @@ def cmd_equivalence(args, log=print):
     path = solver_file(args)
     sp = read_solver(path)
     threads = thread_list(args.threads)
-    workers = [w.strip() for w in args.workers.split(",") if w.strip()]
-    if not workers or not set(workers) <= {"threads", "processes"}:
-        raise CgpError(f"--workers wants threads, processes or both, comma-separated; got "
-                       f"{args.workers!r}")
+    workers = worker_list(args.workers)
     config = RunConfig(chunks=args.chunks, seed=args.seed, data_dir=args.data_dir,
                        download=not args.no_download, affinity=args.affinity,
                        denormals=args.denormals)

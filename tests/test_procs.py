@@ -1,6 +1,8 @@
 """Worker processes (--workers processes): the same bits as threads, every call run once,
 a worker's error or death reported in the main process, and nothing left running."""
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,3 +139,13 @@ def test_commands_take_workers(mnist_dir, tmp_path):
                   "--threads", "2", "--workers", w).splitlines()[-3:] for w in
               ("threads", "processes")]
     assert scores[0] == scores[1] and "accuracy" in " ".join(scores[0])
+    # The speedup benchmark times both kinds in one run, each against its own 1 thread.
+    text = cgp("bench", "speedup", "mnist", "--threads", "2", "--iters", "1", "--repeats", "2",
+               "--warmup", "1", "--workers", "threads,processes", "--out", str(tmp_path / "res"))
+    [report] = (tmp_path / "res").glob("speedup_mnist_*.json")
+    report = json.loads(report.read_text())
+    assert report["workers"] == ["threads", "processes"]
+    assert sorted((r["layout"] or "", r["threads"]) for r in report["results"]) == \
+        [("", 1), ("", 2), ("processes", 1), ("processes", 2)]
+    assert re.search(r"threads +workers +cgp img/s", text)
+    assert re.search(r"\n +2  processes +\d", text) and "2 threads as processes" in text
