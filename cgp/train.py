@@ -112,12 +112,19 @@ def solver_nets(sp, solver_path):
     return train, tests
 
 
-def check_memory(net, chunks, threads, histories, available):
+# Private memory of one forked worker process beyond its activations: the interpreter's
+# pages that it writes (reference counts) and so copies. tests/test_procs.py checks that
+# the real workers of LeNet and cifar10_quick stay within it.
+WORKER_PROCESS_BYTES = 32 << 20
+
+
+def check_memory(net, chunks, threads, histories, available, processes=False):
     """The memory a run needs, as a line for the log; CgpError before running out.
     Private gradients are one buffer per chunk (never per sample), so they grow with
     --chunks, not with the batch; factored weight gradients (InnerProduct) keep instead
     their two factors for the batch, which never touch the per-chunk buffers' pages;
-    activations are one set per thread, for the samples of one call (see group_size)."""
+    activations are one set per thread, for the samples of one call (see group_size);
+    processes: the workers are forked processes, each with WORKER_PROCESS_BYTES more."""
     n, chunks = net.n_params, min(chunks, net.batch_size)
     dense, factors = n, 0
     for index in net.factorable:
@@ -128,11 +135,15 @@ def check_memory(net, chunks, threads, histories, available):
     state = (2 + histories) * n * 4  # parameters, the reduced gradient, solver history
     call = group_size(net, chunks, threads) * -(-net.batch_size // chunks)
     activations = threads * call * net.sample_bytes
-    need = gradients + state + activations
+    workers = (threads - 1) * WORKER_PROCESS_BYTES if processes else 0
+    need = gradients + state + activations + workers
     line = (f"memory: {need / 2**20:.1f} MiB = gradients {chunks} chunks x {dense} parameters"
             f"{f' + factors of {len(net.factorable)} weights' if net.factorable else ''} "
             f"({gradients / 2**20:.1f} MiB) + solver state ({state / 2**20:.1f} MiB) + activations "
-            f"of {threads} thread(s) ({activations / 2**20:.1f} MiB); {available / 2**30:.1f} GiB available")
+            f"of {threads} {'process(es)' if processes else 'thread(s)'} "
+            f"({activations / 2**20:.1f} MiB)"
+            + (f" + {threads - 1} forked worker(s) ({workers / 2**20:.0f} MiB)" if workers else "")
+            + f"; {available / 2**30:.1f} GiB available")
     if need > 0.9 * available:
         raise CgpError(f"not enough memory: {line}. Use fewer --chunks or --threads.")
     return line
@@ -201,7 +212,8 @@ class Trainer:
     def _check_memory(self, chunks):
         self.memory_line = check_memory(self.net, chunks, self.pool.threads,
                                         len(self.solver.histories),
-                                        psutil.virtual_memory().available)
+                                        psutil.virtual_memory().available,
+                                        self.config.workers == "processes")
 
     # -- data ----------------------------------------------------------------------
     def _batch(self, net, position, iteration):

@@ -149,3 +149,26 @@ def test_commands_take_workers(mnist_dir, tmp_path):
         [("", 1), ("", 2), ("processes", 1), ("processes", 2)]
     assert re.search(r"threads +workers +cgp img/s", text)
     assert re.search(r"\n +2  processes +\d", text) and "2 threads as processes" in text
+
+
+@pytest.mark.parametrize("model", ["mnist", "cifar10"])
+def test_memory_check_counts_what_workers_hold(model, mnist_dir, cifar_dir):
+    from cgp.train import WORKER_PROCESS_BYTES
+    data = mnist_dir if model == "mnist" else cifar_dir
+    trainer = Trainer(solver(model, test_iter=[1]), None,
+                      RunConfig(threads=3, workers="processes", data_dir=str(data)),
+                      log=lambda line: None)
+    try:
+        assert "activations of 3 process(es)" in trainer.memory_line
+        assert "+ 2 forked worker(s) (64 MiB)" in trainer.memory_line
+        for _ in range(2):
+            trainer.step()
+        trainer.test(0)
+        # Each worker's own pages (unique set size): what the check allows it, plus its
+        # share of the activations, which the check counts apart.
+        activations = trainer.engine.workspaces[1]
+        own = sum(a.nbytes for a in activations.data + activations.diff if a is not None)
+        for proc in trainer.procs.procs:
+            assert psutil.Process(proc.pid).memory_full_info().uss < WORKER_PROCESS_BYTES + own
+    finally:
+        trainer.close()
