@@ -5,10 +5,15 @@ both alike. Prints the median time of a step for each and the processes' speed a
 of the per-round ratios; the two must end with bitwise equal weights.
 
     python bench/workers_ab.py [mnist|cifar10] [--threads 2] [--rounds 15] [--steps 8]
-                               [--data-dir DIR]
+                               [--chunks 16] [--group N] [--data-dir DIR]
+
+--group N runs N chunks per call instead of the engine's default (cgp.engine.group_size):
+small calls, whose share of Python is large, show what the interpreter lock costs threads
+(a call of 4 samples, --chunks 16 --group 1, is what each of 16 workers runs per LeNet step).
 """
 import argparse
 
+import cgp.engine
 from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
@@ -18,11 +23,15 @@ from interleave import ab_pair, add_pair_options  # bench/, on the path when run
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_pair_options(parser, threads=2)
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--group", type=int, default=None)
     args = parser.parse_args()
+    if args.group is not None:
+        cgp.engine.group_size = lambda net, chunks, threads: args.group
     path = models.solver_path(args.model)
     pair = [Trainer(read_solver(path), path,
-                    RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
-                              workers=workers), log=lambda line: None)
+                    RunConfig(threads=args.threads, chunks=args.chunks, progress=False,
+                              data_dir=args.data_dir, workers=workers), log=lambda line: None)
             for workers in ("threads", "processes")]
     ab_pair(pair, ("threads", "processes"), args)
 
