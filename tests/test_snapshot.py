@@ -355,12 +355,17 @@ def tiny_solver_file(tmp_path):
     return path
 
 
-def test_signals_snapshot_a_real_training_run(tiny_solver_file, mnist_dir, tmp_path):
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_signals_snapshot_a_real_training_run(tiny_solver_file, mnist_dir, tmp_path, workers):
     """SIGHUP snapshots and goes on; Ctrl-C (SIGINT) stops after the current iteration with
-    a snapshot and exit status 0, as Caffe's default signal effects."""
+    a snapshot and exit status 0, as Caffe's default signal effects. The signals go to the
+    whole process group, as a terminal sends them: forked workers leave them to the main
+    process, and end with it."""
+    import psutil
     proc = subprocess.Popen(
         [sys.executable, "-m", "cgp", "train", "--solver", str(tiny_solver_file), "--data-dir",
-         str(mnist_dir)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         str(mnist_dir), "--threads", "2", "--workers", workers], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"))
     out, pending = [], [b""]
 
@@ -383,10 +388,12 @@ def test_signals_snapshot_a_real_training_run(tiny_solver_file, mnist_dir, tmp_p
 
     try:
         wait_for("Iteration 2 (")
-        proc.send_signal(signal.SIGHUP)
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == (1 if workers == "processes" else 0)
+        os.killpg(proc.pid, signal.SIGHUP)
         wait_for("Snapshotting solver state")
         wait_for("Iteration")                     # still training
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         wait_for("Optimization stopped early")
         rest, _ = proc.communicate(timeout=60)
         out.append((pending[0] + rest).decode())
@@ -397,6 +404,7 @@ def test_signals_snapshot_a_real_training_run(tiny_solver_file, mnist_dir, tmp_p
     text = "".join(out)
     assert proc.returncode == 0, text
     assert "Traceback" not in text
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
     snaps = sorted((tmp_path / "snaps").glob("tiny_iter_*.solverstate"),
                    key=lambda p: int(p.stem.rsplit("_", 1)[1]))
     assert len(snaps) == 2, text
