@@ -134,7 +134,8 @@ def cmd_train(args, log=print):
         net = trainer.net
         log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
             f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
-            f"{'thread(s)' if args.workers == 'threads' else 'process(es)'}, seed {trainer.seed}, {denormals_text(trainer.pool.flush)}")
+            f"{'thread(s)' if args.workers == 'threads' else 'process(es)'}, seed "
+            f"{trainer.seed}, {denormals_text(trainer.pool.flush)}")
         log(f"cgp: {trainer.memory_line}")
         if args.snapshot:
             trainer.restore(args.snapshot)

@@ -1,5 +1,5 @@
 """The coarse-grain batch-parallel engine: one iteration of a Net over a fixed set of
-chunks on a pool of threads.
+chunks on a pool of threads (or of worker processes, cgp.procs).
 
 The batch is cut into `chunks` pieces by batch size and chunk count alone. Each chunk
 runs forward and backward single-threaded through nogil Numba kernels and writes its

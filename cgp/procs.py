@@ -19,11 +19,11 @@ import signal
 import traceback
 import warnings
 
+import numpy as np
+
 from cgp.errors import CgpError
 from cgp.kernels import fpenv
 from cgp.layers import aligned_zeros
-
-import numpy as np
 
 
 def available():
@@ -121,7 +121,7 @@ class Processes:
         code = proc.exitcode
         how = (f"killed by signal {-code}" if code is not None and code < 0
                else f"exit code {code}" if code is not None else "no exit code")
-        self.broken = f"worker process {w} ended during a call ({how}); the run cannot go on"
+        self.broken = f"worker process {w} ended unexpectedly ({how}); the run cannot go on"
         return CgpError(self.broken)
 
     def close(self):
