@@ -3,8 +3,6 @@ mistake, never a traceback."""
 import subprocess
 import sys
 
-import pytest
-
 
 def cgp(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "cgp", *args], capture_output=True,

@@ -4,9 +4,8 @@ import pytest
 
 from cgp import models
 from cgp.equivalence import train_run
-from cgp.proto import caffe_pb2
 from cgp.prototxt import read_net, read_solver
-from cgp.train import RunConfig, Trainer
+from cgp.train import RunConfig
 
 
 def lenet_solver(batch=64, **fields):
