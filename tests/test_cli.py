@@ -71,3 +71,10 @@ def test_unsupported_solver_field_is_refused(tmp_path, mnist_dir):
                     'lr_policy: "fixed"\nsnapshot_diff: true\n')
     assert_user_error(cgp("train", "--solver", str(path), "--data-dir", str(mnist_dir)),
                       "snapshot_diff")
+
+
+def test_unknown_worker_kind_is_refused():
+    assert_user_error(cgp("equivalence", "mnist", "--workers", "threads,fibres"),
+                      "--workers wants threads, processes or both", "fibres")
+    assert_user_error(cgp("bench", "speedup", "mnist", "--workers", "ranks"), "--workers")
+    assert_user_error(cgp("train", "mnist", "--workers", "fibres"), "--workers", "processes")
