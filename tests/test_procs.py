@@ -1,6 +1,7 @@
 """Worker processes (--workers processes): the same bits as threads, every call run once,
 a worker's error or death reported in the main process, and nothing left running."""
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -87,12 +88,12 @@ def test_every_call_runs_once_and_errors_reach_the_caller():
             assert (engine.seen[~main, 2] != os.getpid()).all()
             assert (engine.seen[:, 3] == 101 * iteration + 7).all()
         # An error in any worker reaches the caller, with its type and message, once the
-        # running calls have ended, and no call starts after it.
+        # running calls have ended (that no call starts after it: the test below).
         engine.fail[0] = 5
         engine.seen[:] = -1
         with pytest.raises(NetError, match="call 5 failed"):
             workers.run(engine, 0, 0)
-        assert (engine.seen[:, 0] == -1).sum() > 1 and engine.seen[5, 0] == -1
+        assert engine.seen[5, 0] == -1
         engine.fail[0] = -1
         workers.run(engine, 0, 0)   # the workers still serve
         assert list(engine.seen[:, 0]) == list(range(40))
@@ -106,6 +107,18 @@ def test_every_call_runs_once_and_errors_reach_the_caller():
         pids = [p.pid for p in workers.procs]
         workers.close()
     assert not any(psutil.pid_exists(pid) for pid in pids)   # ended and reaped
+
+
+def test_an_error_stops_the_handing_out_of_calls():
+    engine = Recorder(40)
+    engine.fail[0] = 5
+    counter = aligned_zeros(2, np.int64, shared=True)
+    counter[:] = 0, 40
+    engine.seen[:] = -1
+    with pytest.raises(NetError, match="call 5 failed"):
+        procs._take_calls(engine, 0, 0, 0, counter, multiprocessing.Lock())
+    assert list(counter) == [40, 40]   # what any other worker asks for next: nothing
+    assert list(engine.seen[:5, 0]) == [0, 1, 2, 3, 4] and (engine.seen[5:, 0] == -1).all()
 
 
 def test_workers_are_pinned_with_affinity():
