@@ -253,12 +253,12 @@ class Engine:
         """batch: source blob id -> whole-batch array. Returns ({output name: value},
         loss, gradient or None). The gradient is the fixed-order sum over chunks."""
         net = self.net
-        batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
         if self.procs is not None:
             for b, a in batch.items():
-                self.inputs[b][...] = a
+                self.inputs[b][...] = a   # cast to the run's dtype as it is copied
             self.procs.run(self, iteration, seed)
         else:
+            batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
             self.pool.run(lambda w, g: self.work(w, g, iteration, seed, batch), len(self.groups))
         # Shares add up in chunk order, in the dtype of the blobs they came from.
         totals = np.zeros(len(self.tracked), self.dtype)

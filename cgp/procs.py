@@ -189,6 +189,8 @@ def _serve(w, pipes, engines, counter, lock, flush):
             reply = error
         try:
             conn.send(reply)
+        except OSError:     # the main process has gone: nobody to reply to
+            return
         except Exception:   # an exception that cannot be pickled arrives as its text
             conn.send(RuntimeError(f"worker process {w}:\n"
                                    + "".join(traceback.format_exception(reply))))
