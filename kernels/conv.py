@@ -5,11 +5,13 @@ cifar10) runs the direct kernels: the input is widened S times, one zero-padded 
 column s, so that every product reads whole rows of it and the column matrix of im2col (R*S
 times the input) is never formed. The products run through `tile` (cgp.kernels.tile), a
 register-tiled loop of 512-bit fused multiply-adds: the forward pass with output positions
-along the vectors, stored straight into NCHW, the weight gradient with output channels along
-the vectors, from dy transposed, and the input gradient either the same way as the forward
-pass (gathering, for padded layers) or, where the output is clearly smaller than the input,
-through one sample's column matrix, which is then added into dx row by row. Other strides
-run im2col and one BLAS GEMM per sample (cgp.kernels.blas).
+along the vectors, stored straight into NCHW, or, where tiles of fewer output rows skip more
+of the padding (small padded images), with output channels along the vectors and the tiles
+transposed into NCHW; the weight gradient with output channels along the vectors, from dy
+transposed; and the input gradient either the same way as the forward pass (gathering, for
+padded layers) or, where the output is clearly smaller than the input, through one
+sample's column matrix, which is then added into dx row by row. Other strides run im2col
+and one BLAS GEMM per sample (cgp.kernels.blas).
 
 Determinism. Every element of the forward pass and of the input gradient is one chain of
 multiply-adds over its own sample's data (through the column matrix: one chain per tap, the
@@ -45,7 +47,8 @@ import numpy as np
 from numba import njit
 
 from cgp.kernels.blas import gemm
-from cgp.kernels.tile import T_MAX, choose, lanes, shifted_copy, tile, transpose_block
+from cgp.kernels.tile import (SHAPES, SPEEDS_UNIT, T_MAX, choose, lanes, shifted_copy, tile,
+                              transpose_block)
 
 # Output positions per block of the weight gradient: the block of dycl that every tile of
 # the block reads stays in the L1 cache.
@@ -72,17 +75,16 @@ def _valid_range(off, stride, size, count):
 @njit(cache=True, nogil=True)
 def direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """How the direct path runs for vectors of V lanes, a function of the layer's shape only:
-    (T, KV) of the forward pass (T output channels by KV vectors of positions), of the weight
-    gradient (T rows (c, s) of the widened input by KV vectors of output channels) and of the
-    input gradient (gathering: T input channels by KV vectors of input positions; through
-    columns: T rows (c, r, s) by KV vectors of output positions), and whether the input
-    gradient goes through columns (_dx_columns) or gathers (_dx_gather). Every output is the
-    same chain of multiply-adds whatever the tile shape: the shapes change the speed, not the
-    results."""
+    (T, KV, positions) of the forward pass (see _rows_tiles), (T, KV) of the weight gradient
+    (T rows (c, s) of the widened input by KV vectors of output channels), (T, KV, positions)
+    of the input gradient when it gathers, or (T, KV) of its column matrix (T rows (c, r, s)
+    by KV vectors of output positions, positions False), and whether the input gradient goes
+    through columns (_dx_columns) or gathers (_dx_gather). Every output is the same chain of
+    multiply-adds whatever the tile shape: the shapes change the speed, not the results."""
     Cg, Kg = C // group, K // group
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
-    T_f, KV_f = choose(Kg, P * Q, V, True)
+    T_f, KV_f, pos_f = _rows_tiles(Kg, P * Q, Q, R, dil_h, pad_h, H, V)
     T_w, KV_w = choose(Cg * S, Kg, V, False)
     # Gathering computes every input position from all R*S taps, padding included; the
     # column matrix has P*Q positions per tap, but costs a pass that adds it into dx. Go
@@ -90,9 +92,56 @@ def direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     columns = 5 * P * Q < 4 * H * W
     if columns:
         T_x, KV_x = choose(Cg * R * S, P * Q, V, True)
+        pos_x = False
     else:
-        T_x, KV_x = choose(Cg, H * W, V, True)
-    return T_f, KV_f, T_w, KV_w, T_x, KV_x, columns
+        T_x, KV_x, pos_x = _rows_tiles(Cg, H * W, W, R, dil_h, dil_h * (R - 1) - pad_h, P, V)
+    return T_f, KV_f, pos_f, T_w, KV_w, T_x, KV_x, pos_x, columns
+
+
+@njit(cache=True, nogil=True)
+def _kernel_rows(j0, j1, Qo, R, dil, shift, Hi):
+    """The kernel rows [r0, r1) that output positions j0 to j1 - 1 (flat, rows of Qo) read
+    anything but padding at: output row p reads input row p + r*dil - shift of Hi rows. From
+    the first r that the last row reads inside the input to the last that the first row
+    does."""
+    p0, p1 = j0 // Qo, (j1 - 1) // Qo
+    r0 = max(-((p1 - shift) // dil), 0)
+    r1 = max(min((Hi - 1 - p0 + shift) // dil + 1, R), r0)
+    return r0, r1
+
+
+@njit(cache=True, nogil=True)
+def _rows_tiles(Ko, PQo, Qo, R, dil, shift, Hi, V):
+    """How _convolve_rows tiles Ko channels by PQo positions (rows of Qo; see it for the
+    rest): (T, KV, positions), a shape of SHAPES and either T channels by KV vectors of
+    positions (positions False) or T positions by KV vectors of channels (True). A tile leaves
+    out the kernel rows that read only padding for all its positions, so tiles of fewer
+    output rows skip more of a padded layer's work (cifar10_quick's conv3, 8 x 8 with
+    padding 2: a tile of one row skips 15 % of it, one of four rows nothing). The estimated
+    time: the multiply-adds of every tile over the kernel rows it runs, over the shape's
+    speed (SPEEDS_UNIT: both ways the T operands lie side by side). Ties go to channel tiles,
+    which need no transposition."""
+    best_t, best_kv, best_pos, best = 0, 0, False, -1.0
+    for i in range(len(SHAPES)):
+        T, KV = SHAPES[i]
+        for positions in (False, True):
+            span = T if positions else KV * V
+            channels = _round_up(Ko, KV * V if positions else T)
+            rows = 0
+            for j0 in range(0, PQo, span):
+                r0, r1 = _kernel_rows(j0, min(j0 + span, PQo), Qo, R, dil, shift, Hi)
+                rows += r1 - r0
+            cost = rows * span * channels / SPEEDS_UNIT[i]
+            if best < 0 or cost < best:
+                best_t, best_kv, best_pos, best = T, KV, positions, cost
+    return best_t, best_kv, best_pos
+
+
+@njit(cache=True, nogil=True)
+def _channel_pad(Ko, T, KV, positions, V):
+    """Channels per row of _convolve_rows' repacked weights: whole tiles along T, or whole
+    vectors along KV with positions."""
+    return _round_up(Ko, KV * V) if positions else _round_up(Ko, T)
 
 
 @njit(cache=True, nogil=True)
@@ -100,22 +149,26 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """Scratch sizes (elements) of the direct path for vectors of V lanes, as the tuple
     (e, e extra, wpt, dycl per sample, dycl extra, dwt, dbacc, eb, wft, dxp): see
     conv_forward_direct and conv_backward_direct. Every buffer that feeds vectors has V
-    elements to spare, for _aligned."""
+    elements to spare, for _aligned. With position tiles, wpt and wft also hold one sample's
+    and group's output, channels innermost, after the weights."""
     Cg, Kg = C // group, K // group
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
     Hp = H + 2 * pad_h
     Hb = H + dil_h * (R - 1)
-    T_f, KV_f, T_w, KV_w, T_x, KV_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
-                                                             dil_h, dil_w, group, V)
+    T_f, KV_f, pos_f, T_w, KV_w, T_x, KV_x, pos_x, columns = direct_shapes(
+        C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V)
     Kp = group * _round_up(Kg, KV_w * V)
+    KgT = _channel_pad(Kg, T_f, KV_f, pos_f, V)
+    wpt = group * R * Cg * S * KgT + (P * Q * KgT if pos_f else 0)
     if columns:
         eb, wft, dxp = K * P * Q, K * _round_up(Cg * R * S, T_x), Cg * R * S * P * Q
     else:
-        eb, wft, dxp = K * S * Hb * W, group * R * Kg * S * _round_up(Cg, T_x), 0
-    return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, group * R * Cg * S * _round_up(Kg, T_f) + V,
-            P * Q * Kp, V, Kp * R * _round_up(Cg * S, T_w) + K * Cg * R * S, Kp, eb + 4 * V + V,
-            wft + V, dxp + V)
+        CgT = _channel_pad(Cg, T_x, KV_x, pos_x, V)
+        eb, wft, dxp = K * S * Hb * W, group * R * Kg * S * CgT + (H * W * CgT if pos_x else 0), 0
+    return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, wpt + V, P * Q * Kp, V,
+            Kp * R * _round_up(Cg * S, T_w) + K * Cg * R * S, Kp, eb + 4 * V + V, wft + V,
+            dxp + V)
 
 
 @njit(cache=True, nogil=True)
@@ -179,22 +232,33 @@ def _tile_unit(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_o
 
 @njit(cache=True, nogil=True)
 def _convolve_rows(e, e_off, row_len, r_step, wt, wt_off, KoT, out, out_off, Ko, PQo, R, steps,
-                   Qo, dil, shift, Hi, T, KV, V):
+                   Qo, dil, shift, Hi, T, KV, positions, ycl, V):
     """One sample and group of a stride-1 convolution over widened rows (flat arrays):
     out[out_off + k*PQo + j] = sum over r < R, then i < steps, of
         wt[wt_off + (r*steps + i)*KoT + k] * e[e_off + r*r_step + i*row_len + j]
-    for k < Ko output channels (wt rows padded to KoT) and j < PQo positions, one chain per
-    element, in tiles of T channels by KV vectors of positions. Output row j // Qo reads, at
-    kernel row r, row j // Qo + r*dil - shift of an input Hi rows high, e's padding outside
-    it: a tile leaves out the kernel rows that read only padding for all its positions (zero
+    for k < Ko output channels (wt rows padded to KoT, _channel_pad) and j < PQo positions,
+    one chain per element, in tiles of T channels by KV vectors of positions or, with
+    `positions`, of T positions by KV vectors of channels, written into ycl (PQo rows of KoT)
+    and then transposed into out (_rows_tiles chooses). Output row j // Qo reads, at kernel
+    row r, row j // Qo + r*dil - shift of an input Hi rows high, e's padding outside it: a
+    tile leaves out the kernel rows that read only padding for all its positions (zero
     products leave its sums as they are). (Cutting the reduction into blocks that fit the L1
     cache gained nothing measurable: the tiles stream it from L2.)"""
     KVV = KV * V
+    if positions:
+        for j0 in range(0, PQo, T):
+            r0, r1 = _kernel_rows(j0, min(j0 + T, PQo), Qo, R, dil, shift, Hi)
+            for k0 in range(0, Ko, KVV):
+                _tile_unit(T, KV, ycl, j0 * KoT + k0, KoT, PQo - j0, Ko - k0, False,
+                           e, e_off + r0 * r_step + j0, r_step, row_len,
+                           wt, wt_off + r0 * steps * KoT + k0, steps * KoT, KoT, r1 - r0, steps)
+        for j0 in range(0, PQo, V):
+            for k0 in range(0, Ko, V):
+                transpose_block(out, out_off + k0 * PQo + j0, PQo, ycl, j0 * KoT + k0, KoT,
+                                min(V, PQo - j0), min(V, Ko - k0), ycl, 0, False)
+        return
     for j0 in range(0, PQo, KVV):
-        p0, p1 = j0 // Qo, (min(j0 + KVV, PQo) - 1) // Qo
-        # r from the first that row p1 reads inside the input to the last that row p0 does.
-        r0 = max(-((p1 - shift) // dil), 0)
-        r1 = max(min((Hi - 1 - p0 + shift) // dil + 1, R), r0)
+        r0, r1 = _kernel_rows(j0, min(j0 + KVV, PQo), Qo, R, dil, shift, Hi)
         for k0 in range(0, Ko, T):
             _tile_unit(T, KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0, False,
                        wt, wt_off + r0 * steps * KoT + k0, steps * KoT, KoT,
@@ -214,31 +278,39 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
     PQ = P * Q
     Kg = K // group
     V = lanes(x.itemsize)
-    T, KV, _, _, _, _, _ = direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group,
-                                         V)
-    KgT = _round_up(Kg, T)
+    T, KV, positions, _, _, _, _, _, _ = direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h,
+                                                       dil_w, group, V)
+    KgT = _channel_pad(Kg, T, KV, positions, V)
     Hp = H + 2 * pad_h
     HpQ = Hp * Q
     CSg = Cg * S
     esz = C * S * HpQ
     e, wpt = _aligned(e, V), _aligned(wpt, V)
-    if e.size < esz + _e_slack(HpQ, V) or wpt.size < group * R * CSg * KgT:
+    wsz = group * R * CSg * KgT
+    if e.size < esz + _e_slack(HpQ, V) or wpt.size < wsz + (PQ * KgT if positions else 0):
         raise ValueError("conv_forward_direct: scratch too small")
-    # Weights by (group, r, c, s), output channels innermost (padded with zeros to KgT).
+    ycl = wpt[wsz:]
+    # Weights by (group, r, c, s), output channels innermost (padded to KgT), in blocks of
+    # V channels by the S taps of a kernel row. (Element by element across w's rows, this
+    # took a tenth of cifar10_quick's conv3 call.)
+    wf = w.reshape(w.size)
+    CgRS = Cg * R * S
     for gr in range(group):
-        for r in range(R):
+        for k0 in range(0, Kg, V):
+            kn = min(V, Kg - k0)
             for c in range(Cg):
-                for s in range(S):
-                    base = ((gr * R + r) * CSg + c * S + s) * KgT
-                    for k in range(Kg):
-                        wpt[base + k] = w[gr * Kg + k, c, r, s]
+                for r in range(R):
+                    for s0 in range(0, S, V):
+                        transpose_block(wpt, ((gr * R + r) * CSg + c * S + s0) * KgT + k0, KgT,
+                                        wf, ((gr * Kg + k0) * Cg + c) * R * S + r * S + s0,
+                                        CgRS, kn, min(V, S - s0), wpt, 0, False)
     yf = y.reshape(N * K * PQ)
     for n in range(N):
         widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
         for gr in range(group):
             _convolve_rows(e, gr * CSg * HpQ, HpQ, dil_h * Q, wpt, gr * R * CSg * KgT,
                            KgT, yf, (n * K + gr * Kg) * PQ, Kg, PQ, R, CSg, Q, dil_h, pad_h, H,
-                           T, KV, V)
+                           T, KV, positions, ycl, V)
         if b.size > 0:
             for k in range(K):
                 bk = b[k]
@@ -303,8 +375,8 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     PQ = P * Q
     Kg = K // group
     V = lanes(x.itemsize)
-    _, _, T, KV, T_x, KV_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w,
-                                                    group, V)
+    _, _, _, T, KV, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
+                                                              dil_h, dil_w, group, V)
     if N == 0:
         return
     KVV = KV * V
@@ -377,32 +449,40 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         _dx_columns(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
                     T_x, KV_x, V)
     else:
-        _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, V)
+        _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, pos_x, V)
 
 
 @njit(cache=True, nogil=True)
-def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, V):
+def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, positions, V):
     """dx[n, c, h, w] = sum over (r', k, s') of w[k, c, R-1-r', S-1-s'] * dy[n, k,
     h + r'*dil_h - shift_h, w + s'*dil_w - shift_w] (0 outside dy), one chain per element:
-    the forward pattern on dy widened with these shifts (eb), the weights flipped (wft). It
-    multiplies the zeros around dy too: H*W positions by all R*S taps."""
+    the forward pattern on dy widened with these shifts (eb), the weights flipped (wft,
+    followed by one sample's and group's dx, channels innermost, for position tiles). It
+    multiplies the zeros around dy too, but for the kernel rows a tile leaves out."""
     N, C, H, W = dx.shape
     K, Cg, R, S = w.shape
     Kg = K // group
-    CgT = _round_up(Cg, T)
+    CgT = _channel_pad(Cg, T, KV, positions, V)
     Hb = H + dil_h * (R - 1)
     HbW = Hb * W
     KSg = Kg * S
     HW = H * W
-    if eb.size < K * S * HbW + 4 * V or wft.size < group * R * KSg * CgT:
+    wsz = group * R * KSg * CgT
+    if eb.size < K * S * HbW + 4 * V or wft.size < wsz + (HW * CgT if positions else 0):
         raise ValueError("conv_backward_direct: scratch too small")
+    ycl = wft[wsz:]
+    # One filter at a time (a few kB, in L1 for all its taps), unsigned flat indices (signed
+    # ones cost a wrap-around test per element: this took 60 % longer).
+    wf = w.reshape(w.size)
+    RS = R * S
     for gr in range(group):
-        for r in range(R):
-            for k in range(Kg):
+        for k in range(Kg):
+            for r in range(R):
                 for s in range(S):
                     base = ((gr * R + r) * KSg + k * S + s) * CgT
+                    src = (gr * Kg + k) * Cg * RS + (R - 1 - r) * S + S - 1 - s
                     for c in range(Cg):
-                        wft[base + c] = w[gr * Kg + k, c, R - 1 - r, S - 1 - s]
+                        wft[np.uintp(base + c)] = wf[np.uintp(src + c * RS)]
     shift_h = dil_h * (R - 1) - pad_h
     shift_w = dil_w * (S - 1) - pad_w
     dxf = dx.reshape(N * C * HW)
@@ -411,7 +491,7 @@ def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, V):
         for gr in range(group):
             _convolve_rows(eb, gr * KSg * HbW, HbW, dil_h * W, wft, gr * R * KSg * CgT, CgT,
                            dxf, (n * C + gr * Cg) * HW, Cg, HW, R, KSg, W, dil_h, shift_h,
-                           dy.shape[2], T, KV, V)
+                           dy.shape[2], T, KV, positions, ycl, V)
 
 
 @njit(cache=True, nogil=True)

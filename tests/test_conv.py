@@ -210,6 +210,13 @@ LARGE = [
     # Kernel rows wider than a vector (17 > 16 float32 lanes): the weight gradient is turned
     # into w's layout in blocks of columns.
     (18, "kernel_h: 2 kernel_w: 17 pad_h: 0 pad_w: 8", (2, 2, 4, 20), dict(pad=(0, 8))),
+    # Small padded images: tiles of positions by vectors of channels, transposed into place,
+    # forward and input gradient (cifar10_quick's conv3; with groups and dilation; a
+    # rectangular kernel).
+    (64, "kernel_size: 5 pad: 2", (2, 32, 8, 8), dict(pad=(2, 2))),
+    (32, "kernel_size: 3 dilation: 2 pad: 2 group: 2", (2, 32, 6, 6),
+     dict(pad=(2, 2), dilation=(2, 2), group=2)),
+    (20, "kernel_h: 5 kernel_w: 3 pad: 2", (2, 20, 6, 9), dict(pad=(2, 2))),
 ]
 
 
@@ -233,7 +240,7 @@ def test_results_ignore_scratch_contents_and_alignment():
     """Scratch full of NaN, and every buffer moved by a few elements, give bitwise the same
     tops and gradients: the kernels read only what they wrote (padding lanes and tiles that
     hang over an edge are never stored), and alignment changes only the speed."""
-    for num_output, fields, shape, _ in LARGE[:5]:
+    for num_output, fields, shape, _ in LARGE[:5] + LARGE[-3:]:
         layer = build(conv_text(fields, num_output), [shape])
         x = data(shape).astype(np.float32)
         params = [p.astype(np.float32) for p in random_params(layer)]
@@ -256,7 +263,8 @@ def test_results_ignore_scratch_contents_and_alignment():
 
 
 def test_direct_path_choices_are_covered():
-    """The configurations above reach both ways to the input gradient and several tile
+    """The configurations above reach both ways to the input gradient, both arrangements of
+    tiles where the forward pass and the input gradient convolve rows, and several tile
     shapes of each stride-1 kernel, in both SIMD widths."""
     seen = set()
     for num_output, fields, shape, _ in [(4,) + c for c in CONFIGS.values()] + LARGE:
@@ -266,8 +274,11 @@ def test_direct_path_choices_are_covered():
                 seen.add(K.direct_shapes(layer.C, layer.H, layer.W, layer.K, layer.R, layer.S,
                                          layer.pad_h, layer.pad_w, layer.dil_h, layer.dil_w,
                                          layer.group, V))
+    # (T, KV, positions) forward, (T, KV) weight gradient, (T, KV, positions) input
+    # gradient, through columns or not.
     assert {shapes[-1] for shapes in seen} == {True, False}
-    for i in (0, 2, 4):
+    assert {shapes[2] for shapes in seen} == {shapes[7] for shapes in seen} == {True, False}
+    for i in (0, 3, 5):
         assert len({shapes[i:i + 2] for shapes in seen}) >= 3
 
 
