@@ -127,14 +127,33 @@ def _rows_tiles(Ko, PQo, Qo, R, dil, shift, Hi, V):
         for positions in (False, True):
             span = T if positions else KV * V
             channels = _round_up(Ko, KV * V if positions else T)
-            rows = 0
-            for j0 in range(0, PQo, span):
-                r0, r1 = _kernel_rows(j0, min(j0 + span, PQo), Qo, R, dil, shift, Hi)
-                rows += r1 - r0
-            cost = rows * span * channels / SPEEDS_UNIT[i]
+            cost = _tile_rows(PQo, span, Qo, R, dil, shift, Hi) * span * channels / SPEEDS_UNIT[i]
             if best < 0 or cost < best:
                 best_t, best_kv, best_pos, best = T, KV, positions, cost
     return best_t, best_kv, best_pos
+
+
+@njit(cache=True, nogil=True)
+def _tile_rows(PQo, span, Qo, R, dil, shift, Hi):
+    """The kernel rows that tiles of `span` positions run, summed over the tiles (see
+    _kernel_rows). The tiles that run all R form one run in the middle (a tile's first row
+    only moves down the image, its last too), so only the tiles before and after it are
+    counted one by one: a call chooses its tiles in a few steps, not one per tile."""
+    n = (PQo + span - 1) // span
+    rows, lo, hi = 0, 0, n
+    while lo < hi:
+        r0, r1 = _kernel_rows(lo * span, min(lo * span + span, PQo), Qo, R, dil, shift, Hi)
+        if r1 - r0 == R:
+            break
+        rows += r1 - r0
+        lo += 1
+    while hi > lo:
+        r0, r1 = _kernel_rows((hi - 1) * span, min(hi * span, PQo), Qo, R, dil, shift, Hi)
+        if r1 - r0 == R:
+            break
+        rows += r1 - r0
+        hi -= 1
+    return rows + (hi - lo) * R
 
 
 @njit(cache=True, nogil=True)

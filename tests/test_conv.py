@@ -1,5 +1,7 @@
 """Convolution against a float64 NumPy reference written without im2col (shifted slices of the
 padded input), gradient checks, split invariance, shape rules and Caffe's parameter rules."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -280,6 +282,22 @@ def test_direct_path_choices_are_covered():
     assert {shapes[2] for shapes in seen} == {shapes[7] for shapes in seen} == {True, False}
     for i in (0, 3, 5):
         assert len({shapes[i:i + 2] for shapes in seen}) >= 3
+
+
+def test_tile_rows_counts_every_tile():
+    """The kernel rows that the tiles of a convolution run, counted from the edges in, are
+    the sum over every tile, for paddings up to beyond the kernel, dilations, and tiles of
+    part of a row to several rows."""
+    for Hi, Qo, R, dil, shift, span in itertools.product((1, 3, 8, 13), (1, 5, 8), (1, 3, 5),
+                                                         (1, 2), (-1, 0, 2, 5), (3, 8, 32)):
+        P = Hi + 2 * max(shift, 0) - dil * (R - 1)
+        if P <= 0:
+            continue
+        PQo = P * Qo
+        every = sum(r1 - r0 for r0, r1 in (K._kernel_rows(j0, min(j0 + span, PQo), Qo, R, dil,
+                                                          shift, Hi)
+                                           for j0 in range(0, PQo, span)))
+        assert K._tile_rows(PQo, span, Qo, R, dil, shift, Hi) == every
 
 
 # -- the SIMD and BLAS helpers of the kernels -------------------------------------------------
