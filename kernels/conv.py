@@ -310,8 +310,9 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
         raise ValueError("conv_forward_direct: scratch too small")
     ycl = wpt[wsz:]
     # Weights by (group, r, c, s), output channels innermost (padded to KgT), in blocks of
-    # V channels by the S taps of a kernel row. (Element by element across w's rows, this
-    # took a tenth of cifar10_quick's conv3 call.)
+    # V channels by the S taps of a kernel row, through vector registers: element by element,
+    # every read crossed to another row of w, and for small images this repacking, once per
+    # call, is not small beside the convolution.
     wf = w.reshape(w.size)
     CgRS = Cg * R * S
     for gr in range(group):
@@ -490,8 +491,8 @@ def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, pos
     if eb.size < K * S * HbW + 4 * V or wft.size < wsz + (HW * CgT if positions else 0):
         raise ValueError("conv_backward_direct: scratch too small")
     ycl = wft[wsz:]
-    # One filter at a time (a few kB, in L1 for all its taps), unsigned flat indices (signed
-    # ones cost a wrap-around test per element: this took 60 % longer).
+    # One filter at a time (a few kB, in L1 for all its taps), with unsigned flat indices: a
+    # signed index costs a wrap-around test per element (see im2col).
     wf = w.reshape(w.size)
     RS = R * S
     for gr in range(group):
