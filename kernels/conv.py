@@ -34,8 +34,9 @@ and bottom, C*S*(H + 2*pad_h)*Q elements (S times the padded input, where im2col
 matrix would be R*S times). The forward pass and the weight gradient each widen the sample
 they work on: the buffer stays one sample's size whatever the call's, and backward needs
 nothing from forward but its input, as in Caffe. (Keeping every sample's copy from forward
-to backward instead measured no faster.) Backward adds the chunk's dy transposed
-(samples * P*Q * K, K rounded up to whole vectors).
+to backward instead measured no faster.) Backward adds a block of one sample's dy
+transposed (POSITION_BLOCK positions by K, K rounded up to whole vectors): no buffer grows
+with the chunk.
 
 Dimension letters: N samples in the chunk, C input channels, K output channels (filters),
 G groups (C/G and K/G channels per group), H W input height and width, P Q output height and
@@ -166,7 +167,7 @@ def _channel_pad(Ko, T, KV, positions, V):
 @njit(cache=True, nogil=True)
 def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """Scratch sizes (elements) of the direct path for vectors of V lanes, as the tuple
-    (e, e extra, wpt, dycl per sample, dycl extra, dwt, dbacc, eb, wft, dxp): see
+    (e, e extra, wpt, dycl, dycl extra, dwt, dbacc, eb, wft, dxp): see
     conv_forward_direct and conv_backward_direct. Every buffer that feeds vectors has V
     elements to spare, for _aligned. With position tiles, wpt and wft also hold one sample's
     and group's output, channels innermost, after the weights."""
@@ -185,7 +186,8 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     else:
         CgT = _channel_pad(Cg, T_x, KV_x, pos_x, V)
         eb, wft, dxp = K * S * Hb * W, group * R * Kg * S * CgT + (H * W * CgT if pos_x else 0), 0
-    return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, wpt + V, P * Q * Kp, V,
+    return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, wpt + V,
+            min(P * Q, POSITION_BLOCK) * Kp, V,
             Kp * R * _round_up(Cg * S, T_w) + K * Cg * R * S, Kp, eb + 4 * V + V, wft + V,
             dxp + V)
 
@@ -341,34 +343,22 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
 
 
 @njit(cache=True, nogil=True)
-def _channels_last(dy, dycl, dbacc, dbs, db_step, starts, Kg, Kgp, V):
-    """dy: (N, K, P, Q), C-contiguous -> dycl[(n*P*Q + j)*Kp + gr*Kgp + kk] = dy[n, gr*Kg + kk,
-    j] (flat positions j, Kp = G*Kgp; the padding columns are left alone), in V x V blocks;
-    and part i's bias gradient dbs[i*db_step + k] += the sum of dy[n, k] over j, summed in j
-    order, one sample n of the part at a time (dbacc: (Kp,) scratch), from the transposed
-    blocks. No bias when dbs is empty."""
+def _channels_last(dy, n, j0, jn, dycl, dbacc, add, Kg, Kgp, V):
+    """Positions j0 to j0 + jn - 1 of sample n of dy (N, K, P, Q), C-contiguous, with channels
+    innermost: dycl[(j - j0)*Kp + gr*Kgp + kk] = dy[n, gr*Kg + kk, j] (flat positions j,
+    Kp = G*Kgp; the padding columns are left alone), in V x V blocks (j0 a multiple of V);
+    with `add`, also dbacc[gr*Kgp + kk] += dy[n, gr*Kg + kk, j] for each j in order."""
     N, K, P, Q = dy.shape
     PQ = P * Q
     group = K // Kg
     Kp = group * Kgp
     dyf = dy.reshape(N * K * PQ)
-    add = dbs.size > 0
-    for part in range(starts.size - 1):
-        for n in range(starts[part], starts[part + 1]):
-            base = n * PQ * Kp
-            for k in range(Kp):
-                dbacc[k] = 0
-            for j0 in range(0, PQ, V):
-                for gr in range(group):
-                    for k0 in range(0, Kg, V):
-                        transpose_block(dycl, base + j0 * Kp + gr * Kgp + k0, Kp,
-                                        dyf, (n * K + gr * Kg + k0) * PQ + j0, PQ,
-                                        min(V, Kg - k0), min(V, PQ - j0), dbacc, gr * Kgp + k0,
-                                        add)
-            if add:
-                for gr in range(group):
-                    for kk in range(Kg):
-                        dbs[part * db_step + gr * Kg + kk] += dbacc[gr * Kgp + kk]
+    for j in range(j0, j0 + jn, V):
+        for gr in range(group):
+            for k0 in range(0, Kg, V):
+                transpose_block(dycl, (j - j0) * Kp + gr * Kgp + k0, Kp,
+                                dyf, (n * K + gr * Kg + k0) * PQ + j, PQ,
+                                min(V, Kg - k0), min(V, j0 + jn - j), dbacc, gr * Kgp + k0, add)
 
 
 @njit(cache=True, nogil=True)
@@ -380,9 +370,9 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     engine's chunks): part i is samples starts[i] to starts[i+1] - 1, and its weight gradient,
     laid out like w, is ADDED to at dws[i*dw_step:], its bias gradient (K,) at dbs[i*db_step:]
     (no bias when dbs is empty). Scratch, flat (direct_sizes): e, one sample's widened
-    input (as in conv_forward_direct); dycl, dy with channels innermost; dwt, one part's
-    weight gradient by channel block, followed by the same laid out like w; dbacc, one
-    sample's bias gradient; eb, one sample's dy (widened, when gathering); wft, the weights
+    input (as in conv_forward_direct); dycl, a block of positions of one sample's dy with
+    channels innermost; dwt, one part's weight gradient by channel block, followed by the
+    same laid out like w; dbacc, one sample's bias gradient; eb, one sample's dy (widened, when gathering); wft, the weights
     repacked for the input gradient; dxp, one group's column matrix of one sample
     (_dx_columns only).
     db[k] += sums of dy[n, k] over positions, one sample of the part at a time in sample order;
@@ -411,22 +401,25 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     e, dycl = _aligned(e, V), _aligned(dycl, V)
     CgRS = Cg * R * S
     dwt_size = Kp * R * CSp
-    if (dycl.size < N * PQ * Kp or dwt.size < dwt_size + K * CgRS or dbacc.size < Kp
+    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < dwt_size + K * CgRS or dbacc.size < Kp
             or e.size < esz + _e_slack(HpQ, V)):
         raise ValueError("conv_backward_direct: scratch too small")
     if starts[0] != 0 or starts[-1] != N:
         raise ValueError("conv_backward_direct: the parts must cover the samples")
-    _channels_last(dy, dycl, dbacc, dbs, db_step, starts, Kg, Kgp, V)
+    bias = dbs.size > 0
     # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
-    # chain over the part's samples, then positions. Blocks of positions keep that block of
-    # dycl in cache for all the tiles, which continue their chains across blocks.
+    # chain over the part's samples, then positions. Each block of positions is turned
+    # channels-last just before its tiles, which find it in the L1 cache (and continue their
+    # chains across blocks): a whole chunk turned at once went through L3 and took a quarter
+    # of cifar10_quick's first layer's weight gradient.
     for part in range(starts.size - 1):
         n0, n1 = starts[part], starts[part + 1]
-        if n1 == n0:
-            continue
         for n in range(n0, n1):
             widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
+            dbacc[:Kp] = 0
             for p0 in range(0, PQ, POSITION_BLOCK):
+                _channels_last(dy, n, p0, min(POSITION_BLOCK, PQ - p0), dycl, dbacc, bias, Kg,
+                               Kgp, V)
                 for r in range(R):
                     # Only the positions whose kernel row r reads no padding row (see
                     # Determinism above).
@@ -440,8 +433,14 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
                                      CSg - cs0, KVV, n > n0 or p0 > 0,
                                      e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + j0,
-                                     HpQ, 0, 1, dycl, (n * PQ + j0) * Kp + blk * KVV, 0, Kp, 1,
+                                     HpQ, 0, 1, dycl, (j0 - p0) * Kp + blk * KVV, 0, Kp, 1,
                                      steps)
+            if bias:
+                for gr in range(group):
+                    for kk in range(Kg):
+                        dbs[part * db_step + gr * Kg + kk] += dbacc[gr * Kgp + kk]
+        if n1 == n0:
+            continue
         # Into dw: dwt turned into w's layout (dwk) a block of (s, channels) at a time, then
         # added in one pass. (Adding dwt's elements into dw one by one touched a cache line of
         # dw per element: a tenth of cifar10_quick's conv3 backward.)

@@ -48,8 +48,8 @@ class Convolution(Layer):
 
     Stride 1 runs the direct kernels (cgp.kernels.conv), whose scratch "e" holds one
     sample's input widened S times, per bottom: (bottoms, C*S*(H + 2*pad_h)*Q + slack) per
-    worker. "dycl" (dy transposed, N*P*Q*K rounded up to whole SIMD vectors) is the one
-    buffer that grows with the chunk; the others hold the weights repacked or one sample.
+    worker. No buffer grows with the chunk: the others hold the weights repacked, one sample
+    or a block of its positions ("dycl", dy transposed).
     Sizes suit both float32 and float64. Other strides run im2col: "col", the column matrix
     of one sample (C*R*S, P*Q).
     """
@@ -129,7 +129,7 @@ class Convolution(Layer):
                 for t in (np.float32, np.float64)))]
             e, e_extra, wpt, dycl, dycl_extra, dwt, dbacc, eb, wft, dxp = sizes
             return {"e": (len(self.lp.bottom), e + e_extra), "wpt": (wpt,),
-                    "dycl": (n * dycl + dycl_extra,), "dwt": (dwt,), "dbacc": (dbacc,),
+                    "dycl": (dycl + dycl_extra,), "dwt": (dwt,), "dbacc": (dbacc,),
                     "eb": (eb,), "wft": (wft,), "dxp": (dxp,)}
         return {"col": (self.C * self.R * self.S, self.P * self.Q)}
 
