@@ -372,9 +372,9 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     (no bias when dbs is empty). Scratch, flat (direct_sizes): e, one sample's widened
     input (as in conv_forward_direct); dycl, a block of positions of one sample's dy with
     channels innermost; dwt, one part's weight gradient by channel block, followed by the
-    same laid out like w; dbacc, one sample's bias gradient; eb, one sample's dy (widened, when gathering); wft, the weights
-    repacked for the input gradient; dxp, one group's column matrix of one sample
-    (_dx_columns only).
+    same laid out like w; dbacc, one sample's bias gradient; eb, one sample's dy (widened,
+    when gathering); wft, the weights repacked for the input gradient; dxp, one group's
+    column matrix of one sample (_dx_columns only).
     db[k] += sums of dy[n, k] over positions, one sample of the part at a time in sample order;
     dw[k, c, r, s] += one chain over the part's (n, p, q) of dy[n, k, p, q] *
     x[n, c, p + r*dil_h - pad_h, q + s*dil_w - pad_w]: each part's gradient is what a call
@@ -401,8 +401,8 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     e, dycl = _aligned(e, V), _aligned(dycl, V)
     CgRS = Cg * R * S
     dwt_size = Kp * R * CSp
-    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < dwt_size + K * CgRS or dbacc.size < Kp
-            or e.size < esz + _e_slack(HpQ, V)):
+    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < dwt_size + K * CgRS
+            or dbacc.size < Kp or e.size < esz + _e_slack(HpQ, V)):
         raise ValueError("conv_backward_direct: scratch too small")
     if starts[0] != 0 or starts[-1] != N:
         raise ValueError("conv_backward_direct: the parts must cover the samples")
@@ -440,7 +440,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                     for kk in range(Kg):
                         dbs[part * db_step + gr * Kg + kk] += dbacc[gr * Kgp + kk]
         if n1 == n0:
-            continue
+            continue  # no gradient to add: dwt holds the previous part's
         # Into dw: dwt turned into w's layout (dwk) a block of (s, channels) at a time, then
         # added in one pass. (Adding dwt's elements into dw one by one touched a cache line of
         # dw per element: a tenth of cifar10_quick's conv3 backward.)
