@@ -410,8 +410,8 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
     # chain over the part's samples, then positions. Each block of positions is turned
     # channels-last just before its tiles, which find it in the L1 cache (and continue their
-    # chains across blocks): a whole chunk turned at once went through L3 and took a quarter
-    # of cifar10_quick's first layer's weight gradient.
+    # chains across blocks): a whole chunk turned at once went through L3, which slowed the
+    # weight gradient of large outputs (cifar10_quick's first layer) measurably.
     for part in range(starts.size - 1):
         n0, n1 = starts[part], starts[part + 1]
         for n in range(n0, n1):
