@@ -12,7 +12,10 @@ speed as the median of the per-round ratios, and whether the two gave the same b
 
 The base revision's kernels/conv.py, pool.py, reduce.py and tile.py are taken with `git show`
 into a temporary folder and imported from there (the rest of the package is the working
-tree's).
+tree's). `--base torch` times PyTorch's convolution instead (1 thread, channels_last, the
+same data: forward, and the backward kernels alone, through autograd on a kept graph), for
+convolution layers only, and prints how far the results differ rather than whether the bits
+are the same (the working tree's parts added up, as PyTorch sums the whole call).
 Every array starts on a cache line, and scratch starts zeroed, as the engine allocates them:
 an operand that straddles cache lines runs at another speed, and uninitialised memory may
 hold subnormal floats, which tiles read in lanes they never store and which then slow every
@@ -103,6 +106,62 @@ def runs(module, shape, n, seed=0):
             "backward": backward(True)}
 
 
+def torch_runs(shape, n, seed=0):
+    """runs()' three calls in PyTorch, on the same data (the same seed), each returning what
+    runs()' does with the two parts' gradients in one: the first part's slots hold the sum,
+    the second's zeros."""
+    import torch
+    import torch.nn.functional as F
+
+    C, H, W, K, R, S, pad = shape
+    rng = np.random.default_rng(seed)
+    x, w, b = normal(rng, (n, C, H, W)), normal(rng, (K, C, R, S)), normal(rng, K)
+    P, Q = H + 2 * pad - R + 1, W + 2 * pad - S + 1
+    dy = normal(rng, (n, K, P, Q))
+    last = torch.channels_last
+
+    def tensor(a, grad):
+        t = torch.from_numpy(a)
+        t = t.contiguous(memory_format=last) if a.ndim == 4 else t.clone()
+        return t.requires_grad_(grad)
+
+    tx, tw, tb, tdy = tensor(x, True), tensor(w, True), tensor(b, True), tensor(dy, False)
+    y = F.conv2d(tx, tw, tb, padding=pad)
+
+    def forward():
+        with torch.no_grad():
+            out = F.conv2d(tx, tw, tb, padding=pad)
+        return out.contiguous().numpy()
+
+    def backward(need_dx):
+        inputs = [tw, tb] + ([tx] if need_dx else [])
+
+        def call():
+            grads = torch.autograd.grad(y, inputs, tdy, retain_graph=True)
+            dw, db = (g.contiguous().numpy().ravel() for g in grads[:2])
+            dx = [grads[2].contiguous().numpy().ravel()] if need_dx else []
+            return np.concatenate([dw, np.zeros_like(dw), db, np.zeros_like(db)] + dx)
+        return call
+
+    torch.set_num_threads(1)
+    return {"forward": forward, "backward, no dx": backward(False),
+            "backward": backward(True)}
+
+
+def parts_summed(result, shape, call):
+    """runs()' result with the second part's gradients added into the first's slots."""
+    C, H, W, K, R, S, pad = shape
+    if call == "forward":
+        return result
+    out = result.copy()
+    size = K * C * R * S
+    out[:size] += out[size:2 * size]
+    out[size:2 * size] = 0
+    out[2 * size:2 * size + K] += out[2 * size + K:2 * size + 2 * K]
+    out[2 * size + K:2 * size + 2 * K] = 0
+    return out
+
+
 def pool_runs(module, shape, n, seed=0):
     """Pooling's two calls with the module's kernels. Before 30ef7d2 average pooling took a
     row scratch (forward) and none (backward); since, blocks of planes (ave_sizes)."""
@@ -171,7 +230,8 @@ def reduce_runs(module, shape, seed=0):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--base", required=True,
+                        help="git revision to compare against, or torch")
     parser.add_argument("--layers", default=",".join(list(LAYERS) + list(POOLS) + list(REDUCTIONS)))
     parser.add_argument("--samples", type=int, default=12, help="samples per call")
     parser.add_argument("--rounds", type=int, default=60)
@@ -181,9 +241,13 @@ def main():
     unknown = [name for name in layers if name not in known]
     if unknown:
         parser.error(f"unknown layers {unknown}; known: {', '.join(known)}")
+    with_torch = args.base == "torch"
+    if with_torch and any(name not in LAYERS for name in layers):
+        parser.error(f"--base torch times convolutions only: {', '.join(LAYERS)}")
     with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
         try:
-            base_conv, base_pool, base_reduce = base_modules(args.base, Path(folder))
+            if not with_torch:
+                base_conv, base_pool, base_reduce = base_modules(args.base, Path(folder))
         except subprocess.CalledProcessError as err:
             sys.exit(f"kernel_ab: git show {args.base}: {err.stderr.strip()}")
         print(f"base {args.base} against the working tree, {args.samples} samples per call, "
@@ -197,6 +261,9 @@ def main():
             elif name in POOLS:
                 old = pool_runs(base_pool, POOLS[name], args.samples)
                 new = pool_runs(pool, POOLS[name], args.samples)
+            elif with_torch:
+                old = torch_runs(LAYERS[name], args.samples)
+                new = runs(conv, LAYERS[name], args.samples)
             else:
                 old = runs(base_conv, LAYERS[name], args.samples)
                 new = runs(conv, LAYERS[name], args.samples)
@@ -207,7 +274,13 @@ def main():
                     sys.exit(f"kernel_ab: {args.base}'s kernels take other arguments or "
                              f"scratch than this script gives them ({err}); compare with a "
                              f"later revision")
-                same = np.array_equal(first.view(np.int32), new[call]().view(np.int32))
+                if with_torch:
+                    ours = parts_summed(new[call](), LAYERS[name], call)
+                    # The largest difference over the largest magnitude.
+                    same = f"differ by {np.abs(ours - first).max() / np.abs(first).max():.1e}"
+                else:
+                    equal = np.array_equal(first.view(np.int32), new[call]().view(np.int32))
+                    same = f"same bits: {'yes' if equal else 'NO'}"
                 t_old, t_new = [], []
                 for _ in range(args.rounds):
                     for fn, times in ((old[call], t_old), (new[call], t_new)):
@@ -217,7 +290,7 @@ def main():
                 ratio = np.median(np.array(t_old) / np.array(t_new))
                 print(f"  {name:7s} {call:16s} base {np.median(t_old) * scale:7.2f}  "
                       f"now {np.median(t_new) * scale:7.2f}  speed x{ratio:.3f}  "
-                      f"same bits: {'yes' if same else 'NO'}")
+                      f"{same}")
 
 
 if __name__ == "__main__":
