@@ -113,6 +113,7 @@ def torch_runs(shape, n, seed=0):
     import torch
     import torch.nn.functional as F
 
+    torch.set_num_threads(1)
     C, H, W, K, R, S, pad = shape
     rng = np.random.default_rng(seed)
     x, w, b = normal(rng, (n, C, H, W)), normal(rng, (K, C, R, S)), normal(rng, K)
@@ -143,7 +144,6 @@ def torch_runs(shape, n, seed=0):
             return np.concatenate([dw, np.zeros_like(dw), db, np.zeros_like(db)] + dx)
         return call
 
-    torch.set_num_threads(1)
     return {"forward": forward, "backward, no dx": backward(False),
             "backward": backward(True)}
 
