@@ -19,16 +19,13 @@ import cgp.train
 from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options  # bench/, on the path when run as a script
-
-ROOT = Path(__file__).resolve().parent.parent
-
+# bench/, on the path when run as a script
+from interleave import ab_pair, add_pair_options, git_show
 
 def base_engine(rev, folder):
     """The engine module of git revision `rev`, imported from a copy in `folder`."""
     try:
-        text = subprocess.run(["git", "show", f"{rev}:cgp/engine.py"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
+        text = git_show(rev, "cgp/engine.py")
     except subprocess.CalledProcessError as err:
         sys.exit(f"engine_ab: git show {rev}: {err.stderr.strip()}")
     path = Path(folder) / "base_engine.py"

@@ -1,9 +1,21 @@
-"""Timing helper shared by the bench scripts that compare trainers in one process."""
+"""Helpers shared by the bench scripts that compare trainers or kernels in one process:
+interleaved timing, and another git revision's source."""
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def git_show(rev, path):
+    """The text of `path` (from the repository root) at git revision `rev`; raises
+    subprocess.CalledProcessError, with git's message in .stderr, where there is none."""
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
 
 
 def interleaved_rounds(trainers, rounds, steps, warmup=3):

@@ -34,6 +34,7 @@ from threadpoolctl import threadpool_limits
 from cgp.engine import chunk_bounds
 from cgp.kernels import conv, pool, reduce
 from cgp.layers import aligned_zeros
+from interleave import git_show  # bench/, on the path when run as a script
 
 # name: (C, H, W, K, R, S, pad): the stride-1 convolutions of the shipped nets.
 LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
@@ -44,18 +45,14 @@ POOLS = {"pool1": (32, 32, 32, 3, 2, "MAX"), "pool2": (32, 16, 16, 3, 2, "AVE"),
          "pool3": (64, 8, 8, 3, 2, "AVE")}
 # name: (batch, J, L): a factored weight gradient's shape, summed over 16 chunks.
 REDUCTIONS = {"ip1sum": (64, 500, 800), "cifar-ip1sum": (100, 64, 1024)}
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def base_modules(rev, folder):
     """The revision's kernels/conv.py, pool.py and reduce.py, importing its own tile.py, as
     modules base_conv, base_pool and base_reduce."""
-    def show(path):
-        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
-    (folder / "base_tile.py").write_text(show("kernels/tile.py"))
+    (folder / "base_tile.py").write_text(git_show(rev, "kernels/tile.py"))
     for name in ("conv", "pool", "reduce"):
-        source = show(f"kernels/{name}.py").replace("from cgp.kernels.tile import",
+        source = git_show(rev, f"kernels/{name}.py").replace("from cgp.kernels.tile import",
                                                     "from base_tile import")
         (folder / f"base_{name}.py").write_text(source)
     sys.path.insert(0, str(folder))
