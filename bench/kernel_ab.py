@@ -16,6 +16,8 @@ tree's). `--base torch` times PyTorch's convolution instead (1 thread, channels_
 same data: forward, and the backward kernels alone, through autograd on a kept graph), for
 convolution layers only, and prints how far the results differ rather than whether the bits
 are the same (the working tree's parts added up, as PyTorch sums the whole call).
+`--torch-samples N` gives PyTorch calls of N samples (as it trains: the whole batch at once)
+while cgp keeps `--samples` (its engine's calls); the results are then not compared.
 Every array starts on a cache line, and scratch starts zeroed, as the engine allocates them:
 an operand that straddles cache lines runs at another speed, and uninitialised memory may
 hold subnormal floats, which tiles read in lanes they never store and which then slow every
@@ -232,6 +234,8 @@ def main():
     parser.add_argument("--layers", default=",".join(list(LAYERS) + list(POOLS) + list(REDUCTIONS)))
     parser.add_argument("--samples", type=int, default=12, help="samples per call")
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--torch-samples", type=int, default=None,
+                        help="samples per PyTorch call with --base torch (default --samples)")
     args = parser.parse_args()
     layers = args.layers.split(",")
     known = list(LAYERS) + list(POOLS) + list(REDUCTIONS)
@@ -241,25 +245,30 @@ def main():
     with_torch = args.base == "torch"
     if with_torch and any(name not in LAYERS for name in layers):
         parser.error(f"--base torch times convolutions only: {', '.join(LAYERS)}")
+    if args.torch_samples is not None and not with_torch:
+        parser.error("--torch-samples goes with --base torch")
+    torch_samples = args.torch_samples or args.samples
     with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
         try:
             if not with_torch:
                 base_conv, base_pool, base_reduce = base_modules(args.base, Path(folder))
         except subprocess.CalledProcessError as err:
             sys.exit(f"kernel_ab: git show {args.base}: {err.stderr.strip()}")
-        print(f"base {args.base} against the working tree, {args.samples} samples per call, "
+        print(f"base {args.base} against the working tree, {args.samples} samples per call"
+              f"{f' ({torch_samples} for PyTorch)' if torch_samples != args.samples else ''}, "
               f"{args.rounds} rounds; ms per 100 samples (per batch for the reductions)")
         for name in layers:
-            scale = 1e3 * 100 / args.samples
+            scale = old_scale = 1e3 * 100 / args.samples
             if name in REDUCTIONS:
                 old = reduce_runs(base_reduce, REDUCTIONS[name])
                 new = reduce_runs(reduce, REDUCTIONS[name])
-                scale = 1e3
+                scale = old_scale = 1e3
             elif name in POOLS:
                 old = pool_runs(base_pool, POOLS[name], args.samples)
                 new = pool_runs(pool, POOLS[name], args.samples)
             elif with_torch:
-                old = torch_runs(LAYERS[name], args.samples)
+                old = torch_runs(LAYERS[name], torch_samples)
+                old_scale = 1e3 * 100 / torch_samples
                 new = runs(conv, LAYERS[name], args.samples)
             else:
                 old = runs(base_conv, LAYERS[name], args.samples)
@@ -271,7 +280,9 @@ def main():
                     sys.exit(f"kernel_ab: {args.base}'s kernels take other arguments or "
                              f"scratch than this script gives them ({err}); compare with a "
                              f"later revision")
-                if with_torch:
+                if torch_samples != args.samples:
+                    same = "other data: not compared"
+                elif with_torch:
                     ours = parts_summed(new[call](), LAYERS[name], call)
                     # The largest difference over the largest magnitude.
                     same = f"differ by {np.abs(ours - first).max() / np.abs(first).max():.1e}"
@@ -284,8 +295,9 @@ def main():
                         start = time.perf_counter()
                         fn()
                         times.append(time.perf_counter() - start)
-                ratio = np.median(np.array(t_old) / np.array(t_new))
-                print(f"  {name:7s} {call:16s} base {np.median(t_old) * scale:7.2f}  "
+                # Per 100 samples, which the two sides may reach in calls of different sizes.
+                ratio = np.median(np.array(t_old) * old_scale / (np.array(t_new) * scale))
+                print(f"  {name:7s} {call:16s} base {np.median(t_old) * old_scale:7.2f}  "
                       f"now {np.median(t_new) * scale:7.2f}  speed x{ratio:.3f}  "
                       f"{same}")
 

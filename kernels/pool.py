@@ -8,17 +8,19 @@ overhang the padding (ceil rounding) divide by fewer cells, while cells of the p
 count as zeros.
 
 MAX forward runs in two passes per plane, through a scratch of H x Q row results: first every
-input row's window columns (the max and where it is), then down each window's R rows, a
-vector of an output row's columns at a time (tile.column_max: a row of 8 or 16 outputs is too
-short for Numba's own vector loops, and this pass took half the time as a scalar loop). The
-first pass is one long loop over the whole plane when the columns tile it (W == stride_w * Q,
-as in Caffe's nets), with the window width and stride as literals for the common 2- and 3-wide
-windows, so it compiles to SIMD code; windows that overhang the image's left or right edge are
-then redone one by one. A window-by-window loop with R*S selects in a chain was several times
-slower. Taking each row's first max, then the first of the rows' maxima, is the row-major first
-max over the window, so the tie rule (a later cell must be strictly greater) is Caffe's
-exactly. 2x2 windows with stride 2 (LeNet's) do not overlap and take one pass, vectorised
-across each output row: faster there than two.
+input row's window columns (the max and where it is), then down each window's R rows, a vector
+of an output row's columns at a time (tile.column_max: a row of 8 or 16 outputs is too short
+for Numba's own vector loops, and this pass took half the time as a scalar loop). With stride 2
+along the rows (Caffe's nets), the first pass takes a vector of outputs at a time too
+(tile.stride2_row_max: the even cells of two vectors, one shuffle per window column, masked to
+the row, so windows clipped by either edge need no second look); cifar10_quick's 3 x 3 pool1
+ran 1.4x as fast forward as with the loop below (bench/kernel_ab.py). Other strides run one
+long loop over the whole plane when the columns tile it (W == stride_w * Q), then redo the
+windows that overhang the image's left or right edge one by one. A window-by-window loop with
+R*S selects in a chain was several times slower. Taking each row's first max, then the first of
+the rows' maxima, is the row-major first max over the window, so the tie rule (a later cell
+must be strictly greater) is Caffe's exactly. 2x2 windows with stride 2 (LeNet's) do not
+overlap and take one pass, vectorised across each output row: faster there than two.
 
 AVE runs PLANE_BLOCK planes at a time, turned so that the planes lie innermost: every step of
 a window's sum, forward and backward, is then one vector loop over the block's planes (a plane
@@ -34,7 +36,7 @@ height and width, R S window height and width.
 import numpy as np
 from numba import njit
 
-from cgp.kernels.tile import column_max, lanes, transpose_block
+from cgp.kernels.tile import column_max, lanes, stride2_row_max, transpose_block
 
 # Caffe starts every max at -FLT_MAX (for float and double alike), so a window of -inf or NaN
 # reports -FLT_MAX.
@@ -67,7 +69,7 @@ def _tiles(W, Q, stride_w, pad_w):
 def _row_max(xf, xb, rmax, rarg, u_lo, u_hi, off, S, stride_w, lowest):
     """For u in [u_lo, u_hi): rmax[u] = the max over the plane cells off + u*stride_w + [0, S)
     (the plane starting at xf[xb]), the first in a tie, starting from `lowest`; rarg[u] = its
-    plane index. Called with literal S and stride_w for the common windows."""
+    plane index."""
     for u in range(u_lo, u_hi):
         base = off + u * stride_w
         best = lowest
@@ -86,15 +88,12 @@ def _row_max(xf, xb, rmax, rarg, u_lo, u_hi, off, S, stride_w, lowest):
 def _row_maxima(xf, xb, rmax, rarg, H, W, Q, S, stride_w, pad_w, lowest):
     """Pass 1 of max pooling over the plane at xf[xb]: rmax[h*Q + q], rarg[h*Q + q] = the max
     of row h over window q's columns (clipped to the image) and its plane index h*W + w."""
+    if stride_w == 2:
+        stride2_row_max(xf, xb, W, -pad_w, Q, S, rmax, rarg, 0, 0, lowest, H)
+        return
     q_lo, q_hi = inner_columns(Q, W, S, stride_w, pad_w)
     if _tiles(W, Q, stride_w, pad_w):
-        u_lo, u_hi = q_lo, (H - 1) * Q + q_hi
-        if S == 2 and stride_w == 2:
-            _row_max(xf, xb, rmax, rarg, u_lo, u_hi, -pad_w, 2, 2, lowest)
-        elif S == 3 and stride_w == 2:
-            _row_max(xf, xb, rmax, rarg, u_lo, u_hi, -pad_w, 3, 2, lowest)
-        else:
-            _row_max(xf, xb, rmax, rarg, u_lo, u_hi, -pad_w, S, stride_w, lowest)
+        _row_max(xf, xb, rmax, rarg, q_lo, (H - 1) * Q + q_hi, -pad_w, S, stride_w, lowest)
     else:
         for h in range(H):
             _row_max(xf, xb, rmax, rarg, h * Q + q_lo, h * Q + q_hi,

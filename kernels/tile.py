@@ -1,7 +1,8 @@
 """SIMD building blocks for Numba kernels, written with explicit 64-byte vectors (16 float32 or
 8 float64 lanes): `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix
 product), two data movers, `shifted_copy` (a copy of rows with zero fill) and
-`transpose_block`, and `column_max` (max pooling's second pass). No packing, no blocking for
+`transpose_block`, and max pooling's two passes, `stride2_row_max` (along each row, for
+stride 2) and `column_max` (down the rows). No packing, no blocking for
 caches, no threads: callers lay their operands out so that these loops stream them.
 
 Numba's own vectorised loops use 256-bit registers on CPUs that LLVM tunes for "prefer 256-bit"
@@ -411,6 +412,83 @@ def column_max(typingctx, y, a, out, rmax, rarg, first, Q, R):
             target = builder.add(out_, v0)
             builder.call(store_f, [builder.load(best), at(y_p, vty, target), one, mask])
             builder.call(store_i, [builder.load(where), at(a_p, i32v, target), one, mask])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def stride2_row_max(typingctx, x, row, W, w_first, Q, S, rmax, rarg, out, arg_base, lowest,
+                    rows):
+    """For each of `rows` image rows h of W cells, at x[row + h*W], and q < Q:
+    rmax[out + h*Q + q] = the first max over j < S of the cells w = w_first + 2q + j that lie
+    in [0, W) (a later cell must be strictly greater than the max so far, which starts at
+    `lowest`; NaN never is), and rarg[out + h*Q + q] = arg_base + h*W + w at that cell, or at
+    the window's first cell in the row where none beats `lowest`: the row pass of max pooling
+    with stride 2, the windows clipped by the row's edges. Each vector of V outputs reads two
+    vectors of cells per window column j, masked to the row, and takes the even ones with one
+    shuffle: strided reads without a loop per window. x and rmax are of one float dtype, rarg
+    int32."""
+    dtype = _float_dtype(x, rmax)
+    if dtype is None or not (isinstance(rarg, types.Array) and rarg.dtype == types.int32):
+        return None
+    sig = types.void(x, row, W, w_first, Q, S, rmax, rarg, out, arg_base, lowest, rows)
+
+    def codegen(context, builder, signature, args):
+        width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
+        load_f, store_f = _masked_memory(builder, vty, width, bits)
+        _, store_i = _masked_memory(builder, i32v, width, "32", "i")
+        x_p, rmax_p, rarg_p = _pointers(context, builder, signature, args, 0, 6, 7)
+        row0_, w_, w_first_, q_, s_, out0_, arg0_, rows_ = _casts(
+            context, builder, signature, args, 1, 2, 3, 4, 5, 8, 9, 11)
+        low = context.cast(builder, args[10], signature.args[10], dtype)
+        low_v = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(vty, ir.Undefined), low, ir.Constant(i32, 0)),
+            ir.Constant(vty, ir.Undefined), ir.Constant(i32v, [0] * width))
+        lane = ir.Constant(i32v, list(range(width)))
+        evens = ir.Constant(i32v, [2 * i for i in range(width)])
+        one = ir.Constant(i32, 1)
+        zero_v = ir.Constant(i32v, None)
+
+        def at(p, vt, off):
+            return builder.bitcast(builder.gep(p, [off]), vt.as_pointer())
+
+        def cells(c0):
+            """The cells c0 + i for i < V of the row, `lowest` outside [0, W)."""
+            c = _splat32(builder, c0, width)
+            w = builder.add(c, lane)
+            inside = builder.and_(builder.icmp_signed(">=", w, zero_v),
+                                  builder.icmp_signed("<", w, _splat32(builder, w_, width)))
+            return builder.call(load_f, [at(x_p, vty, builder.add(row_, c0)), one, inside,
+                                         low_v])
+
+        with cgutils.for_range(builder, rows_) as h:
+            row_ = builder.add(row0_, builder.mul(h.index, w_))
+            out_ = builder.add(out0_, builder.mul(h.index, q_))
+            arg_base_ = builder.add(arg0_, builder.mul(h.index, w_))
+            count = builder.udiv(builder.add(q_, ir.Constant(intp, width - 1)),
+                                 ir.Constant(intp, width))
+            with cgutils.for_range(builder, count) as loop:
+                q0 = builder.mul(loop.index, ir.Constant(intp, width))
+                first = builder.add(w_first_, builder.add(q0, q0))   # window q0's first cell
+                # Each lane's window starts at first + 2i; clipped at 0, that is its first cell.
+                start = builder.add(_splat32(builder, first, width), evens)
+                best = cgutils.alloca_once_value(builder, low_v)
+                where = cgutils.alloca_once_value(builder, builder.select(
+                    builder.icmp_signed("<", start, zero_v), zero_v, start))
+                with cgutils.for_range(builder, s_) as j:
+                    c0 = builder.add(first, j.index)
+                    pair = builder.shuffle_vector(cells(c0), cells(builder.add(
+                        c0, ir.Constant(intp, width))), evens)
+                    greater = builder.fcmp_ordered(">", pair, builder.load(best))
+                    builder.store(builder.select(greater, pair, builder.load(best)), best)
+                    w = builder.add(start, _splat32(builder, j.index, width))
+                    builder.store(builder.select(greater, w, builder.load(where)), where)
+                mask = _lanes_below(builder, builder.sub(q_, q0), width)
+                target = builder.add(out_, q0)
+                builder.call(store_f, [builder.load(best), at(rmax_p, vty, target), one, mask])
+                arg = builder.add(builder.load(where), _splat32(builder, arg_base_, width))
+                builder.call(store_i, [arg, at(rarg_p, i32v, target), one, mask])
         return context.get_dummy_value()
 
     return sig, codegen

@@ -262,3 +262,34 @@ def test_refused_mask_for_average():
         build(pool_text("pool: AVE kernel_size: 2", tops=("y", "mask")), [(1, 1, 4, 4)])
     with pytest.raises(NetError, match="top"):
         build(pool_text("kernel_size: 2", tops=("a", "b", "c")), [(1, 1, 4, 4)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_stride2_row_pass(dtype):
+    """The row pass of MAX with stride 2 (tile.stride2_row_max: two vectors of cells per
+    window column, the even ones shuffled out) against a naive loop over every window: rows
+    from 1 to 70 cells (up to 5 vectors of outputs), windows 1 to 4 wide, left padding, the
+    right edge overhanging, ties, NaN (never a max) and -inf or -FLT_MAX (which never beat the
+    start: the window's first cell is named)."""
+    from cgp.kernels import pool
+    rng = np.random.default_rng(5)
+    lowest = dtype(pool._LOWEST)
+    for _ in range(300):
+        H, W, S = int(rng.integers(1, 4)), int(rng.integers(1, 71)), int(rng.integers(1, 5))
+        pad = int(rng.integers(0, S))
+        Q = (W + 2 * pad - S + 1) // 2 + 1       # Caffe's ceil rule, then its clip
+        if (Q - 1) * 2 >= W + pad:
+            Q -= 1
+        x = rng.integers(-2, 3, size=H * W + 8).astype(dtype)
+        x[rng.integers(0, x.size, 4)] = rng.choice([np.nan, -np.inf, lowest], 4)
+        start = 4                                   # the plane starts inside the array
+        rmax, rarg = np.full(H * Q, 9, dtype), np.full(H * Q, -1, np.int32)
+        pool._row_maxima(x, start, rmax, rarg, H, W, Q, S, 2, pad, lowest)
+        for h in range(H):
+            for q in range(Q):
+                w0, w1 = max(2 * q - pad, 0), min(2 * q - pad + S, W)
+                best, at = lowest, h * W + w0
+                for w in range(w0, w1):
+                    if x[start + h * W + w] > best:
+                        best, at = x[start + h * W + w], h * W + w
+                assert rmax[h * Q + q] == best and rarg[h * Q + q] == at, (H, W, S, pad, h, q)
