@@ -14,7 +14,7 @@ for Numba's own vector loops, and this pass took half the time as a scalar loop)
 along the rows (Caffe's nets), the first pass takes a vector of outputs at a time too
 (tile.stride2_row_max: the even cells of two vectors, one shuffle per window column, masked to
 the row, so windows clipped by either edge need no second look); cifar10_quick's 3 x 3 pool1
-ran 1.4x as fast forward as with the loop below (bench/kernel_ab.py). Other strides run one
+ran 1.46x as fast forward as with the loop below (bench/kernel_ab.py). Other strides run one
 long loop over the whole plane when the columns tile it (W == stride_w * Q), then redo the
 windows that overhang the image's left or right edge one by one. A window-by-window loop with
 R*S selects in a chain was several times slower. Taking each row's first max, then the first of

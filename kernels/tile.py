@@ -453,13 +453,13 @@ def stride2_row_max(typingctx, x, row, W, w_first, Q, S, rmax, rarg, out, arg_ba
         def at(p, vt, off):
             return builder.bitcast(builder.gep(p, [off]), vt.as_pointer())
 
-        def cells(c0):
-            """The cells c0 + i for i < V of the row, `lowest` outside [0, W)."""
+        def cells(row, c0):
+            """The cells c0 + i for i < V of the row at x[row], `lowest` outside [0, W)."""
             c = _splat32(builder, c0, width)
             w = builder.add(c, lane)
             inside = builder.and_(builder.icmp_signed(">=", w, zero_v),
                                   builder.icmp_signed("<", w, _splat32(builder, w_, width)))
-            return builder.call(load_f, [at(x_p, vty, builder.add(row_, c0)), one, inside,
+            return builder.call(load_f, [at(x_p, vty, builder.add(row, c0)), one, inside,
                                          low_v])
 
         with cgutils.for_range(builder, rows_) as h:
@@ -478,7 +478,7 @@ def stride2_row_max(typingctx, x, row, W, w_first, Q, S, rmax, rarg, out, arg_ba
                     builder.icmp_signed("<", start, zero_v), zero_v, start))
                 with cgutils.for_range(builder, s_) as j:
                     c0 = builder.add(first, j.index)
-                    pair = builder.shuffle_vector(cells(c0), cells(builder.add(
+                    pair = builder.shuffle_vector(cells(row_, c0), cells(row_, builder.add(
                         c0, ir.Constant(intp, width))), evens)
                     greater = builder.fcmp_ordered(">", pair, builder.load(best))
                     builder.store(builder.select(greater, pair, builder.load(best)), best)
