@@ -377,11 +377,12 @@ def test_transpose_and_copy(dtype):
 
 
 def test_intrinsics_refuse_operands_of_mixed_or_other_types():
-    """Each SIMD intrinsic compiles only for arrays of one float dtype (and column_max's int32
-    indices); anything else is a typing error, not a kernel for the wrong type."""
+    """Each SIMD intrinsic compiles only for arrays of one float dtype (and int32 indices for
+    column_max and stride2_row_max); anything else is a typing error, not a kernel for the
+    wrong type."""
     from numba.core.errors import TypingError
 
-    from cgp.kernels.tile import column_max
+    from cgp.kernels.tile import column_max, stride2_row_max
     f32, f64, i32 = (np.zeros(64, t) for t in (np.float32, np.float64, np.int32))
 
     @njit
@@ -396,12 +397,19 @@ def test_intrinsics_refuse_operands_of_mixed_or_other_types():
     def cmax(y, a, rmax, rarg):
         column_max(y, a, 0, rmax, rarg, 0, 4, 2)
 
+    @njit
+    def rmax(x, out, arg):
+        stride2_row_max(x, 0, 8, 0, 4, 2, out, arg, 0, 0, -1.0, 1)
+
     copy(f32, f32)
     transpose(f64, f64, f64)
     cmax(f32, i32, f32, i32)
+    rmax(f64, f64, i32)
     for call in (lambda: copy(f32, f64), lambda: copy(i32, i32),
                  lambda: transpose(f32, f32, f64), lambda: cmax(f32, i32, f64, i32),
-                 lambda: cmax(f32, f32, f32, i32), lambda: cmax(i32, i32, i32, i32)):
+                 lambda: cmax(f32, f32, f32, i32), lambda: cmax(i32, i32, i32, i32),
+                 lambda: rmax(f32, f64, i32), lambda: rmax(f32, f32, f32),
+                 lambda: rmax(i32, i32, i32)):
         with pytest.raises(TypingError):
             call()
 
