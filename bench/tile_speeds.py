@@ -11,7 +11,8 @@ T) * (Kg rounded up to KV vectors), relative to (8, 2)'s, and its speed per padd
 multiply-add relative to (8, 2) (medians of the per-round ratios). Then the median of that
 last speed over the layers where the shape's padded work is within 5 % of (8, 2)'s: what
 SPEEDS_STRIDED models. (Where the two differ more, the work around the tiles, the same for
-every shape, blurs the speed per multiply-add: it flatters the shape that pads more.) Every shape gives the same bits (checked).
+every shape, blurs the speed per multiply-add: it flatters the shape that pads more.) Every
+shape gives the same bits (checked).
 
 Each shape runs from a copy of kernels/conv.py, in a temporary folder, whose weight gradient
 takes that shape instead of choosing; the rounds rotate which shape goes first, so that a

@@ -50,13 +50,13 @@ SHAPES = ((12, 2), (8, 2), (6, 2), (8, 3), (6, 4), (3, 4))
 T_MAX = max(T for T, _ in SHAPES)
 # Their measured speeds, relative (multiply-adds per second on a Xeon with AVX-512, operands
 # streaming from L2): fewer accumulators hide less latency and load more operands per
-# multiply-add. SPEEDS_UNIT where the T broadcast operands lie side by side (a_ts = 1:
-# convolution forward and input gradient, InnerProduct), in convolution kernels.
-# SPEEDS_STRIDED where they lie a run-time stride apart: the convolution weight gradient,
-# which reads its broadcast operands once per KV vectors of output channels, so that 4
-# vectors read them half as often as 2 (`python bench/tile_speeds.py` measures these in
-# place, on the shipped nets' layers; (8, 3) pads 50 % more than (8, 2) on every one of them,
-# so it has no fair figure there and is taken as (8, 2)).
+# multiply-add. SPEEDS_UNIT where the T broadcast operands lie side by side (a_ts = 1: the
+# convolution forward pass and input gradient, InnerProduct), measured in convolution
+# kernels; SPEEDS_STRIDED where they lie a run-time stride apart (the convolution weight
+# gradient), measured in place on the shipped nets' layers by `python bench/tile_speeds.py`.
+# There, 4 vectors of output channels read the broadcast operands half as often as 2; (8, 3)
+# pads 50 % more than (8, 2) on every one of those layers, so it has no fair figure and is
+# taken as (8, 2).
 SPEEDS_UNIT = (0.93, 1.00, 0.90, 0.97, 0.97, 0.75)
 SPEEDS_STRIDED = (1.00, 1.00, 0.99, 1.00, 1.10, 1.05)
 
