@@ -22,6 +22,7 @@ from cgp.train import RunConfig, Trainer
 # bench/, on the path when run as a script
 from interleave import ab_pair, add_pair_options, git_show
 
+
 def base_engine(rev, folder):
     """The engine module of git revision `rev`, imported from a copy in `folder`."""
     try:

@@ -55,7 +55,7 @@ def base_modules(rev, folder):
     (folder / "base_tile.py").write_text(git_show(rev, "kernels/tile.py"))
     for name in ("conv", "pool", "reduce"):
         source = git_show(rev, f"kernels/{name}.py").replace("from cgp.kernels.tile import",
-                                                    "from base_tile import")
+                                                             "from base_tile import")
         (folder / f"base_{name}.py").write_text(source)
     sys.path.insert(0, str(folder))
     import base_conv

@@ -28,12 +28,12 @@ from pathlib import Path
 from threadpoolctl import threadpool_limits
 
 from cgp.kernels import conv
-from cgp.kernels.tile import SHAPES, choose
+from cgp.kernels.tile import SHAPES, choose, lanes
 from kernel_ab import LAYERS, runs  # bench/, on the path when run as a script
 
 # The line of kernels/conv.py that chooses the weight gradient's shape.
 CHOICE = "    T_w, KV_w = choose(Cg * S, Kg, V, False)\n"
-V = 16  # float32
+V = lanes(4)  # float32, as kernel_ab.runs makes the data
 
 
 def forced_modules(folder):

@@ -101,7 +101,8 @@ def test_every_call_runs_once_and_errors_reach_the_caller():
         os.kill(workers.procs[0].pid, signal.SIGKILL)
         workers.procs[0].join()
         for _ in range(2):
-            with pytest.raises(CgpError, match="worker process 1 ended unexpectedly .killed by signal 9"):
+            with pytest.raises(CgpError,
+                               match="worker process 1 ended unexpectedly .killed by signal 9"):
                 workers.run(engine, 0, 0)
     finally:
         pids = [p.pid for p in workers.procs]
