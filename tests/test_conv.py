@@ -209,6 +209,12 @@ LARGE = [
     # rows left out there must be exactly the padding's.
     (21, "kernel_size: 3 pad: 3 group: 3", (2, 3, 5, 40), dict(pad=(3, 3), group=3)),
     (16, "kernel_size: 3 dilation: 3 pad: 4", (2, 4, 7, 5), dict(pad=(4, 4), dilation=(3, 3))),
+    # Kernel columns that read only padding at every output column, dilated taps wider than
+    # the image, and a padded output whose weight-gradient blocks of positions end inside
+    # rows (30 columns).
+    (16, "kernel_size: 7 pad: 3", (2, 5, 2, 2), dict(pad=(3, 3))),
+    (16, "kernel_size: 3 dilation: 3 pad: 3", (2, 5, 3, 2), dict(pad=(3, 3), dilation=(3, 3))),
+    (16, "kernel_size: 3 pad: 1", (2, 3, 20, 30), dict(pad=(1, 1))),
     # Kernel rows wider than a vector (17 > 16 float32 lanes): the weight gradient is turned
     # into w's layout in blocks of columns.
     (18, "kernel_h: 2 kernel_w: 17 pad_h: 0 pad_w: 8", (2, 2, 4, 20), dict(pad=(0, 8))),
