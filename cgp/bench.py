@@ -51,6 +51,11 @@ def add_bench(sub):
                    help="untimed iterations per configuration first (default 3)")
     s.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same network in PyTorch (needs torch installed)")
+    s.add_argument("--ceiling", action="store_true",
+                   help="also time the machine's ceiling: for each thread count N > 1, N "
+                        "copies of the 1-thread training at once, each in a process of its "
+                        "own (fork: Linux, macOS; N copies of the net in memory), in the same "
+                        "rounds; reports each speedup also as a share of it")
     s.add_argument("--out", default="bench/results",
                    help="folder for the JSON, CSV and PNG results (default bench/results)")
     s.set_defaults(run=cmd_speedup)
@@ -119,7 +124,8 @@ def machine_info(extra_versions=()):
 
 class ForeignLoad:
     """How many cores other processes kept busy while we measured: the machine's busy CPU
-    time less this process's, over the wall time. Near 0 on a quiet machine; on a shared
+    time less this process's and its children's (worker processes, --ceiling copies), over
+    the wall time. Near 0 on a quiet machine; on a shared
     one, thread counts above the idle cores time the neighbours, not cgp. In a virtual
     machine, also `steal`: how many of its CPUs' worth of time the hypervisor gave to other
     guests while ours wanted to run (Linux reports it), which no process inside can see."""
@@ -136,8 +142,20 @@ class ForeignLoad:
         t = psutil.cpu_times()
         steal = getattr(t, "steal", 0.0)
         busy = sum(t) - t.idle - getattr(t, "iowait", 0.0) - steal
-        mine = self._process.cpu_times()
-        return time.perf_counter(), busy, mine.user + mine.system, steal
+        return time.perf_counter(), busy, self._ours(), steal
+
+    def _ours(self):
+        """CPU seconds of this process and its children, live or ended and waited for."""
+        import psutil
+        t = self._process.cpu_times()
+        seconds = t.user + t.system + t.children_user + t.children_system
+        for child in self._process.children(recursive=True):
+            try:
+                c = child.cpu_times()
+            except psutil.Error:   # it ended since the listing
+                continue
+            seconds += c.user + c.system
+        return seconds
 
     def __exit__(self, *exc):
         wall, busy, mine, steal = (b - a for a, b in zip(self._start, self._sample()))
@@ -203,10 +221,13 @@ def matmul_gflops(size=MATMUL_SIZE, products=3):
 # -- timing ------------------------------------------------------------------------
 @dataclass
 class Config:
-    """One timed configuration: `impl` cgp or torch, a thread count, and torch's layout."""
+    """One timed configuration: `impl` cgp, torch or ceiling (Copies), a thread count, and
+    torch's layout (cgp's: None for threads, "processes"). `copies` trainings run at once
+    (the ceiling's: one per thread), each of the same images."""
     impl: str
     threads: int
     layout: str = None
+    copies: int = 1
     run: object = None                 # run(iterations): trains that many iterations
     context: object = None             # () -> the context manager that run() needs, untimed
     save: object = None                # save(): remember the training state ...
@@ -247,7 +268,7 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
                 started, stolen = time.perf_counter(), steal_seconds()
                 c.run(iters)
                 wall = time.perf_counter() - started
-                c.rates.append(iters * images_per_iter / wall)
+                c.rates.append(c.copies * iters * images_per_iter / wall)
                 c.steals.append((steal_seconds() - stolen) / (wall * cpus))
         if each_round is not None:
             each_round()
@@ -275,9 +296,106 @@ def cgp_config(threads, trainer, workers="threads"):
         trainer.net.params[...] = params
         for h, value in zip(trainer.solver.histories, histories):
             h[...] = value
+
+    def digest():
+        import hashlib
+        return hashlib.sha256(trainer.net.params.tobytes()).hexdigest()
     # As in Trainer.solve: BLAS single-threaded, the workers are the only threads.
-    return Config("cgp", threads, None if workers == "threads" else workers, run=run,
-                  context=lambda: threadpool_limits(limits=1), save=save, restore=restore)
+    config = Config("cgp", threads, None if workers == "threads" else workers, run=run,
+                    context=lambda: threadpool_limits(limits=1), save=save, restore=restore)
+    config.digest = digest
+    return config
+
+
+class Copies:
+    """n copies of one 1-thread training (a Config of cgp_config), each in a process of its
+    own, the caller's being copy 0: forked from it once, so every copy starts from the same
+    weights and state and trains the same iterations. Nothing is shared between them but the
+    machine: run together, they time the machine's own ceiling for n workers on this very
+    workload (shared cores, caches, memory bandwidth, the hypervisor), which no engine can
+    beat. Fork before anything else starts threads or processes."""
+
+    def __init__(self, n, own):
+        import multiprocessing
+
+        from cgp import procs
+        from cgp.errors import CgpError
+        if not procs.available():
+            raise CgpError("--ceiling needs an OS that can fork() (Linux, macOS)")
+        self.own, self.pipes, self.workers = own, [], []
+        fork = multiprocessing.get_context("fork")
+        for _ in range(n - 1):
+            ours, theirs = fork.Pipe()
+            worker = fork.Process(target=_serve_copy, args=(theirs, own), daemon=True)
+            worker.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.workers.append(worker)
+
+    def config(self):
+        """The Config that times all n copies at once."""
+        def each(op):
+            def call(*args):
+                for pipe in self.pipes:
+                    pipe.send((op, args))
+                with self.own.context():
+                    getattr(self.own, op)(*args)
+                return [self._reply(pipe) for pipe in self.pipes]
+            return call
+        return Config("ceiling", len(self.pipes) + 1, "processes", copies=len(self.pipes) + 1,
+                      run=each("run"), context=_no_context, save=each("save"),
+                      restore=each("restore"))
+
+    def digests(self):
+        """SHA-256 of every copy's parameters, copy 0 first: all the same after the same
+        iterations from the same state."""
+        for pipe in self.pipes:
+            pipe.send(("digest", ()))
+        return [self.own.digest()] + [self._reply(pipe) for pipe in self.pipes]
+
+    def _reply(self, pipe):
+        from cgp.errors import CgpError
+        try:
+            ok, value = pipe.recv()
+        except EOFError:
+            raise CgpError("cgp bench: a --ceiling copy died") from None
+        if not ok:
+            raise CgpError(f"cgp bench: a --ceiling copy failed: {value}")
+        return value
+
+    def close(self):
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass   # it is gone already
+        for worker in self.workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+
+
+def _no_context():
+    from contextlib import nullcontext
+    return nullcontext()
+
+
+def _serve_copy(pipe, config):
+    """A --ceiling copy: runs config's run, save, restore and digest as the pipe asks, with
+    the context they run in, and answers (True, result) or (False, the error)."""
+    with config.context():
+        while True:
+            try:
+                message = pipe.recv()
+            except EOFError:   # the caller is gone
+                return
+            if message is None:
+                return
+            op, args = message
+            try:
+                pipe.send((True, getattr(config, op)(*args)))
+            except Exception as error:   # noqa: BLE001  (reported to the caller, which raises)
+                pipe.send((False, f"{type(error).__name__}: {error}"))
 
 
 def torch_config(torch_ref, threads, layout, trainer, data_trainer):
@@ -342,16 +460,18 @@ QUIET_STEAL = 0.01
 
 def summarise(configs):
     """Rows per configuration with median, spread and speedup over the 1-thread median of
-    the same implementation and layout; cgp rows also get cgp/torch against the faster
-    PyTorch layout at that thread count. Ratios also come paired: the median of the ratios
+    the same implementation and layout (the ceiling's: over cgp's); cgp rows also get
+    cgp/torch against the faster PyTorch layout, and their share of the ceiling, at that
+    thread count. Ratios also come paired: the median of the ratios
     within each round, with its 95 % confidence interval, and over the quiet rounds alone:
     those where neither timing lost more than QUIET_STEAL of the CPUs to the hypervisor."""
     import statistics
 
     rows = []
     for c in configs:
-        base = next(b for b in configs if b.impl == c.impl and b.layout == c.layout
-                    and b.threads == 1)
+        # The ceiling's copies are cgp's 1-thread training: its speedup is over that.
+        base = next(b for b in configs if b.threads == 1 and (
+            b.impl == "cgp" if c.impl == "ceiling" else (b.impl, b.layout) == (c.impl, c.layout)))
         median = statistics.median(c.rates)
         speedup = median / statistics.median(base.rates)
         # The same ratio taken within each round, whose timings lie minutes closer together:
@@ -384,6 +504,14 @@ def summarise(configs):
             paired, paired_ci = _paired(c.rates, t["images_per_s"])
             row["paired_cgp_over_torch"] = round(paired, 4)
             row["paired_cgp_over_torch_ci"] = paired_ci
+    ceiling = {c.threads: c for c in configs if c.impl == "ceiling"}
+    for row, c in zip(rows, configs):
+        if row["impl"] == "cgp" and row["threads"] in ceiling:
+            top = ceiling[row["threads"]]
+            row["share_of_ceiling"] = round(row["median"] / statistics.median(top.rates), 4)
+            paired, paired_ci = _paired(c.rates, top.rates)
+            row["paired_share_of_ceiling"] = round(paired, 4)
+            row["paired_share_of_ceiling_ci"] = paired_ci
     return rows, best
 
 
@@ -414,6 +542,16 @@ def table(rows, best):
             line += (f"  {t['median']:>11.1f}  {t['layout']:<13}  {row['cgp_over_torch']:>9.2f}"
                      f"  {_with_ci(row['paired_cgp_over_torch'], row['paired_cgp_over_torch_ci']):>16}")
         lines.append(line)
+    for top in (r for r in rows if r["impl"] == "ceiling"):
+        reached = "; ".join(
+            f"cgp{' as ' + (r['layout'] or 'threads') if kinds else ''} reaches "
+            f"{r['share_of_ceiling']:.2f} of it, paired "
+            f"{_with_ci(r['paired_share_of_ceiling'], r['paired_share_of_ceiling_ci'])}"
+            for r in cgp if r["threads"] == top["threads"])
+        lines.append(f"machine ceiling, {top['threads']} copies of the 1-thread training at "
+                     f"once, each in a process of its own: {top['median']:.1f} img/s in all, "
+                     f"speedup {top['speedup']:.2f}, paired "
+                     f"{_with_ci(top['paired_speedup'], top['paired_speedup_ci'])}; {reached}")
     for row in (r for r in cgp if r["threads"] > 1):
         rounds = len(row["images_per_s"])
         quiet = (f"paired speedup there {_with_ci(row['quiet_paired_speedup'], row['quiet_paired_speedup_ci'])}"
@@ -435,7 +573,8 @@ def write_results(out, stem, report, rows, log):
     paths[0].write_text(json.dumps(report, indent=2) + "\n")
     columns = ["impl", "layout", "threads", "median", "min", "max", "speedup", "efficiency",
                "paired_speedup", "paired_speedup_ci", "cgp_over_torch", "paired_cgp_over_torch",
-               "paired_cgp_over_torch_ci", "quiet_rounds", "quiet_paired_speedup",
+               "paired_cgp_over_torch_ci", "share_of_ceiling", "paired_share_of_ceiling",
+               "paired_share_of_ceiling_ci", "quiet_rounds", "quiet_paired_speedup",
                "quiet_paired_speedup_ci", "images_per_s", "steal"]
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
@@ -444,7 +583,8 @@ def write_results(out, stem, report, rows, log):
             writer.writerow({**row, "layout": row["layout"] or "",
                              **{key: " ".join(map(str, row[key])) for key in
                                 ("images_per_s", "paired_speedup_ci", "paired_cgp_over_torch_ci",
-                                 "quiet_paired_speedup_ci", "steal")
+                                 "paired_share_of_ceiling_ci", "quiet_paired_speedup_ci",
+                                 "steal")
                                 if row.get(key)}})
     png = plot(out / f"{stem}.png", report, rows, log)
     return paths + ([png] if png else [])
@@ -515,18 +655,27 @@ def cmd_speedup(args, log=print):
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     started = time.gmtime()
     sp = read_solver(path)
-    trainers = {}   # (workers, threads) -> Trainer
+    trainers = {}   # (workers, threads) -> Trainer; ("ceiling", n) -> the copies' copy 0
+    ceilings = []   # Copies, one per thread count above 1
+
+    def trainer(t, kind):
+        config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
+                           data_dir=args.data_dir, download=not args.no_download,
+                           progress=False, denormals=args.denormals, workers=kind)
+        return Trainer(sp, path, config, log=lambda line: None)
     try:
+        # The copies fork first, while this process has no other threads to carry over.
+        for t in threads[1:] if args.ceiling else ():
+            trainers["ceiling", t] = trainer(1, "threads")
+            ceilings.append(Copies(t, cgp_config(1, trainers["ceiling", t])))
         for kind in workers:
             for t in threads:
-                config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
-                                   data_dir=args.data_dir, download=not args.no_download,
-                                   progress=False, denormals=args.denormals, workers=kind)
-                trainers[kind, t] = Trainer(sp, path, config, log=lambda line: None)
+                trainers[kind, t] = trainer(t, kind)
         first = trainers[workers[0], 1]
         net = first.net
         images = net.batch_size * sp.iter_size
         configs = [cgp_config(t, trainers[kind, t], kind) for kind in workers for t in threads]
+        configs += [copies.config() for copies in ceilings]
         if torch_ref is not None:
             if first.solver.type != "SGD":
                 log(f"cgp bench: note: PyTorch runs momentum SGD; the solver is "
@@ -538,15 +687,23 @@ def cmd_speedup(args, log=print):
         log(f"cgp bench speedup: {path}, net '{net.name}', batch {images} in "
             f"{len(first.engine.bounds)} chunks; threads {','.join(map(str, threads))}"
             f" as {' and as '.join(workers)}"
-            f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}; {args.warmup} warm-up "
+            f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}"
+            f"{'; the machine ceiling' if ceilings else ''}; {args.warmup} warm-up "
             f"+ {args.repeats} x {args.iters} iterations each, interleaved")
         matmul = []  # NumPy's matmul rate, timed in every round like the configurations
         with ForeignLoad() as foreign:
             interleaved(configs, args.iters, args.repeats, args.warmup, images, log,
                         each_round=lambda: matmul.append(matmul_gflops()))
+        # Every configuration ended on the same iterations from the same state: the copies
+        # too, or they did not time the training that cgp runs.
+        for copies in ceilings:
+            if len(set(copies.digests())) != 1:
+                raise CgpError("cgp bench: the --ceiling copies ended on different weights")
     finally:
-        for trainer in trainers.values():
-            trainer.close()
+        for copies in ceilings:
+            copies.close()
+        for t in trainers.values():
+            t.close()
     rows, best = summarise(configs)
     for line in table(rows, best):
         log(line)
@@ -574,7 +731,7 @@ def cmd_speedup(args, log=print):
               "workers": workers,
               "iters": args.iters,
               "repeats": args.repeats, "warmup": args.warmup, "seed": first.seed,
-              "threads": threads, "compare": args.compare,
+              "threads": threads, "compare": args.compare, "ceiling": args.ceiling,
               "training_flops_per_image": flops,
               "numpy_matmul_gflops": [round(r, 2) for r in matmul],
               "cgp_1_thread_gflops": round(rate, 2),

@@ -101,7 +101,7 @@ def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
     out = subprocess.run(
         [sys.executable, "-m", "cgp", "bench", "speedup", "mnist", "--threads", "2",
          "--iters", "1", "--repeats", "2", "--warmup", "1", "--data-dir", str(mnist_dir),
-         "--out", str(tmp_path / "res")], capture_output=True, text=True)
+         "--ceiling", "--out", str(tmp_path / "res")], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "speedup" in out.stdout and "efficiency" in out.stdout
     [report_path] = (tmp_path / "res").glob("speedup_mnist_*Z.json")
@@ -115,8 +115,14 @@ def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
     assert machine["steal_cores"] >= 0 and machine["foreign_load_cores"] >= 0
     assert {"python", "numpy", "numba", "scipy"} <= set(machine["versions"])
     assert "bench speedup mnist" in machine["command"]
-    rows = {r["threads"]: r for r in report["results"]}
+    rows = {r["threads"]: r for r in report["results"] if r["impl"] == "cgp"}
     assert set(rows) == {1, 2}
+    # --ceiling: two 1-thread copies at once, timed in the same rounds.
+    [ceiling] = [r for r in report["results"] if r["impl"] == "ceiling"]
+    assert report["ceiling"] and ceiling["threads"] == 2 and len(ceiling["images_per_s"]) == 2
+    assert rows[2]["share_of_ceiling"] == pytest.approx(
+        rows[2]["median"] / ceiling["median"], abs=1e-3)
+    assert "machine ceiling, 2 copies" in out.stdout
     # The arithmetic rate against NumPy's matmul, from the same run.
     assert report["training_flops_per_image"] == LENET_FLOPS
     matmul = report["numpy_matmul_gflops"]
@@ -133,8 +139,9 @@ def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
         assert row["paired_speedup"] > 0
     with open(report_path.with_suffix(".csv")) as f:
         table = list(csv.DictReader(f))
-    assert [int(r["threads"]) for r in table] == [1, 2]
-    assert {"median", "min", "max", "speedup", "efficiency"} <= set(table[0])
+    assert [(r["impl"], int(r["threads"])) for r in table] == [
+        ("cgp", 1), ("cgp", 2), ("ceiling", 2)]
+    assert {"median", "min", "max", "speedup", "efficiency", "share_of_ceiling"} <= set(table[0])
     png = report_path.with_suffix(".png")
     try:
         import matplotlib  # noqa: F401
@@ -243,6 +250,63 @@ def test_every_timing_trains_from_the_same_state(mnist_dir):
         assert np.array_equal(finals[0][1], finals[1][1])
     finally:
         trainer.close()
+
+
+def test_ceiling_is_over_cgp_one_thread_and_cgp_gets_its_share():
+    one, two, top = Config("cgp", 1), Config("cgp", 2), Config("ceiling", 2, "processes", 2)
+    one.rates, two.rates, top.rates = [100, 100, 50], [170, 180, 80], [200, 190, 100]
+    rows, best = summarise([one, two, top])
+    cgp2, ceiling = rows[1], rows[2]
+    assert ceiling["speedup"] == pytest.approx(1.9) and ceiling["paired_speedup"] == 2.0
+    assert cgp2["share_of_ceiling"] == pytest.approx(170 / 190, abs=1e-4)
+    assert cgp2["paired_share_of_ceiling"] == pytest.approx(0.85)   # of 0.85, 0.947, 0.8
+    assert "share_of_ceiling" not in rows[0]
+    [line] = [x for x in table(rows, best) if x.startswith("machine ceiling")]
+    assert "2 copies" in line and "speedup 1.90" in line and "reaches 0.89 of it" in line
+
+
+def test_ceiling_copies_train_what_cgp_trains(mnist_dir):
+    """Each copy, in a process of its own, ends on the very weights that cgp's 2-thread
+    training reaches from the same seed: the ceiling times the same work."""
+    from cgp.bench import Copies, cgp_config
+
+    own, two = mnist_trainer(mnist_dir, threads=1), mnist_trainer(mnist_dir, threads=2)
+    copies = Copies(3, cgp_config(1, own))
+    try:
+        config = copies.config()
+        assert (config.impl, config.threads, config.copies) == ("ceiling", 3, 3)
+        config.save()
+        config.run(3)          # moves every copy on
+        config.restore()       # and back
+        config.run(2)
+        reference = cgp_config(2, two)
+        with reference.context():
+            reference.run(2)
+        assert copies.digests() == [reference.digest()] * 3
+    finally:
+        copies.close()
+        own.close()
+        two.close()
+    assert not any(worker.is_alive() for worker in copies.workers)
+
+
+def _spin(seconds):
+    import time
+    while time.process_time() < seconds:
+        pass
+
+
+def test_foreign_load_leaves_out_our_own_children():
+    """Worker processes and --ceiling copies are ours: their CPU time is not the neighbours'."""
+    import multiprocessing
+
+    from cgp.bench import ForeignLoad
+    with ForeignLoad() as load:
+        before = load._ours()
+        child = multiprocessing.get_context("fork").Process(target=_spin, args=(0.3,))
+        child.start()
+        child.join()
+        assert load._ours() - before >= 0.29
 
 
 def test_default_threads_reach_the_core_count(monkeypatch):
