@@ -47,6 +47,8 @@ def trainer(model, threads, data_dir, engine=None):
             setattr(cgp.train, name, getattr(engine, name))
         # Revisions before worker processes take no `shared`; threads never share buffers.
         cgp.train.Engine = lambda *args, shared=False, **kw: engine.Engine(*args, **kw)
+        if "busy_wait" not in engine.Pool.__init__.__code__.co_varnames:
+            cgp.train.Pool = lambda *args, busy_wait=True, **kw: engine.Pool(*args, **kw)
     try:
         path = models.solver_path(model)
         config = RunConfig(threads=threads, progress=False, data_dir=data_dir)

@@ -27,13 +27,22 @@ def interleaved_rounds(trainers, rounds, steps, warmup=3):
         for t in trainers:
             for _ in range(warmup):
                 t.step()
+            rest(t)
         for _ in range(rounds):
             for t, row in zip(trainers, times):
                 started = time.perf_counter()
                 for _ in range(steps):
                     t.step()
                 row.append(time.perf_counter() - started)
+                rest(t)
     return times
+
+
+def rest(trainer):
+    """Sends the trainer's pool threads to sleep, where its Pool can (see Pool.rest): they
+    must not spin on the CPUs while the next trainer is timed."""
+    if hasattr(trainer.pool, "rest"):
+        trainer.pool.rest()
 
 
 def add_pair_options(parser, threads):

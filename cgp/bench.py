@@ -286,6 +286,7 @@ def cgp_config(threads, trainer, workers="threads"):
     def run(iterations):
         for _ in range(iterations):
             trainer.step()
+        trainer.pool.rest()   # its threads must not spin while the next one is timed
 
     def save():
         saved[:] = [trainer.iter, trainer.solver.current_step, trainer.net.params.copy(),

@@ -14,16 +14,16 @@ Layer), so grouping changes the speed, never a result. Fewer, larger calls hand 
 interpreter lock over less often and let kernels run on more samples at once, until a
 call's buffers no longer fit in the caches: see group_size.
 """
-import itertools
+import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 
 import numpy as np
 
 from cgp.comm import FactoredGrad
 from cgp.errors import CgpError
-from cgp.kernels import fpenv
+from cgp.kernels import fpenv, spin
 from cgp.kernels.reduce import OUTER_PAD
 from cgp.layers import Chunk, Factors, aligned_zeros
 from cgp.net import Workspace
@@ -72,10 +72,11 @@ def group_size(net, chunks, threads):
 
 class _Run:
     """One Pool.run: hands tasks out in index order to whichever worker asks next, and
-    counts them done. The first exception stops the handing out; Pool.run re-raises it."""
+    counts them done, also into flags[1] for a caller that watches it (kernels.spin). The
+    first exception stops the handing out; Pool.run re-raises it."""
 
-    def __init__(self, fn, tasks):
-        self.fn, self.tasks = fn, tasks
+    def __init__(self, fn, tasks, flags):
+        self.fn, self.tasks, self.flags = fn, tasks, flags
         self.next = self.done = 0
         self.error = None
         self.lock = threading.Lock()
@@ -97,17 +98,43 @@ class _Run:
                     self.next = self.tasks
             with self.lock:
                 self.done += 1
+                self.flags[1] = self.done
                 if self.done == self.tasks:
                     self.finished.set()
 
 
+# How long a waiting worker watches memory before it sleeps (kernels.spin): longer than the
+# interpreter's work between two runs of a step (making the next batch, the solver's
+# bookkeeping), so that within a training run the pool's threads never sleep.
+SPIN_SECONDS = 0.01
+
+
+# What Pool.rest posts in place of a run.
+_REST = object()
+
+
+@functools.lru_cache(maxsize=None)
+def spins_per_second():
+    """How many reads kernels.spin's loops make in a second on this machine."""
+    flags = np.zeros(2, np.int64)
+    spin.wait_while(flags, 0, 0, 1000)   # compiled or loaded from the cache first
+    n = 1 << 18
+    started = time.perf_counter()
+    spin.wait_while(flags, 0, 0, n)
+    return int(n / max(time.perf_counter() - started, 1e-6))
+
+
 class Pool:
     """`threads` workers that share a list of tasks; task i runs as fn(worker, i).
-    The calling thread is worker 0 and runs tasks itself, beside threads-1 pool threads:
-    it is running already, where a pool thread must first be woken (tens of microseconds on
-    a VM, more when its CPU has gone idle), and a run returns as soon as its last task is
-    done, without waiting for a late thread to wake and find nothing left. With one thread
-    everything runs in the caller: plain sequential execution.
+    The calling thread is worker 0 and runs tasks itself, beside threads-1 pool threads,
+    and a run returns as soon as its last task is done, without waiting for a late thread
+    to find nothing left. With one thread everything runs in the caller: plain sequential
+    execution.
+    Waiting threads (the pool's for the next run, the caller for a run's last task) watch
+    memory for up to SPIN_SECONDS before they sleep, so that their CPUs do not go idle
+    between the hand-overs of a step (see kernels.spin); not when there are more threads
+    than CPUs, where a spinning thread would take a CPU from a working one, nor with
+    busy_wait=False (for a caller whose other workers need the CPUs between runs: cgp.procs).
     affinity: pin worker k to the k-th CPU this process may use (Linux), so the OS does not
     migrate workers between cores; results never depend on it. As OpenMP pins its master
     thread, the caller is pinned too (with more than one thread), until close(); threads it
@@ -116,55 +143,93 @@ class Pool:
     cgp.kernels.fpenv), or with IEEE subnormals; the pool threads keep the mode for their
     life, the caller only while it runs tasks, so every thread count computes alike."""
 
-    def __init__(self, threads, affinity=False, flush_denormals=True):
+    def __init__(self, threads, affinity=False, flush_denormals=True, busy_wait=True):
         if threads < 1:
             raise CgpError(f"--threads must be at least 1, got {threads}")
         self.threads = threads
         self.flush = flush_denormals
         self.pinned = []
         self._caller_cpus = None
+        self._flags = aligned_zeros(2, np.int64)   # runs posted, tasks done in the latest
+        self._run = None
+        self._posted = threading.Condition()
+        self._workers = []
         cpus = sorted(os.sched_getaffinity(0)) if affinity and hasattr(os, "sched_getaffinity") else []
         if affinity and not cpus:
             raise CgpError("--affinity needs an OS that lets threads be pinned (Linux)")
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self._spins = (int(SPIN_SECONDS * spins_per_second())
+                       if busy_wait and 1 < threads <= (usable or 1) else 0)
         if threads == 1:
-            self._executor = None
             return
-        slots = itertools.count(1)
-
-        def start_worker():
-            fpenv.set_flush(flush_denormals)
-            if cpus:
-                self._pin(cpus[next(slots) % len(cpus)])
-
         if cpus:
             self._caller_cpus = os.sched_getaffinity(0)
             self._pin(cpus[0])
-        self._executor = ThreadPoolExecutor(threads - 1, thread_name_prefix="cgp",
-                                            initializer=start_worker)
+        for w in range(1, threads):
+            worker = threading.Thread(target=self._serve, name=f"cgp-{w}", daemon=True,
+                                      args=(w, cpus[w % len(cpus)] if cpus else None))
+            worker.start()
+            self._workers.append(worker)
 
     def _pin(self, cpu):
         os.sched_setaffinity(0, {cpu})  # pid 0: the calling thread only
         self.pinned.append(cpu)
 
+    def _serve(self, w, cpu):
+        """Pool thread w: runs its share of every run posted, until close()."""
+        fpenv.set_flush(self.flush)
+        if cpu is not None:
+            self._pin(cpu)
+        seen, resting = 0, False
+        while True:
+            if resting or spin.wait_while(self._flags, 0, seen, self._spins) == seen:
+                with self._posted:
+                    while self._flags[0] == seen:
+                        self._posted.wait()
+            # A run posted since is taken as well; this one then has nothing left for it.
+            seen, run = int(self._flags[0]), self._run
+            if run is None:
+                return
+            resting = run is _REST
+            if not resting:
+                run.work(w)
+
     def run(self, fn, tasks):
         if tasks < 1:
             return
-        run = _Run(fn, tasks)
-        if self._executor is not None:
-            for w in range(1, min(self.threads, tasks)):
-                self._executor.submit(run.work, w)
+        run = _Run(fn, tasks, self._flags)
+        if self._workers:
+            self._post(run)
         state = fpenv.set_flush(self.flush)
         try:
             run.work(0)
         finally:
             fpenv.restore(state)
+        spin.wait_for(self._flags, 1, tasks, self._spins)
         run.finished.wait()
         if run.error is not None:
             raise run.error
 
+    def _post(self, run):
+        with self._posted:
+            self._run = run
+            self._flags[1] = 0
+            self._flags[0] += 1
+            self._posted.notify_all()
+
+    def rest(self):
+        """Sends the pool's threads to sleep now, not SPIN_SECONDS after the last run: for
+        a caller that will not run anything for a while, while something else needs the
+        CPUs (another pool, in a benchmark)."""
+        if self._workers:
+            self._post(_REST)
+
     def close(self):
-        if self._executor is not None:
-            self._executor.shutdown()
+        if self._workers:
+            self._post(None)
+            for worker in self._workers:
+                worker.join()
+            self._workers = []
         if self._caller_cpus is not None:
             os.sched_setaffinity(0, self._caller_cpus)
             self._caller_cpus = None

@@ -183,7 +183,10 @@ class Trainer:
                 raise CgpError(f"signal effect '{effect}': expected one of "
                                f"{', '.join(SIGNAL_EFFECTS)}")
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult)
-        self.pool = Pool(config.threads, config.affinity, config.denormals == "flush")
+        # Worker processes run the chunks between the pool's runs: its threads must not
+        # spin on the CPUs meanwhile.
+        self.pool = Pool(config.threads, config.affinity, config.denormals == "flush",
+                         busy_wait=not shared)
         comm = ThreadCommunicator(self.pool)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm, shared=shared)

@@ -362,6 +362,69 @@ def test_pool_runs_every_task_once_with_the_caller_as_worker_zero():
         pool.close()
 
 
+def test_spin_waits_see_another_threads_write():
+    """The watched value is read from memory on every pass (an atomic load), not once: a
+    write from another thread ends the wait long before the reads run out."""
+    import threading
+    from cgp.kernels import spin
+    flags = np.zeros(2, np.int64)
+    flags[1] = 7
+    assert spin.wait_while(flags, 1, 5, 10) == 7    # not the value: at once
+    assert spin.wait_while(flags, 1, 7, 10) == 7    # still the value after 10 reads
+    assert spin.wait_for(flags, 1, 7, 0) == 7 and spin.wait_for(flags, 1, 9, 10) == 7
+    seen = []
+    watcher = threading.Thread(target=lambda: seen.append(
+        spin.wait_while(flags, 0, 0, 1 << 62)))     # years of reads, if it never saw it
+    watcher.start()
+    flags[0] = 3
+    watcher.join(timeout=30)
+    assert seen == [3]
+
+
+def _cpu_ns(thread):
+    """CPU time a thread has run (Linux's schedstat), in nanoseconds."""
+    with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+def test_pool_threads_spin_between_runs_and_rest_on_request():
+    """A pool thread keeps its CPU for a while after a run (kernels.spin), and gives it up
+    at once after rest(); with busy_wait=False it never spins. Hundreds of runs in a row
+    lose no wake-up either way."""
+    import os
+    import time
+    if not os.path.exists("/proc/self/task") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux's per-thread CPU times and two CPUs")
+
+    def spent_while_caller_works(pool, rest):
+        """The pool thread's CPU time while the caller computes for 30 ms after a run."""
+        pool.run(lambda w, i: None, 2)
+        if rest:
+            pool.rest()
+        before = _cpu_ns(pool._workers[0])
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.03:
+            pass
+        return _cpu_ns(pool._workers[0]) - before
+
+    for busy in (True, False):
+        pool = Pool(2, busy_wait=busy)
+        done = []
+        for r in range(300):
+            pool.run(lambda w, i: done.append(i), 3)
+            if r % 50 == 0:
+                pool.rest()
+        assert sorted(done) == sorted(list(range(3)) * 300)
+        spinning, rested = (spent_while_caller_works(pool, rest) for rest in (False, True))
+        pool.close()
+        assert not pool._workers
+        assert rested < 2e6, rested
+        if busy:
+            assert spinning > 2e6, spinning    # of up to SPIN_SECONDS, 10 ms
+        else:
+            assert spinning < 2e6, spinning
+
+
 def test_affinity_pins_workers_and_changes_nothing(mnist_dir):
     import os
     if not hasattr(os, "sched_setaffinity"):
