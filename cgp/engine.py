@@ -165,21 +165,29 @@ class Pool:
         if cpus:
             self._caller_cpus = os.sched_getaffinity(0)
             self._pin(cpus[0])
+        # The threads' compiled calls are compiled (or loaded) here, and the threads have
+        # made their first ones before this returns: a process forked later (cgp.procs)
+        # must not copy a Numba compiler lock that one of them held.
+        fpenv.restore(fpenv.set_flush(self.flush))
+        spin.wait_while(self._flags, 0, -1, 0)
+        started = threading.Barrier(threads)
         for w in range(1, threads):
             worker = threading.Thread(target=self._serve, name=f"cgp-{w}", daemon=True,
-                                      args=(w, cpus[w % len(cpus)] if cpus else None))
+                                      args=(w, cpus[w % len(cpus)] if cpus else None, started))
             worker.start()
             self._workers.append(worker)
+        started.wait()
 
     def _pin(self, cpu):
         os.sched_setaffinity(0, {cpu})  # pid 0: the calling thread only
         self.pinned.append(cpu)
 
-    def _serve(self, w, cpu):
+    def _serve(self, w, cpu, started):
         """Pool thread w: runs its share of every run posted, until close()."""
         fpenv.set_flush(self.flush)
         if cpu is not None:
             self._pin(cpu)
+        started.wait()
         seen, resting = 0, False
         while True:
             if resting or spin.wait_while(self._flags, 0, seen, self._spins) == seen:
