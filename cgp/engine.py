@@ -39,7 +39,9 @@ CALL_BYTES = 8 << 20
 def chunk_bounds(batch, chunks):
     """[(first, n), ...]: `chunks` near-equal contiguous pieces of a batch (fewer if the
     batch is smaller). The larger pieces come last."""
-    chunks = max(1, min(chunks, batch))
+    if chunks < 1:
+        raise CgpError(f"--chunks must be at least 1, got {chunks}")
+    chunks = min(chunks, batch)
     cuts = [c * batch // chunks for c in range(chunks + 1)]
     return [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:])]
 

@@ -90,6 +90,8 @@ def run(sp, solver_path, config, threads_list, iters, log=print, workers=("threa
     every thread count runs with its workers as each of these (RunConfig.workers)."""
     if not threads_list:
         raise CgpError("--threads needs at least one thread count")
+    if iters < 1:
+        raise CgpError(f"--iters must be at least 1, got {iters}")
     outcomes = []
     for kind in workers:
         for threads in threads_list:

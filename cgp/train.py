@@ -49,6 +49,15 @@ class RunConfig:
     workers: str = "threads"  # run the calls in "threads" or in forked "processes"
     denormals: str = "flush"  # subnormal floats: "flush" to zero (fast) or "keep" (IEEE)
 
+    def __post_init__(self):
+        # Refused before anything runs: a seed out of range would otherwise fail only when
+        # the first snapshot records it, after the training.
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise CgpError(f"--seed must be from 0 to 2**63 - 1 (Caffe's random_seed is a "
+                           f"64-bit signed integer), got {self.seed}")
+        if self.max_iter is not None and self.max_iter < 0:
+            raise CgpError(f"--iters must be at least 0, got {self.max_iter}")
+
 
 SIGNAL_EFFECTS = ("stop", "snapshot", "none")
 WORKERS = ("threads", "processes")

@@ -2,6 +2,9 @@
 mistake, never a traceback."""
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def cgp(*args, cwd=None):
@@ -78,3 +81,31 @@ def test_unknown_worker_kind_is_refused():
                       "--workers wants threads, processes or both", "fibres")
     assert_user_error(cgp("bench", "speedup", "mnist", "--workers", "ranks"), "--workers")
     assert_user_error(cgp("train", "mnist", "--workers", "fibres"), "--workers", "processes")
+
+
+LENET_NET = "models/lenet_train_test.prototxt"
+
+
+@pytest.mark.parametrize("args,message", [
+    (("train", "mnist", "--chunks", "0"), "--chunks must be at least 1, got 0"),
+    (("train", "mnist", "--chunks", "-3"), "--chunks must be at least 1, got -3"),
+    (("train", "mnist", "--threads", "0"), "--threads must be at least 1"),
+    (("train", "mnist", "--iters", "-1"), "--iters must be at least 0, got -1"),
+    (("train", "mnist", "--seed", "-5"), "--seed must be from 0 to 2**63 - 1"),
+    (("train", "mnist", "--seed", str(2**63)), "--seed must be from 0 to 2**63 - 1"),
+    (("equivalence", "mnist", "--threads", "1", "--iters", "0"), "--iters must be at least 1"),
+    (("equivalence", "mnist", "--threads", "1", "--chunks", "0"), "--chunks must be at least 1"),
+    (("bench", "speedup", "mnist", "--threads", "1", "--chunks", "0"), "--chunks must be"),
+    (("bench", "speedup", "mnist", "--threads", "1", "--repeats", "0"), "--repeats must be"),
+    (("time", "--model", LENET_NET, "--chunks", "0"), "--chunks must be at least 1"),
+])
+def test_numbers_out_of_range_are_refused_before_anything_runs(args, message, mnist_dir,
+                                                                 tmp_path):
+    """A count or seed out of range is a user mistake: one message naming the flag, exit
+    status 2, nothing written (a seed too large for a snapshot used to fail only when the
+    first snapshot was written, after the training)."""
+    root = Path(__file__).resolve().parents[1]
+    out = cgp(*[str(root / a) if a == LENET_NET else a for a in args],
+              "--data-dir", str(mnist_dir), cwd=tmp_path)
+    assert_user_error(out, message)
+    assert list(tmp_path.iterdir()) == []
