@@ -685,6 +685,8 @@ def cmd_speedup(args, log=print):
                 configs += [torch_config(torch_ref, t, layout,
                                          torch_ref.TorchTrainer(net, sp, layout), first)
                             for t in threads]
+        from cgp.snapshot import writable_folder
+        writable_folder(Path(args.out) / "results.json")   # found out now, not after the timing
         log(f"cgp bench speedup: {path}, net '{net.name}', batch {images} in "
             f"{len(first.engine.bounds)} chunks; threads {','.join(map(str, threads))}"
             f" as {' and as '.join(workers)}"

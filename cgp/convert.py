@@ -15,7 +15,7 @@ from cgp.datasets import store
 from cgp.errors import CgpError, DataError
 from cgp.lmdb_data import require_lmdb
 from cgp.proto import caffe_pb2
-from cgp.snapshot import atomic_write
+from cgp.snapshot import atomic_write, writable_folder
 
 KEY_DIGITS = {"mnist": 8, "cifar10": 5}
 COMMIT_EVERY = 1000    # records per transaction, as convert_mnist_data commits
@@ -42,7 +42,7 @@ def write_lmdb(out, images, labels, digits, log=print):
                        "first)")
     try:
         env = lmdb.open(str(out), map_size=DEFAULT_MAP_SIZE, subdir=True)
-    except lmdb.Error as e:
+    except (lmdb.Error, OSError) as e:
         raise DataError(f"LMDB {out}: cannot create: {e}") from None
     try:
         for first in range(0, len(images), COMMIT_EVERY):
@@ -84,6 +84,8 @@ def convert(dataset, out, split="train", data_dir=None, download=True, limit=Non
     if limit is not None and limit < 1:
         raise CgpError(f"--limit must be at least 1, got {limit}")
     require_lmdb(f"LMDB {out}")
+    for path in (out, mean) if mean else (out,):   # before any work that would be lost
+        writable_folder(path)
     images, labels = store.load(dataset, split, data_dir, download)
     if limit is not None:
         images, labels = images[:limit], labels[:limit]

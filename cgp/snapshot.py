@@ -13,7 +13,7 @@ import numpy as np
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from cgp.errors import DataError
+from cgp.errors import CgpError, DataError
 from cgp.proto import caffe_pb2, cgp_pb2
 
 # The process umask, read once at import (reading it means setting it, which is not
@@ -25,9 +25,11 @@ os.umask(_UMASK)
 def atomic_write(path, payload):
     """Write bytes to path via a temporary sibling file, fsync and os.replace: readers see
     the old file or the whole new one, never a part, whatever kills the writer."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    path = writable_folder(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise CgpError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
@@ -35,11 +37,27 @@ def atomic_write(path, payload):
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)   # mkstemp's 0600 -> what open() would have made
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):   # a full disk, a folder removed meanwhile, ...
+            raise CgpError(f"cannot write {path}: {e.strerror or e}") from None
         raise
     _sync_folder(path.parent)
+
+
+def writable_folder(path):
+    """Makes the folder that file `path` goes into, if need be, and checks that files can be
+    written there: CgpError naming it otherwise. Returns path as a Path. For a writer to call
+    before work whose result would otherwise be lost (a training, a conversion)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CgpError(f"cannot write {path}: folder {path.parent}: {e.strerror or e}") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise CgpError(f"cannot write {path}: folder {path.parent} is not writable")
+    return path
 
 
 def _sync_folder(folder):

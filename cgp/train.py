@@ -25,8 +25,8 @@ from cgp.net import Net, RunOptions
 from cgp.procs import Processes, share_params
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
-from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, write_caffemodel,
-                          write_solverstate)
+from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, writable_folder,
+                          write_caffemodel, write_solverstate)
 from cgp.solver import Solver
 
 DEFAULT_SEED = 1701  # used when neither --seed nor the solver's random_seed is set
@@ -310,6 +310,8 @@ class Trainer:
     def solve(self):
         """Train to max_iter; returns the final test outputs (if any)."""
         sp = self.sp
+        if sp.snapshot or sp.snapshot_after_train:   # found out now, not after the training
+            writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
             last = time.perf_counter()
             last_iter = self.iter

@@ -109,3 +109,22 @@ def test_numbers_out_of_range_are_refused_before_anything_runs(args, message, mn
               "--data-dir", str(mnist_dir), cwd=tmp_path)
     assert_user_error(out, message)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_outputs_are_found_before_the_work(tmp_path, mnist_dir):
+    """Where a result cannot be written is said before the work that makes it, never after
+    it (the folder here is a regular file, which no user can write into)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = cgp("train", "mnist", "--iters", "2", "--data-dir", str(mnist_dir),
+              "--snapshot-prefix", str(blocker / "snap"), cwd=tmp_path)
+    assert_user_error(out, f"cannot write {blocker / 'snap'}_iter_0.caffemodel")
+    assert "Iteration 0" not in out.stdout
+    out = cgp("bench", "speedup", "mnist", "--threads", "1", "--out", str(blocker / "results"),
+              "--data-dir", str(mnist_dir), cwd=tmp_path)
+    assert_user_error(out, f"cannot write {blocker / 'results'}")
+    for args in (("--to", "lmdb", str(blocker / "db")),
+                 ("--to", "lmdb", str(tmp_path / "db"), "--mean", str(blocker / "mean"))):
+        out = cgp("convert", "mnist", *args, "--limit", "5", "--data-dir", str(mnist_dir))
+        assert_user_error(out, f"cannot write {blocker}")
+        assert not (tmp_path / "db").exists()

@@ -15,7 +15,7 @@ import pytest
 from google.protobuf import text_format, unknown_fields
 
 from cgp import snapshot
-from cgp.errors import DataError
+from cgp.errors import CgpError, DataError
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, write_caffemodel,
                           write_solverstate)
@@ -139,9 +139,10 @@ def test_atomic_write_leaves_no_partial_file(mnist_dir, tmp_path, monkeypatch):
     def broken_fsync(fd):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(os, "fsync", broken_fsync)
-    with pytest.raises(OSError, match="No space left"):
+    # The user's error names the file and the cause.
+    with pytest.raises(CgpError, match=f"cannot write {path}: No space left"):
         write_caffemodel(path, t.net)
-    with pytest.raises(OSError):
+    with pytest.raises(CgpError, match="No space left"):
         write_caffemodel(tmp_path / "new.caffemodel", t.net)
     monkeypatch.undo()
     assert path.read_bytes() == before                  # the old snapshot, whole
