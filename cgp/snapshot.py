@@ -26,11 +26,9 @@ def atomic_write(path, payload):
     """Write bytes to path via a temporary sibling file, fsync and os.replace: readers see
     the old file or the whole new one, never a part, whatever kills the writer."""
     path = writable_folder(path)
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise CgpError(f"cannot write {path}: {e.strerror or e}") from None
-    try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
@@ -38,7 +36,7 @@ def atomic_write(path, payload):
         os.chmod(tmp, 0o666 & ~_UMASK)   # mkstemp's 0600 -> what open() would have made
         os.replace(tmp, path)
     except BaseException as e:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         if isinstance(e, OSError):   # a full disk, a folder removed meanwhile, ...
             raise CgpError(f"cannot write {path}: {e.strerror or e}") from None
