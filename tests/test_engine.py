@@ -199,6 +199,20 @@ def test_grouped_calls_change_no_bit(dtype):
         assert np.array_equal(grad, results[0][2])
 
 
+@pytest.mark.parametrize("group, order", [(1, [(1, 2), (2, 3), (3, 4), (0, 1)]),
+                                          (2, [(2, 4), (0, 2)]), (3, [(0, 3), (3, 4)])])
+def test_calls_are_handed_out_largest_first(group, order):
+    """Workers take calls in the order of engine.groups: those of most samples first (chunks
+    of 2, 3, 3, 3 samples here), chunk order among equals, so that the calls left for the
+    end are the small ones; every chunk in exactly one call."""
+    net = Net(parse_net(GROUP_NET, "grouped.prototxt"), caffe_pb2.TRAIN, RunOptions())
+    pool = Pool(1)
+    engine = Engine(net, 4, pool, ThreadCommunicator(pool), group=group)
+    pool.close()
+    assert [n for _, n in engine.bounds] == [2, 3, 3, 3]
+    assert engine.groups == order
+
+
 def test_engine_buffers_start_on_cache_lines():
     """Every buffer the engine and its workers allocate (blobs, layer scratch, chunk
     gradients, factors, the communicator's scratch) starts on a 64-byte boundary, so a
