@@ -112,6 +112,11 @@ class Net:
         # value, which exists once per chunk.
         self.groupable = not any(b in self.batch_values for e in self.entries
                                  if not e.layer.reduces_batch for b in e.bottoms)
+        # Per entry: whether a call runs it once over all its parts (Layer.takes_parts); not
+        # where it reads a batch value, which each part holds on its own.
+        self.whole_calls = [e.layer.reduces_batch and e.layer.takes_parts
+                            and not any(b in self.batch_values for b in e.bottoms)
+                            for e in self.entries]
         # Bytes of one sample's activations and their gradients (float32).
         self.sample_bytes = 8 * sum(int(np.prod(s[1:])) for s in self.blob_shapes if s)
 
@@ -358,7 +363,10 @@ class Net:
         for i, (entry, p, scratch) in enumerate(zip(self.entries, params, ws.scratch)):
             started = time.perf_counter() if clock is not None else 0.0
             layer = entry.layer
-            if layer.reduces_batch:
+            if self.whole_calls[i]:
+                layer.forward_parts([data[b] for b in entry.bottoms],
+                                    [data[t][:len(parts)] for t in entry.tops], p, scratch, chunk)
+            elif layer.reduces_batch:
                 for k, (part, a, b) in enumerate(parts):
                     layer.forward(self._part(data, entry.bottoms, k, a, b),
                                   [data[t][k, ...] for t in entry.tops], p, scratch[k], part)
@@ -387,7 +395,12 @@ class Net:
             started = time.perf_counter() if clock is not None else 0.0
             layer, p, pd, scratch = entry.layer, params[i], param_diffs[i], ws.scratch[i]
             bottom_diff = [diff[b] if f else None for b, f in zip(entry.bottoms, propagate)]
-            if layer.reduces_batch:
+            if self.whole_calls[i]:
+                layer.backward_parts([data[t][:len(parts)] for t in entry.tops],
+                                     [diff[t][:len(parts)] for t in entry.tops],
+                                     [data[b] for b in entry.bottoms], bottom_diff, p, pd,
+                                     scratch, chunk)
+            elif layer.reduces_batch:
                 for k, (part, a, b) in enumerate(parts):
                     layer.backward([data[t][k, ...] for t in entry.tops],
                                    [diff[t][k, ...] for t in entry.tops],
@@ -426,7 +439,8 @@ class Workspace:
     """One worker's buffers: data and diff for every blob, sized for calls of up to n_max
     samples in up to `parts` parts of up to part_max samples, and each layer's scratch.
     Reused for every call the worker runs. A batch value (a loss) gets one buffer per
-    part, as do the scratch of the layers that make them, which run one part at a time.
+    part, as does the scratch of a layer that makes them one part at a time (not
+    Net.whole_calls).
     Source (data layer) blobs get no data buffer: calls read views of the batch."""
 
     def __init__(self, net, n_max, with_diff=True, dtype=np.float32, parts=1, part_max=None):
@@ -442,8 +456,9 @@ class Workspace:
         self.data = [None if b in sources else alloc(b) for b in range(len(net.blob_names))]
         self.diff = [alloc(b) for b in range(len(net.blob_names))] if with_diff else None
         self.scratch = [[alloc_scratch(e.layer, part_max, dtype) for _ in range(parts)]
-                        if e.layer.reduces_batch else alloc_scratch(e.layer, n_max, dtype)
-                        for e in net.entries]
+                        if e.layer.reduces_batch and not whole
+                        else alloc_scratch(e.layer, n_max, dtype)
+                        for e, whole in zip(net.entries, net.whole_calls)]
         self._views = {}
 
     def _sliced(self, arrays, n):

@@ -119,6 +119,39 @@ def softmax_loss_backward(prob, label, has_ignore, ignore, scale, dx):
 
 
 @njit(cache=True, nogil=True)
+def softmax_loss_forward_parts(prob, label, has_ignore, ignore, starts, per, losses):
+    """softmax_loss_forward for each part of a call at once. prob: (O, C, I); label: (O, I);
+    starts: (parts + 1,) the parts' first samples, then the call's samples; per: outer
+    positions per sample; losses: (parts,) float64, overwritten with each part's sum, as
+    softmax_loss_forward gives it for that part alone. Returns the flat (o * I + i) index of
+    the first label that is not a class (no part after it is summed), or -1."""
+    I = prob.shape[2]
+    for k in range(len(starts) - 1):
+        lo, hi = starts[k] * per, starts[k + 1] * per
+        loss, bad = softmax_loss_forward(prob[lo:hi], label[lo:hi], has_ignore, ignore)
+        losses[k] = loss
+        if bad >= 0:
+            return lo * I + bad
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def softmax_loss_backward_parts(prob, label, has_ignore, ignore, scales, starts, per, dx):
+    """softmax_loss_backward for each part of a call at once, part k with scale scales[k]
+    (starts, per as in softmax_loss_forward_parts). Returns the flat index of the first label
+    that is not a class, or -1."""
+    I = prob.shape[2]
+    first_bad = -1
+    for k in range(len(starts) - 1):
+        lo, hi = starts[k] * per, starts[k + 1] * per
+        bad = softmax_loss_backward(prob[lo:hi], label[lo:hi], has_ignore, ignore, scales[k],
+                                    dx[lo:hi])
+        if bad >= 0 and first_bad < 0:
+            first_bad = lo * I + bad
+    return first_bad
+
+
+@njit(cache=True, nogil=True)
 def label_counts(label, C, has_ignore, ignore, counts):
     """label: (M,) any labels (a whole batch's); counts: (C,) integers, overwritten with the
     number of labels naming each class (ignored ones count nowhere). Returns the index of the

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cgp.errors import NetError
-from cgp.layers import Chunk
+from cgp.layers import Chunk, alloc_scratch
 from layer_check import (backward, build, check_forward, check_gradients,
                          check_split_invariance, forward)
 
@@ -152,6 +152,39 @@ def test_loss_split_invariance(loss_param):
                       Chunk(n=hi - lo, first=lo, batch=5, **kw), [True, False])[1][0]
              for lo, hi in ((0, 2), (2, 5))]
     assert np.array_equal(np.concatenate(parts), whole[0])
+
+
+@pytest.mark.parametrize("loss_param, tops", [("normalization: VALID ignore_label: 2", 1),
+                                              ("normalization: FULL", 2)])
+def test_loss_takes_a_calls_parts_at_once(loss_param, tops):
+    """forward_parts / backward_parts over a call of three parts (samples 1-2, 3-5, 6 of a
+    batch of 7) give each part's loss share, probabilities and input gradient bitwise as a
+    call of that part alone, with a different top diff per part."""
+    x, labels = scores_and_labels((7, 3, 2, 2), (7, 1, 2, 2), 1, seed=6, ignore=2)
+    x, labels = x.astype(np.float32), labels.astype(np.float32)
+    layer = build(loss_text(1, loss_param, tops), [x.shape, labels.shape])
+    kw = {"batch": 7, "batch_tops": {"label": labels}}
+    cuts = (1, 3, 6, 7)
+    call = Chunk(n=6, first=1, part_starts=tuple(c - 1 for c in cuts), **kw)
+    top_diff = np.array([1.0, 0.5, 3.0], np.float32)
+    out = [np.zeros(3, np.float32)] + ([np.zeros((3,) + x.shape, np.float32)] if tops > 1 else [])
+    scratch = alloc_scratch(layer, 6, np.float32)
+    bottom = [x[1:], labels[1:]]
+    layer.forward_parts(bottom, out, [], scratch, call)
+    dx = np.full_like(x[1:], 7.0)
+    layer.backward_parts(out, [top_diff] + out[1:], bottom, [dx, None], [], [], scratch, call)
+    for k, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        part = Chunk(n=hi - lo, first=lo, **kw)
+        own, own_dx, _ = backward(layer, [x[lo:hi], labels[lo:hi]], [], [top_diff[k:k + 1][0]],
+                                  part, [True, False])
+        assert out[0][k] == own[0]
+        if tops > 1:
+            assert np.array_equal(out[1][k], own[1])
+        assert np.array_equal(dx[lo - 1:hi - 1], own_dx[0])
+    # A bad label in the second part: the error names its sample of the batch.
+    labels[4, 0, 1, 0] = 9
+    with pytest.raises(NetError, match=r"sample 4 of the batch, position 2"):
+        layer.forward_parts(bottom, out, [], scratch, call)
 
 
 def test_loss_all_ignored():

@@ -73,7 +73,7 @@ class Chunk:
     parameter gradients are kept per part (see Layer), so results never depend on how many
     parts a call covers. Losses and accuracies divide by the *global* batch, so each chunk's
     scalar output is its share of the batch value and the engine sums the shares in a fixed
-    order; the net runs those layers one part at a time. Random streams are keyed by (seed,
+    order; those layers run one part at a time or take the parts at once. Random streams are keyed by (seed,
     iteration, global sample index, layer index), never by thread or chunk, so any split of
     the batch draws the same numbers.
     """
@@ -171,7 +171,7 @@ class Layer:
     In forward/backward every array has axis 0 = chunk.n samples (a view of a buffer
     sized for the largest call), except the tops of layers with `reduces_batch`
     (losses, accuracy) whose shapes are exactly what setup returned; the net calls those
-    layers with one part (chunk) at a time. A call covers chunk.parts parts (see Chunk):
+    layers with one part (chunk) at a time, unless they take the parts at once (takes_parts). A call covers chunk.parts parts (see Chunk):
     param_diff[j] is (parts,) + blob j's shape, part i's gradient at [i], which must be
     what a call with part i alone would give (or a Factors, see can_factor_param_diff).
     Accumulation rule: param_diff arrays are *added to* (or set, when
@@ -182,6 +182,12 @@ class Layer:
     bottoms = (1, 1)           # allowed number of bottoms (min, max); max None = any
     tops = (1, 1)              # allowed number of tops
     reduces_batch = False      # tops are batch values (a loss, an accuracy), not per sample
+    # A batch-value layer that can run every part of a call at once says so, and defines
+    # forward_parts / backward_parts: arguments as forward's and backward's, but with each
+    # batch-value top (and its diff) as (parts,) + the top's shape, part k's at [k], and
+    # scratch sized for the call. The net then calls it once per call rather than once per
+    # part: for LeNet's loss, half of a call's Python, which threads take in turn.
+    takes_parts = False
     # A layer whose backward can *set* its parameter gradients (bitwise as if it added them
     # to zeros) says so; the net turns that on where no other layer shares those blobs, and
     # the engine then skips zeroing them in each chunk's private buffer: one pass less over

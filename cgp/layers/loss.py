@@ -142,11 +142,13 @@ class SoftmaxWithLoss(_ClassAxis):
     top, that one has the whole batch's rows: each chunk writes its own rows and zeros elsewhere,
     so a sum of the shares is the whole batch's array. A buffer of just the chunk's rows (if
     the engine ever gives per-sample tops to such a layer) is filled as is.
-    Scratch: "prob" (the probabilities, for backward) and "work" (one (I,) plane).
+    Scratch: "prob" (the probabilities, for backward), "work" (one (I,) plane) and "losses"
+    (one float64 sum per part).
     """
     bottoms = (2, 2)
     tops = (1, 2)
     reduces_batch = True
+    takes_parts = True
     default_loss_weight = 1.0
 
     def setup(self, bottom_shapes):
@@ -171,7 +173,8 @@ class SoftmaxWithLoss(_ClassAxis):
         return [()] + ([scores] if len(self.lp.top) > 1 else [])
 
     def scratch_shapes(self, n):
-        return {"prob": (n,) + self.score_shape[1:], "work": (self.inner,)}
+        return {"prob": (n,) + self.score_shape[1:], "work": (self.inner,),
+                "losses": ((n,), np.float64)}
 
     def normaliser(self, chunk):
         """Caffe's get_normalizer for the whole batch, as a float."""
@@ -192,34 +195,49 @@ class SoftmaxWithLoss(_ClassAxis):
         return max(1.0, float(value))
 
     def forward(self, bottom, top, params, scratch, chunk):
+        """A call of one part: the tops as setup shaped them (see forward_parts)."""
+        self.forward_parts(bottom, [t[np.newaxis] for t in top], params, scratch, chunk)
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        self.backward_parts([t[np.newaxis] for t in top], [d[np.newaxis] for d in top_diff],
+                            bottom, bottom_diff, params, param_diff, scratch, chunk)
+
+    def forward_parts(self, bottom, top, params, scratch, chunk):
+        """Every part of a call at once (Layer.takes_parts): top[j][k] is part k's top j."""
         n = chunk.n
         prob = scratch["prob"][:n]
         probs = self._scores(prob, n)
         labels = self._labels(bottom[1], n)
         K.softmax_forward(self._scores(bottom[0], n), probs, scratch["work"])
-        loss, bad = K.softmax_loss_forward(probs, labels, self.has_ignore, self.ignore)
+        starts = chunk.starts
+        losses = scratch["losses"][:len(starts) - 1]
+        bad = K.softmax_loss_forward_parts(probs, labels, self.has_ignore, self.ignore, starts,
+                                           self.per_sample, losses)
         if bad >= 0:
             raise self._bad_label(labels, bad, chunk.first)
-        top[0][...] = loss / self.normaliser(chunk)
+        top[0][...] = losses / self.normaliser(chunk)
         if len(top) > 1:
-            out = top[1]
-            if out.shape[0] == n:      # a per-sample buffer (or the chunk is the whole batch)
-                out[...] = prob
-            else:                      # the batch-value buffer of the contract: own rows only
-                out[...] = 0
-                out[chunk.first:chunk.first + n] = prob
+            for out, a, b in zip(top[1], starts[:-1], starts[1:]):
+                if out.shape[0] == b - a:   # a per-sample buffer (or the part is the batch)
+                    out[...] = prob[a:b]
+                else:                       # the batch-value buffer of the contract: own rows
+                    out[...] = 0
+                    out[chunk.first + a:chunk.first + b] = prob[a:b]
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_parts(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[1] is not None:
             raise self.error("cannot backpropagate to the labels (bottom 1)")
         if bottom_diff[0] is None:
             return
         n = chunk.n
         dx = bottom_diff[0]
-        scale = dx.dtype.type(float(top_diff[0]) / self.normaliser(chunk))
+        # Part k's scale: its top's diff over the normaliser, divided in float64.
+        scales = (top_diff[0].astype(np.float64) / self.normaliser(chunk)).astype(dx.dtype)
         labels = self._labels(bottom[1], n)
-        bad = K.softmax_loss_backward(self._scores(scratch["prob"][:n], n), labels,
-                                      self.has_ignore, self.ignore, scale, self._scores(dx, n))
+        bad = K.softmax_loss_backward_parts(self._scores(scratch["prob"][:n], n), labels,
+                                            self.has_ignore, self.ignore, scales, chunk.starts,
+                                            self.per_sample, self._scores(dx, n))
         if bad >= 0:
             raise self._bad_label(labels, bad, chunk.first)
 
