@@ -359,15 +359,15 @@ class Net:
         lo, hi = chunk.first, chunk.first + chunk.n
         for blob, array in batch_data.items():
             data[blob] = array[lo:hi]
-        parts = chunk.each_part
+        parts = chunk.parts
         for i, (entry, p, scratch) in enumerate(zip(self.entries, params, ws.scratch)):
             started = time.perf_counter() if clock is not None else 0.0
             layer = entry.layer
             if self.whole_calls[i]:
                 layer.forward_parts([data[b] for b in entry.bottoms],
-                                    [data[t][:len(parts)] for t in entry.tops], p, scratch, chunk)
+                                    [data[t][:parts] for t in entry.tops], p, scratch, chunk)
             elif layer.reduces_batch:
-                for k, (part, a, b) in enumerate(parts):
+                for k, (part, a, b) in enumerate(chunk.each_part):
                     layer.forward(self._part(data, entry.bottoms, k, a, b),
                                   [data[t][k, ...] for t in entry.tops], p, scratch[k], part)
             else:
@@ -386,7 +386,7 @@ class Net:
         diff = ws.diff_views(chunk.n)
         for blob, weight in self.loss_weights.items():
             diff[blob][...] = weight
-        parts = chunk.each_part
+        parts = chunk.parts
         for i in reversed(range(len(self.entries))):
             entry = self.entries[i]
             backward, propagate = plan[i] if plan else (entry.backward, entry.propagate)
@@ -396,12 +396,12 @@ class Net:
             layer, p, pd, scratch = entry.layer, params[i], param_diffs[i], ws.scratch[i]
             bottom_diff = [diff[b] if f else None for b, f in zip(entry.bottoms, propagate)]
             if self.whole_calls[i]:
-                layer.backward_parts([data[t][:len(parts)] for t in entry.tops],
-                                     [diff[t][:len(parts)] for t in entry.tops],
+                layer.backward_parts([data[t][:parts] for t in entry.tops],
+                                     [diff[t][:parts] for t in entry.tops],
                                      [data[b] for b in entry.bottoms], bottom_diff, p, pd,
                                      scratch, chunk)
             elif layer.reduces_batch:
-                for k, (part, a, b) in enumerate(parts):
+                for k, (part, a, b) in enumerate(chunk.each_part):
                     layer.backward([data[t][k, ...] for t in entry.tops],
                                    [diff[t][k, ...] for t in entry.tops],
                                    self._part(data, entry.bottoms, k, a, b),

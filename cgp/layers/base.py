@@ -105,7 +105,8 @@ class Chunk:
     @cached_property
     def each_part(self):
         """[(Chunk of part k alone, its first sample in the call, past its last), ...]; built
-        once per call (a frozen dataclass still takes a cached_property)."""
+        once per call (a frozen dataclass still takes a cached_property), and only where a
+        layer runs one part at a time: a Chunk costs the interpreter about 2 us."""
         if len(self.part_starts) <= 2:
             return [(self, 0, self.n)]
         return [(Chunk(n=b - a, first=self.first + a, batch=self.batch,
