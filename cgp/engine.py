@@ -24,7 +24,7 @@ import numpy as np
 from cgp.comm import FactoredGrad
 from cgp.errors import CgpError
 from cgp.kernels import fpenv, spin
-from cgp.kernels.reduce import OUTER_PAD
+from cgp.kernels.reduce import OUTER_PAD, sum_rows
 from cgp.layers import Chunk, Factors, aligned_zeros
 from cgp.net import Workspace
 
@@ -341,9 +341,8 @@ class Engine:
             batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
             self.pool.run(lambda w, g: self.work(w, g, iteration, seed, batch), len(self.groups))
         # Shares add up in chunk order, in the dtype of the blobs they came from.
-        totals = np.zeros(len(self.tracked), self.dtype)
-        for row in self.shares:
-            totals += row.astype(self.dtype)
+        totals = np.empty(len(self.tracked), self.dtype)
+        sum_rows(self.shares.astype(self.dtype), totals)
         values = {name: float(v) for (_, name), v in zip(self.tracked, totals)}
         loss = float(sum(self.dtype.type(net.loss_weights[blob]) * totals[j]
                          for j, (blob, _) in enumerate(self.tracked) if blob in net.loss_weights))

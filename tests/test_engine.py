@@ -13,7 +13,7 @@ from cgp.comm import FactoredGrad, ThreadCommunicator, blocks, reference_reduce,
 from cgp.engine import Engine, Pool, chunk_bounds, group_size
 from cgp.kernels import fpenv
 from cgp.kernels.fc import add_outer_rows
-from cgp.kernels.reduce import OUTER_PAD
+from cgp.kernels.reduce import OUTER_PAD, sum_rows
 from cgp.kernels.tile import SHAPES, choose
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
@@ -197,6 +197,25 @@ def test_grouped_calls_change_no_bit(dtype):
     for values, loss, grad in results[1:]:
         assert values == results[0][0] and loss == results[0][1]
         assert np.array_equal(grad, results[0][2])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_loss_shares_add_in_chunk_order(dtype):
+    """sum_rows (the engine's sum of the chunks' loss shares) adds the rows in order in the
+    run's dtype: the same bits as a NumPy loop of total += row, on values whose sum another
+    order rounds differently."""
+    rng = np.random.default_rng(8)
+    rows = (rng.standard_normal((16, 3)) * 10.0 ** rng.integers(-9, 9, (16, 3))).astype(dtype)
+    want = np.zeros(3, dtype)
+    for row in rows:
+        want += row
+    backwards = np.zeros(3, dtype)
+    for row in rows[::-1]:
+        backwards += row
+    assert not np.array_equal(want, backwards)
+    got = np.full(3, np.nan, dtype)
+    sum_rows(rows, got)
+    assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("group, order", [(1, [(1, 2), (2, 3), (3, 4), (0, 1)]),
