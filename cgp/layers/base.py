@@ -73,9 +73,9 @@ class Chunk:
     parameter gradients are kept per part (see Layer), so results never depend on how many
     parts a call covers. Losses and accuracies divide by the *global* batch, so each chunk's
     scalar output is its share of the batch value and the engine sums the shares in a fixed
-    order; those layers run one part at a time or take the parts at once. Random streams are keyed by (seed,
-    iteration, global sample index, layer index), never by thread or chunk, so any split of
-    the batch draws the same numbers.
+    order; those layers run one part at a time or take the parts at once. Random streams are
+    keyed by (seed, iteration, global sample index, layer index), never by thread or chunk,
+    so any split of the batch draws the same numbers.
     """
     n: int                  # samples in this call
     first: int = 0          # index within the global batch of the call's first sample
@@ -172,9 +172,10 @@ class Layer:
     In forward/backward every array has axis 0 = chunk.n samples (a view of a buffer
     sized for the largest call), except the tops of layers with `reduces_batch`
     (losses, accuracy) whose shapes are exactly what setup returned; the net calls those
-    layers with one part (chunk) at a time, unless they take the parts at once (takes_parts). A call covers chunk.parts parts (see Chunk):
-    param_diff[j] is (parts,) + blob j's shape, part i's gradient at [i], which must be
-    what a call with part i alone would give (or a Factors, see can_factor_param_diff).
+    layers with one part (chunk) at a time, unless they take the parts at once (takes_parts).
+    A call covers chunk.parts parts (see Chunk): param_diff[j] is (parts,) + blob j's shape,
+    part i's gradient at [i], which must be what a call with part i alone would give (or a
+    Factors, see can_factor_param_diff).
     Accumulation rule: param_diff arrays are *added to* (or set, when
     overwrite_param_diff is on); bottom_diff arrays are *overwritten*.
     bottom_diff[i] is None when no gradient needs to flow into bottom i.
