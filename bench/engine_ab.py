@@ -9,32 +9,19 @@ two must end with bitwise equal weights.
                               [--steps 8] [--data-dir DIR]
 """
 import argparse
-import importlib.util
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import cgp.train
 from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
 # bench/, on the path when run as a script
-from interleave import ab_pair, add_pair_options, git_show
+from interleave import ab_pair, add_pair_options, import_revision
 
 
 def base_engine(rev, folder):
     """The engine module of git revision `rev`, imported from a copy in `folder`."""
-    try:
-        text = git_show(rev, "cgp/engine.py")
-    except subprocess.CalledProcessError as err:
-        sys.exit(f"engine_ab: git show {rev}: {err.stderr.strip()}")
-    path = Path(folder) / "base_engine.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("base_engine", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_revision(rev, "cgp/engine.py", folder, "engine_ab")
 
 
 def trainer(model, threads, data_dir, engine=None):

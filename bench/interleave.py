@@ -1,7 +1,9 @@
 """Helpers shared by the bench scripts that compare trainers or kernels in one process:
 interleaved timing, and another git revision's source."""
+import importlib.util
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,23 @@ def git_show(rev, path):
     subprocess.CalledProcessError, with git's message in .stderr, where there is none."""
     return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout
+
+
+def import_revision(rev, path, folder, script):
+    """The module in file `path` (from the repository root) as of git revision `rev`,
+    imported from a copy in `folder` under the name base_<file name>; exits naming `script`
+    where git has no such file."""
+    try:
+        text = git_show(rev, path)
+    except subprocess.CalledProcessError as err:
+        sys.exit(f"{script}: git show {rev}: {err.stderr.strip()}")
+    name = "base_" + Path(path).stem
+    copy = Path(folder) / f"{name}.py"
+    copy.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def interleaved_rounds(trainers, rounds, steps, warmup=3):

@@ -10,33 +10,22 @@ of the per-round ratios; the two must end with bitwise equal weights.
                                   [--steps 8] [--data-dir DIR]
 """
 import argparse
-import importlib.util
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 from cgp import models
 from cgp.layers.base import REGISTRY
 from cgp.net import Workspace
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options, git_show  # bench/, on the path as a script
+from interleave import ab_pair, add_pair_options, import_revision  # bench/, on the path
 
 
 def base_loss_layer(rev, folder):
     """SoftmaxWithLoss of git revision `rev`, imported from a copy in `folder` without
     registering it in place of the working tree's."""
-    try:
-        text = git_show(rev, "cgp/layers/loss.py")
-    except subprocess.CalledProcessError as err:
-        sys.exit(f"loss_parts_ab: git show {rev}: {err.stderr.strip()}")
-    path = Path(folder) / "base_loss.py"
-    path.write_text(text)
     registered = dict(REGISTRY)
-    spec = importlib.util.spec_from_file_location("base_loss", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_revision(rev, "cgp/layers/loss.py", folder, "loss_parts_ab")
     REGISTRY.clear()
     REGISTRY.update(registered)
     if getattr(module.SoftmaxWithLoss, "takes_parts", False):
