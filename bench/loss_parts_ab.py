@@ -15,7 +15,6 @@ import tempfile
 
 from cgp import models
 from cgp.layers.base import REGISTRY
-from cgp.net import Workspace
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
 from interleave import ab_pair, add_pair_options, import_revision  # bench/, on the path
@@ -42,11 +41,7 @@ def per_part(trainer, old):
             entry.layer.forward = old.forward.__get__(entry.layer)
             entry.layer.backward = old.backward.__get__(entry.layer)
             net.whole_calls[i] = False
-    n_max = max(engine.samples(g)[1] for g in engine.groups)
-    parts = max(c1 - c0 for c0, c1 in engine.groups)
-    part_max = max(n for _, n in engine.bounds)
-    engine.workspaces = [Workspace(net, n_max, dtype=engine.dtype, parts=parts,
-                                   part_max=part_max) for _ in engine.workspaces]
+    engine.workspaces = [engine.new_workspace() for _ in engine.workspaces]
     return trainer
 
 

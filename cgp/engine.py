@@ -274,16 +274,12 @@ class Engine:
         # so the order changes no result.
         self.groups = sorted(((c, min(c + group, len(self.bounds)))
                               for c in range(0, len(self.bounds), group)),
-                             key=lambda g: -span(self.bounds[g[0]:g[1]])[1])
-        part_max = max(n for _, n in self.bounds)
-        n_max = max(self.samples(g)[1] for g in self.groups)
+                             key=lambda g: -self.samples(g)[1])
         flat = net.params if params is None else params
         self.dtype = flat.dtype
-        self.workspaces = [Workspace(net, n_max, with_diff=backward, dtype=self.dtype,
-                                     parts=min(group, len(self.bounds)), part_max=part_max)
-                           for _ in range(pool.threads)]
-        self.params = net.param_views(flat)
         self.backward = backward
+        self.workspaces = [self.new_workspace() for _ in range(pool.threads)]
+        self.params = net.param_views(flat)
         self.factored = []
         if backward:
             self.chunk_grads = aligned_zeros((len(self.bounds), net.n_params), self.dtype,
@@ -305,6 +301,14 @@ class Engine:
         self.inputs = {t: aligned_zeros(net.blob_shapes[t], self.dtype, True)
                        for t in self.source_names} if shared else None
         self.procs = None   # the Processes that run this engine's calls, once started
+
+    def new_workspace(self):
+        """One worker's buffers, sized for this engine's calls and for how the net runs its
+        layers (Net.whole_calls)."""
+        return Workspace(self.net, max(self.samples(g)[1] for g in self.groups),
+                         with_diff=self.backward, dtype=self.dtype,
+                         parts=max(c1 - c0 for c0, c1 in self.groups),
+                         part_max=max(n for _, n in self.bounds))
 
     def samples(self, group):
         """(first sample, samples) of a group (c0, c1) of chunks."""
