@@ -24,6 +24,23 @@ def base_engine(rev, folder):
     return import_revision(rev, "cgp/engine.py", folder, "engine_ab")
 
 
+class _Programs:
+    """A Pool of a revision before cgp.procs.ProcessPool, with the interface that the
+    working tree's trainer and communicator use: program(fn), and run arguments."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    def program(self, fn):
+        return fn
+
+    def run(self, fn, tasks, *args):
+        self.pool.run(lambda w, i: fn(w, i, *args), tasks)
+
+
 def trainer(model, threads, data_dir, engine=None):
     """A Trainer whose Engine and Pool come from `engine` (a module; default the working
     tree's)."""
@@ -32,10 +49,8 @@ def trainer(model, threads, data_dir, engine=None):
     if engine is not None:
         for name in names:
             setattr(cgp.train, name, getattr(engine, name))
-        # Revisions before worker processes take no `shared`; threads never share buffers.
-        cgp.train.Engine = lambda *args, shared=False, **kw: engine.Engine(*args, **kw)
-        if "busy_wait" not in engine.Pool.__init__.__code__.co_varnames:
-            cgp.train.Pool = lambda *args, busy_wait=True, **kw: engine.Pool(*args, **kw)
+        if not hasattr(engine.Pool, "program"):
+            cgp.train.Pool = lambda *args, **kw: _Programs(engine.Pool(*args, **kw))
     try:
         path = models.solver_path(model)
         config = RunConfig(threads=threads, progress=False, data_dir=data_dir)

@@ -14,7 +14,7 @@ from cgp.engine import Engine, Pool
 from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
-from cgp.procs import Processes, share_params
+from cgp.procs import ProcessPool, share_params
 from cgp.prototxt import read_net
 from cgp.snapshot import copy_weights, read_caffemodel
 
@@ -47,13 +47,11 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
     shared = workers == "processes"
     if shared:
         share_params(net)
-    pool = Pool(threads, affinity, flush_denormals)
-    procs = None
+    pool = (ProcessPool if shared else Pool)(threads, affinity, flush_denormals)
     try:
-        engine = Engine(net, chunks, pool, ThreadCommunicator(pool), backward=False,
-                        shared=shared)
+        engine = Engine(net, chunks, pool, ThreadCommunicator(pool), backward=False)
         if shared:
-            procs = Processes(threads, [engine], affinity, flush_denormals)
+            pool.start()
         if not engine.tracked:
             raise CgpError(f"model {model}: the TEST net has no scalar outputs (loss, accuracy) "
                            "to score")
@@ -74,8 +72,6 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
                     sums[name] += np.float32(value)
                     log(f"Batch {i}, {name} = {fmt(value)}")
     finally:
-        if procs is not None:
-            procs.close()
         pool.close()
         for entry in net.sources:
             if hasattr(entry.layer, "close"):

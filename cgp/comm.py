@@ -84,6 +84,7 @@ class ThreadCommunicator:
 
         def run(w, i):
             tasks[i](w)
+        run = self.pool.program(run)
 
         def reduce():
             self.pool.run(run, len(tasks))

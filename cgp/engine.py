@@ -77,8 +77,8 @@ class _Run:
     counts them done, also into flags[1] for a caller that watches it (kernels.spin). The
     first exception stops the handing out; Pool.run re-raises it."""
 
-    def __init__(self, fn, tasks, flags):
-        self.fn, self.tasks, self.flags = fn, tasks, flags
+    def __init__(self, fn, tasks, flags, args):
+        self.fn, self.tasks, self.flags, self.args = fn, tasks, flags, args
         self.next = self.done = 0
         self.error = None
         self.lock = threading.Lock()
@@ -92,7 +92,7 @@ class _Run:
                     return
                 self.next = i + 1
             try:
-                self.fn(w, i)
+                self.fn(w, i, *self.args)
             except BaseException as error:  # Pool.run re-raises it in the caller
                 with self.lock:
                     self.error = self.error or error
@@ -126,8 +126,18 @@ def spins_per_second():
     return int(n / max(time.perf_counter() - started, 1e-6))
 
 
+def spin_count(workers):
+    """How many reads a waiting worker of a pool of `workers` makes before it sleeps:
+    SPIN_SECONDS' worth, or none where there are more workers than CPUs to run them, where
+    a spinning worker would take a CPU from a working one (or with one worker: no waits)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return int(SPIN_SECONDS * spins_per_second()) if 1 < workers <= (usable or 1) else 0
+
+
 class Pool:
-    """`threads` workers that share a list of tasks; task i runs as fn(worker, i).
+    """`threads` workers that share a list of tasks; task i of run(fn, tasks, *args) runs as
+    fn(worker, i, *args). fn is any function; program(fn) returns it as it is, for callers
+    that also run on a cgp.procs.ProcessPool, whose functions must be registered.
     The calling thread is worker 0 and runs tasks itself, beside threads-1 pool threads,
     and a run returns as soon as its last task is done, without waiting for a late thread
     to find nothing left. With one thread everything runs in the caller: plain sequential
@@ -135,8 +145,7 @@ class Pool:
     Waiting threads (the pool's for the next run, the caller for a run's last task) watch
     memory for up to SPIN_SECONDS before they sleep, so that their CPUs do not go idle
     between the hand-overs of a step (see kernels.spin); not when there are more threads
-    than CPUs, where a spinning thread would take a CPU from a working one, nor with
-    busy_wait=False (for a caller whose other workers need the CPUs between runs: cgp.procs).
+    than CPUs, where a spinning thread would take a CPU from a working one.
     affinity: pin worker k to the k-th CPU this process may use (Linux), so the OS does not
     migrate workers between cores; results never depend on it. As OpenMP pins its master
     thread, the caller is pinned too (with more than one thread), until close(); threads it
@@ -145,7 +154,10 @@ class Pool:
     cgp.kernels.fpenv), or with IEEE subnormals; the pool threads keep the mode for their
     life, the caller only while it runs tasks, so every thread count computes alike."""
 
-    def __init__(self, threads, affinity=False, flush_denormals=True, busy_wait=True):
+    # Tasks may write ordinary memory: every worker is a thread of this process.
+    shared_memory = False
+
+    def __init__(self, threads, affinity=False, flush_denormals=True):
         if threads < 1:
             raise CgpError(f"--threads must be at least 1, got {threads}")
         self.threads = threads
@@ -159,9 +171,7 @@ class Pool:
         cpus = sorted(os.sched_getaffinity(0)) if affinity and hasattr(os, "sched_getaffinity") else []
         if affinity and not cpus:
             raise CgpError("--affinity needs an OS that lets threads be pinned (Linux)")
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self._spins = (int(SPIN_SECONDS * spins_per_second())
-                       if busy_wait and 1 < threads <= (usable or 1) else 0)
+        self._spins = spin_count(threads)
         if threads == 1:
             return
         if cpus:
@@ -204,10 +214,13 @@ class Pool:
             if not resting:
                 run.work(w)
 
-    def run(self, fn, tasks):
+    def program(self, fn):
+        return fn
+
+    def run(self, fn, tasks, *args):
         if tasks < 1:
             return
-        run = _Run(fn, tasks, self._flags)
+        run = _Run(fn, tasks, self._flags, args)
         if self._workers:
             self._post(run)
         state = fpenv.set_flush(self.flush)
@@ -249,7 +262,7 @@ class Engine:
     """Runs forward (and backward) of one net over the chunks of each batch."""
 
     def __init__(self, net, chunks, pool, comm, backward=True, params=None, factor=True,
-                 group=None, shared=False):
+                 group=None):
         """params: the flat parameter array to run with (default net.params); a float64
         copy runs the same kernels in float64 (the equivalence harness's reference).
         factor: let layers that can (see Layer.can_factor_param_diff) hand their weight
@@ -257,10 +270,11 @@ class Engine:
         chunks; the same bits either way, with far less memory traffic.
         group: chunks per call (default: group_size); 1 where the net cannot group
         (Net.groupable).
-        shared: keep what calls read and write across workers (the batch, chunk gradients
-        and factors, loss shares) in shared memory, so that worker processes forked later
-        (cgp.procs.Processes) can run the calls; params must then be shared too."""
+        On a pool of worker processes (pool.shared_memory, cgp.procs), what calls read and
+        write across workers (the batch, chunk gradients and factors, loss shares) is in
+        shared memory; params must then be shared too (cgp.procs.share_params)."""
         self.net, self.pool, self.comm = net, pool, comm
+        shared = pool.shared_memory
         self.bounds = chunk_bounds(net.batch_size, chunks)
         if group is None:
             group = group_size(net, chunks, pool.threads)
@@ -300,7 +314,8 @@ class Engine:
         # The batch as worker processes read it; None: calls read the caller's arrays.
         self.inputs = {t: aligned_zeros(net.blob_shapes[t], self.dtype, True)
                        for t in self.source_names} if shared else None
-        self.procs = None   # the Processes that run this engine's calls, once started
+        self._batch = self.inputs   # what the calls of the run in progress read
+        self._calls = pool.program(self._call)
 
     def new_workspace(self):
         """One worker's buffers, sized for this engine's calls and for how the net runs its
@@ -337,13 +352,12 @@ class Engine:
         """batch: source blob id -> whole-batch array. Returns ({output name: value},
         loss, gradient or None). The gradient is the fixed-order sum over chunks."""
         net = self.net
-        if self.procs is not None:
+        if self.inputs is not None:
             for b, a in batch.items():
                 self.inputs[b][...] = a   # cast to the run's dtype as it is copied
-            self.procs.run(self, iteration, seed)
         else:
-            batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
-            self.pool.run(lambda w, g: self.work(w, g, iteration, seed, batch), len(self.groups))
+            self._batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
+        self.pool.run(self._calls, len(self.groups), iteration, seed)
         # Shares add up in chunk order, in the dtype of the blobs they came from.
         totals = np.empty(len(self.tracked), self.dtype)
         sum_rows(self.shares.astype(self.dtype), totals)
@@ -352,6 +366,9 @@ class Engine:
                          for j, (blob, _) in enumerate(self.tracked) if blob in net.loss_weights))
         grad = self.reduce() if self.backward else None
         return values, loss, grad
+
+    def _call(self, worker, g, iteration, seed):
+        self.work(worker, g, iteration, seed, self._batch)
 
     def work(self, worker, g, iteration, seed, batch):
         """One call: forward (and backward) of group g's samples in the worker's workspace,

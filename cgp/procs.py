@@ -1,29 +1,51 @@
-"""Worker processes for the engine's calls: with `--workers processes` each worker runs its
-calls in a process of its own, so no two workers ever wait for the same Python interpreter
-lock. Threads share one: the Python between kernel calls of all workers runs one at a
-time, which bounds the speedup as threads grow (bench/python_overhead.py).
+"""Worker processes (`--workers processes`): a pool like cgp.engine.Pool whose workers are
+forked processes, so no two workers ever wait for the same Python interpreter lock. Threads
+share one: the Python between kernel calls of all workers runs one at a time, which bounds
+the speedup as threads grow (bench/python_overhead.py).
 
-The workers are forked once, after the engines exist. A worker inherits the nets, its
-workspace and the compiled kernels, and shares with the main process only what crosses
-between them: the parameters, the batch, the chunk gradients and factors and the loss
-shares, each allocated in shared memory before the fork (Engine(shared=True)). The main
-process is worker 0, as in Pool; the reduction and the update stay on the main process's
-Pool, whose kernels hold no interpreter lock. Calls are handed out in index order by a
-counter in shared memory to whichever worker asks next, so which worker runs which call is
-left to timing and never changes a bit: the same calls write the same buffers as with
-threads.
+Every phase of a step runs on the workers: the engine's calls, the reduction, the update.
+A process cannot be handed a new Python function, so a run's function is a *program*,
+registered before start() forks the workers, which each inherit it with the nets, the
+workspaces and the compiled kernels. What crosses between processes lives in shared memory
+allocated before the fork (aligned_zeros(shared=True)): the parameters, the batch, chunk
+gradients and factors, loss shares, solver histories, and the pool's own counters. A run is
+posted and its end announced through those counters, which the waiting side watches (as
+Pool's threads do, kernels/spin.py) before it sleeps on a semaphore; no message crosses a
+pipe unless a task fails. Tasks are handed out in index order to whichever worker asks next,
+so which process runs which task is left to timing and never changes a bit.
 """
 import multiprocessing
 import os
+import pickle
+import select
 import signal
 import traceback
 import warnings
 
 import numpy as np
 
+from cgp.engine import spin_count
 from cgp.errors import CgpError
-from cgp.kernels import fpenv
+from cgp.kernels import fpenv, spin
 from cgp.layers import aligned_zeros
+
+# Where the pool's counters sit in its shared int64 array; those that different workers write
+# at once each have a 64-byte cache line of their own.
+_POSTED = 0     # runs posted so far: the number of the latest
+_TICKET = 8     # run << 32 | the next task to hand out (spin.take_ticket)
+_DONE = 16      # tasks of the latest run done (or skipped after an error)
+_FAILED = 24    # whether a task of the latest run raised
+_TASKS, _PROGRAM, _ARG_BYTES = 25, 26, 27   # the latest run's task count, program, arguments
+_SLEEP = 32     # + 8 * w: worker w sleeps on its semaphore (w = 0: the caller, for a run's end)
+
+_STOP, _REST = -1, -2   # programs that end the workers, or send them to sleep at once
+
+ARGS_BYTES = 4096   # room for a run's pickled arguments (a few numbers: iteration, seed, step)
+
+# How long a sleeping worker waits before it checks that the main process still exists.
+_PARENT_CHECK_SECONDS = 1.0
+# How long the caller sleeps for a run's end before it checks that no worker has died.
+_ALIVE_CHECK_SECONDS = 0.1
 
 
 def available():
@@ -39,84 +61,150 @@ def share_params(net):
     net.params = params
 
 
-class Processes:
-    """threads - 1 forked worker processes that, with the caller as worker 0, run the calls
-    of the given engines (each built with shared=True over a net whose params are shared).
-    affinity and flush_denormals as in Pool: worker k is pinned to the k-th CPU this process
-    may use, and every call runs with subnormals flushed or kept alike."""
+class ProcessPool:
+    """Pool's interface over threads - 1 worker processes and the caller as worker 0:
+    run(program, tasks, *args) runs program's fn(worker, i, *args) for i < tasks and returns
+    when all are done, raising the exception of the lowest failed task, if any, once every
+    running task has ended (no task starts after a failure).
 
-    def __init__(self, threads, engines, affinity=False, flush_denormals=True):
+    program(fn) registers fn and returns its handle; every program must be registered before
+    start() forks the workers. A run's args are pickled through shared memory: our own few
+    numbers, never anything a user supplies. What a task writes that another process reads
+    must be in shared memory (shared_memory tells engines and trainers so).
+    affinity and flush_denormals as in Pool: worker k (the caller too) is pinned to the k-th
+    CPU this process may use, and every task runs with subnormals flushed or kept alike."""
+
+    shared_memory = True
+
+    def __init__(self, threads, affinity=False, flush_denormals=True):
         if not available():
             raise CgpError("--workers processes needs an OS that can fork() (Linux, macOS); "
                            "use --workers threads")
-        for engine in engines:
-            if engine.inputs is None:
-                raise CgpError("an engine run by worker processes must be built with "
-                               "shared=True")
-        self.threads, self.flush = threads, flush_denormals
-        self.engines = list(engines)
+        if threads < 1:
+            raise CgpError(f"--threads must be at least 1, got {threads}")
+        self.threads, self.flush, self.affinity = threads, flush_denormals, affinity
+        if affinity and not hasattr(os, "sched_getaffinity"):
+            raise CgpError("--affinity needs an OS that lets processes be pinned (Linux)")
+        self.programs = []
+        self.procs = []
         self.broken = None
-        # next call to hand out, calls in this run
-        self.counter = aligned_zeros(2, np.int64, shared=True)
+        self._started = False
+        self._caller_cpus = None
+        self._flags = aligned_zeros(_SLEEP + 8 * threads, np.int64, shared=True)
+        self._args = aligned_zeros(ARGS_BYTES, np.uint8, shared=True)
+        self._woken = np.zeros(threads, np.int64)
+        self._failures = []  # (task, exception) of the latest run's failed tasks, read so far
+        self._spins = spin_count(threads)
+
+    def program(self, fn):
+        """Registers fn(worker, i, *args); returns the handle that run() takes."""
+        if self._started:
+            raise RuntimeError("ProcessPool.program after start(): the workers, forked "
+                               "already, would not have it")
+        self.programs.append(fn)
+        return len(self.programs) - 1
+
+    def start(self):
+        """Forks the workers: after every program and shared buffer exists, and before any
+        thread that a child could need a lock of."""
+        if self._started:
+            return
+        self._started = True
+        if self.threads == 1:
+            return
         ctx = multiprocessing.get_context("fork")
-        self.lock = ctx.Lock()
-        pinnable = affinity and hasattr(os, "sched_getaffinity")
-        cpus = sorted(os.sched_getaffinity(0)) if pinnable else []
-        pipes = [ctx.Pipe() for _ in range(threads - 1)]
-        self.procs, self.conns = [], [mine for mine, _ in pipes]
+        self._wakes = [ctx.Semaphore(0) for _ in range(self.threads)]
+        # A worker reports a failed task through a pipe of its own: the one message that is
+        # not a counter (an exception is an object).
+        pipes = [ctx.Pipe(duplex=False) for _ in range(self.threads - 1)]
+        self._reports = [reader for reader, _ in pipes]
+        cpus = sorted(os.sched_getaffinity(0)) if self.affinity else []
+        # Compiled (or loaded) here, so that no child starts by compiling.
+        spin.take_ticket(self._flags, _TICKET, -1, 0)
+        spin.wake_sleepers(self._flags, _SLEEP, 8, 0, self._woken)
+        self._parent = os.getpid()
         with warnings.catch_warnings():
             # Python 3.12+ warns that forking a process with threads may deadlock the child if
             # another thread holds a lock the child then takes. The only other threads here are
             # idle ones (BLAS's, other pools' workers) and the child never takes their locks.
             warnings.filterwarnings("ignore", ".*fork", DeprecationWarning)
-            for w in range(1, threads):
-                proc = ctx.Process(target=_serve, name=f"cgp-worker-{w}", daemon=True,
-                                   args=(w, pipes, self.engines, self.counter, self.lock,
-                                         flush_denormals))
+            for w in range(1, self.threads):
+                proc = ctx.Process(target=self._serve, name=f"cgp-worker-{w}", daemon=True,
+                                   args=(w, pipes[w - 1][1], int(self._flags[_POSTED])))
                 proc.start()
                 if cpus:
                     os.sched_setaffinity(proc.pid, {cpus[w % len(cpus)]})
                 self.procs.append(proc)
-        for _, theirs in pipes:  # so that a worker's death reads as the end of its pipe
-            theirs.close()
-        for engine in self.engines:
-            engine.procs = self
+        for _, writer in pipes:
+            writer.close()
+        # One poll() on the workers' sentinels tells whether any has ended.
+        self._ended = select.poll()
+        for proc in self.procs:
+            self._ended.register(proc.sentinel, select.POLLIN)
+        if cpus:
+            self._caller_cpus = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {cpus[0]})
 
-    def run(self, engine, iteration, seed):
-        """Every call of one engine run, the caller taking its share. Returns when all are
-        done; the first exception raised in any worker is raised here."""
+    # -- the caller -----------------------------------------------------------------
+    def run(self, program, tasks, *args):
+        if tasks < 1:
+            return
+        if not self._started:
+            raise RuntimeError("ProcessPool.run before start()")
         if self.broken:
             raise CgpError(self.broken)
-        tasks = len(engine.groups)
-        self.counter[:] = 0, tasks
-        index = self.engines.index(engine)
-        error, sent = None, []
-        for w, conn in enumerate(self.conns[:max(0, min(self.threads, tasks) - 1)], 1):
-            try:
-                conn.send((index, iteration, seed))
-                sent.append((w, conn))
-            except OSError:
-                error = error or self._lost(w)
+        if self.procs and self._ended.poll(0):
+            raise self._lost()
+        data = pickle.dumps(args) if args else b""
+        if len(data) > ARGS_BYTES:
+            raise RuntimeError(f"a run's arguments take {len(data)} bytes pickled; the pool "
+                               f"has room for {ARGS_BYTES}")
+        flags = self._flags
+        run = int(flags[_POSTED]) + 1
+        # The ticket first: a worker still leaving the last run can no longer take one.
+        spin.exchange(flags, _TICKET, run << 32)
+        flags[_DONE] = flags[_FAILED] = 0
+        flags[_TASKS], flags[_PROGRAM], flags[_ARG_BYTES] = tasks, program, len(data)
+        self._args[:len(data)] = np.frombuffer(data, np.uint8)
+        self._post(run)
         state = fpenv.set_flush(self.flush)
         try:
-            if error is None:
-                _take_calls(engine, 0, iteration, seed, self.counter, self.lock)
-        except BaseException as e:  # re-raised below, once the workers have stopped
-            error = e
+            self._take(0, run)
         finally:
             fpenv.restore(state)
-        for w, conn in sent:
-            try:
-                reply = conn.recv()
-            except (EOFError, OSError):
-                reply = self._lost(w)
-            error = error or reply
-        if error is not None:
-            raise error
+            if self.procs:   # before the next run resets the counts, even after an interrupt
+                self._wait(tasks)
+        if flags[_FAILED]:
+            raise self._first_failure()
 
-    def _lost(self, w):
-        """The error for worker w found dead; every later run raises it too."""
-        proc = self.procs[w - 1]
+    def _post(self, run):
+        """Publishes run number `run` (everything written before is seen with it) and wakes
+        the workers that sleep."""
+        spin.exchange(self._flags, _POSTED, run)
+        woken = spin.wake_sleepers(self._flags, _SLEEP + 8, 8, self.threads - 1, self._woken)
+        for k in self._woken[:woken]:
+            self._wakes[k + 1].release()
+
+    def _wait(self, tasks):
+        """Returns when `tasks` tasks of the latest run are done: watches the count, then
+        sleeps until the worker that completes it wakes the caller, checking now and then
+        that no worker has died."""
+        flags = self._flags
+        spin.wait_for(flags, _DONE, tasks, self._spins)
+        while spin.load(flags, _DONE) < tasks:
+            spin.exchange(flags, _SLEEP, 1)
+            woke = (spin.load(flags, _DONE) < tasks
+                    and self._wakes[0].acquire(timeout=_ALIVE_CHECK_SECONDS))
+            if not woke and spin.exchange(flags, _SLEEP, 0) == 0:
+                self._wakes[0].acquire()   # a worker cleared the mark: its wake-up is coming
+            if not woke:
+                self._read_reports()   # a worker's report may be longer than its pipe holds
+                if self._ended.poll(0):
+                    raise self._lost()
+
+    def _lost(self):
+        """The error for a worker found dead; every later run raises it too."""
+        w, proc = next((w, p) for w, p in enumerate(self.procs, 1) if not p.is_alive())
         proc.join(timeout=1)
         code = proc.exitcode
         how = (f"killed by signal {-code}" if code is not None and code < 0
@@ -124,73 +212,109 @@ class Processes:
         self.broken = f"worker process {w} ended unexpectedly ({how}); the run cannot go on"
         return CgpError(self.broken)
 
+    def _read_reports(self):
+        for reader in self._reports if self.procs else []:
+            while reader.poll():
+                self._failures.append(reader.recv())
+
+    def _first_failure(self):
+        """The exception of the lowest failed task of the latest run, the caller's or a
+        worker's; all of them are read, so that none is left for the next run."""
+        self._read_reports()
+        failures, self._failures = self._failures, []
+        return min(failures, key=lambda f: f[0])[1]
+
+    def rest(self):
+        """Sends the workers to sleep now, not SPIN_SECONDS after the last run (see Pool)."""
+        if self.procs:
+            self._flags[_PROGRAM] = _REST
+            self._post(int(self._flags[_POSTED]) + 1)
+
     def close(self):
         """Ends the workers."""
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            conn.close()
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join()
-        self.procs, self.conns = [], []
-        for engine in self.engines:
-            engine.procs = None
+        if self.procs:
+            self._flags[_PROGRAM] = _STOP
+            self._post(int(self._flags[_POSTED]) + 1)
+            for proc in self.procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join()
+            for reader in self._reports:
+                reader.close()
+        self.procs = []
+        if self._caller_cpus is not None:
+            os.sched_setaffinity(0, self._caller_cpus)
+            self._caller_cpus = None
 
-
-def _take_calls(engine, w, iteration, seed, counter, lock):
-    """Runs calls of the current run until none is left; the first exception stops the
-    handing out of calls, as in Pool."""
-    while True:
-        with lock:
-            g = int(counter[0])
-            if g >= counter[1]:
+    # -- every worker, the caller too ---------------------------------------------------
+    def _take(self, w, run):
+        """Runs tasks of run number `run` until none is left; after a failure the tasks left
+        are counted done without running."""
+        flags = self._flags
+        tasks = int(flags[_TASKS])   # a later run's count if this run has gone: then no ticket
+        fn = args = None
+        while True:
+            i = spin.take_ticket(flags, _TICKET, run, tasks)
+            if i < 0:
                 return
-            counter[0] = g + 1
-        try:
-            engine.work(w, g, iteration, seed, engine.inputs)
-        except BaseException:
-            with lock:
-                counter[0] = counter[1]
-            raise
+            if fn is None:   # with a ticket, the run's program and arguments are this run's
+                fn = self.programs[int(flags[_PROGRAM])]
+                size = int(flags[_ARG_BYTES])
+                args = pickle.loads(self._args[:size].tobytes()) if size else ()
+            try:
+                if not spin.load(flags, _FAILED):
+                    fn(w, i, *args)
+            except BaseException as error:   # run() raises it in the caller
+                self._fail(w, i, error)
+            finally:   # counted even if the caller is interrupted here, or run() never returns
+                if (spin.fetch_add(flags, _DONE, 1) == tasks - 1
+                        and spin.exchange(flags, _SLEEP, 0)):
+                    self._wakes[0].release()
 
-
-def _serve(w, pipes, engines, counter, lock, flush):
-    """A worker process's life: run calls of the engine each message names, reply with
-    None or the exception raised, end at None or when the main process's end closes."""
-    # Ctrl-C and a hang-up reach the whole process group: the main process decides what
-    # they do (cgp train's --sigint-effect, --sighup-effect) and then closes the workers.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    conn = pipes[w - 1][1]
-    for k, (mine, theirs) in enumerate(pipes):   # only its own end stays open here
-        mine.close()
-        if k != w - 1:
-            theirs.close()
-    fpenv.set_flush(flush)
-    from threadpoolctl import threadpool_limits
-    threadpool_limits(limits=1)   # a forked BLAS would start threads of its own
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
+    def _fail(self, w, i, error):
+        spin.exchange(self._flags, _FAILED, 1)
+        if w == 0:
+            self._failures.append((i, error))
             return
-        if message is None:
-            return
-        index, iteration, seed = message
         try:
-            _take_calls(engines[index], w, iteration, seed, counter, lock)
-            reply = None
-        except BaseException as error:
-            reply = error
-        try:
-            conn.send(reply)
-        except OSError:     # the main process has gone: nobody to reply to
-            return
+            self._report.send((i, error))
         except Exception:   # an exception that cannot be pickled arrives as its text
-            conn.send(RuntimeError(f"worker process {w}:\n"
-                                   + "".join(traceback.format_exception(reply))))
+            self._report.send((i, RuntimeError(
+                f"worker process {w}:\n" + "".join(traceback.format_exception(error)))))
+
+    def _serve(self, w, report, seen):
+        """A worker process's life: every run posted after run number `seen` (the latest when
+        it was forked: it may start late), until the program _STOP, or until the main
+        process has gone."""
+        # Ctrl-C and a hang-up reach the whole process group: the main process decides what
+        # they do (cgp train's --sigint-effect, --sighup-effect) and then closes the workers.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        self._report = report
+        fpenv.set_flush(self.flush)
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=1)   # a forked BLAS would start threads of its own
+        flags, resting = self._flags, False
+        while True:
+            posted = spin.wait_while(flags, _POSTED, seen, 0 if resting else self._spins)
+            seen = posted if posted != seen else self._sleep(w, seen)
+            program = int(flags[_PROGRAM])
+            if program == _STOP:
+                return
+            resting = program == _REST
+            if not resting:
+                self._take(w, seen)
+
+    def _sleep(self, w, seen):
+        """Sleeps until a run after `seen` is posted; returns the number of the latest.
+        Marks itself asleep for the caller's _post, which clears the mark of each worker
+        it wakes."""
+        flags, mark = self._flags, _SLEEP + 8 * w
+        spin.exchange(flags, mark, 1)
+        if spin.load(flags, _POSTED) == seen or spin.exchange(flags, mark, 0) == 0:
+            # Not posted yet, or posted by a caller that saw the mark: a wake-up is coming.
+            while not self._wakes[w].acquire(timeout=_PARENT_CHECK_SECONDS):
+                if os.getppid() != self._parent:
+                    os._exit(0)   # the main process has gone: nobody to work for
+        return spin.load(flags, _POSTED)

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from cgp.errors import PrototxtError
+from cgp.layers import aligned_zeros
 from cgp.kernels import update
 
 # Caffe's solver registry, and the order of the deprecated SolverParameter.SolverType enum (0..5).
@@ -121,10 +122,11 @@ class Solver:
     param: caffe_pb2.SolverParameter. lr_mult, decay_mult: (n,) per-element blob multipliers.
     histories: the rule's state, each (n,) float32 in parameter order: [h] for SGD, Nesterov,
     AdaGrad, RMSProp; [h, u] for AdaDelta and [m, v] for Adam. Caffe's SolverState.history lists
-    every blob of histories[0] and then every blob of histories[1].
+    every blob of histories[0] and then every blob of histories[1]. shared: allocate them in
+    shared memory, for updates that run in worker processes (cgp.procs).
     """
 
-    def __init__(self, param, lr_mult, decay_mult):
+    def __init__(self, param, lr_mult, decay_mult, shared=False):
         self.type = _solver_type(param)
         _check(param, self.type)
         self.param = param
@@ -152,7 +154,7 @@ class Solver:
             "Adam": (update.adam_update, 2, (momentum, f32(param.momentum2), delta)),
         }
         self._kernel, count, self._hyper = kernels[self.type]
-        self.histories = [np.zeros(n, dtype=np.float32) for _ in range(count)]
+        self.histories = [aligned_zeros(n, np.float32, shared) for _ in range(count)]
 
     def learning_rate(self, it):
         """Caffe's GetLearningRate at iteration it, returned as a float holding a float32 value.

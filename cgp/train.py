@@ -21,8 +21,9 @@ from threadpoolctl import threadpool_limits
 from cgp.comm import ThreadCommunicator, blocks
 from cgp.engine import Engine, Pool, group_size
 from cgp.errors import CgpError
+from cgp.layers import aligned_zeros
 from cgp.net import Net, RunOptions
-from cgp.procs import Processes, share_params
+from cgp.procs import ProcessPool, share_params
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, writable_folder,
@@ -46,7 +47,7 @@ class RunConfig:
     sigint_effect: str = "stop"       # Caffe's --sigint_effect: stop, snapshot or none
     sighup_effect: str = "snapshot"   # Caffe's --sighup_effect
     affinity: bool = False    # pin workers to cores
-    workers: str = "threads"  # run the calls in "threads" or in forked "processes"
+    workers: str = "threads"  # run the workers as "threads" or as forked "processes"
     denormals: str = "flush"  # subnormal floats: "flush" to zero (fast) or "keep" (IEEE)
 
     def __post_init__(self):
@@ -191,19 +192,24 @@ class Trainer:
             if effect not in SIGNAL_EFFECTS:
                 raise CgpError(f"signal effect '{effect}': expected one of "
                                f"{', '.join(SIGNAL_EFFECTS)}")
-        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult)
-        # Worker processes run the chunks between the pool's runs: its threads must not
-        # spin on the CPUs meanwhile.
-        self.pool = Pool(config.threads, config.affinity, config.denormals == "flush",
-                         busy_wait=not shared)
+        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, shared)
+        self.pool = (ProcessPool if shared else Pool)(config.threads, config.affinity,
+                                                      config.denormals == "flush")
         comm = ThreadCommunicator(self.pool)
         self._check_memory(config.chunks)
-        self.engine = Engine(self.net, config.chunks, self.pool, comm, shared=shared)
-        self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False,
-                                    shared=shared) for n in self.test_nets]
-        self.procs = Processes(config.threads, [self.engine] + self.test_engines,
-                               config.affinity, config.denormals == "flush") if shared else None
+        self.engine = Engine(self.net, config.chunks, self.pool, comm)
+        self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False)
+                             for n in self.test_nets]
         self.slices = blocks(self.net.n_params)
+        self._accum = (aligned_zeros(self.net.n_params, np.float32, shared)
+                       if sp.iter_size > 1 else None)
+        # The gradient that the update reads: the reduction's sum (comm.plan writes it into
+        # the first chunk's row), or its sum over iter_size passes.
+        gradient = self._accum if self._accum is not None else self.engine.chunk_grads[0]
+        self._update = self.pool.program(lambda w, i, step: self.solver.apply(
+            step, self.net.params, gradient, *self.slices[i]))
+        if shared:
+            self.pool.start()   # forked once everything the workers run exists
         self.iter = 0
         # The iteration whose batch starts at record 0: 0, or the iteration of a Caffe
         # .solverstate resumed from (Caffe's data layers start again at the first record).
@@ -212,7 +218,6 @@ class Trainer:
         self.losses = []          # the window of Caffe's smoothed (average_loss) loss
         self.last_test = {}
         self.last_test_iter = None
-        self._accum = np.zeros(self.net.n_params, np.float32) if sp.iter_size > 1 else None
         self._stop = False
         self._request = None      # what a signal asked for: "stop" or "snapshot"
         # Caffe's solver field `weights` (the command line's --weights replaces it).
@@ -272,9 +277,7 @@ class Trainer:
         """One training iteration: forward/backward, update, iter += 1."""
         loss, outputs, grad = self.forward_backward()
         update = self.solver.prepare(self.iter, grad, self.slices)
-        params = self.net.params
-        self.pool.run(lambda w, i: self.solver.apply(update, params, grad, *self.slices[i]),
-                      len(self.slices))
+        self.pool.run(self._update, len(self.slices), update)
         self.iter += 1
         return loss, outputs, update.rate
 
@@ -489,8 +492,6 @@ class Trainer:
             self.log(f"Kept initial weights for: {', '.join(dict.fromkeys(missing))}")
 
     def close(self):
-        if self.procs is not None:
-            self.procs.close()
         self.pool.close()
         for net in [self.net] + self.test_nets:
             for entry in net.sources:

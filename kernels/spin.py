@@ -48,3 +48,87 @@ def wait_for(flags, index, target, spins):
             return now
         now = _load_acquire(flags, index)
     return now
+
+
+def _rmw_intrinsic(op):
+    """An intrinsic (flags, index, value) -> old value of flags[index] (1-d int64), after an
+    atomic sequentially consistent read-modify-write `op` ("add", "xchg") of it with value."""
+    @intrinsic
+    def rmw(typingctx, flags, index, value):
+        if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
+            return None
+        sig = types.int64(flags, types.intp, types.int64)
+
+        def codegen(context, builder, signature, args):
+            array = context.make_array(signature.args[0])(context, builder, args[0])
+            pointer = builder.gep(array.data, [args[1]])
+            return builder.atomic_rmw(op, pointer, args[2], "seq_cst")
+        return sig, codegen
+    return rmw
+
+
+_fetch_add = _rmw_intrinsic("add")
+_exchange = _rmw_intrinsic("xchg")
+
+
+@intrinsic
+def _compare_exchange(typingctx, flags, index, expected, value):
+    """Sets flags[index] (1-d int64) to value if it holds expected, atomically (sequentially
+    consistent); returns whether it did."""
+    if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
+        return None
+    sig = types.boolean(flags, types.intp, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        pointer = builder.gep(array.data, [args[1]])
+        pair = builder.cmpxchg(pointer, args[2], args[3], "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 1)
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def load(flags, index):
+    """flags[index] (int64), read atomically."""
+    return _load_acquire(flags, index)
+
+
+@njit(cache=True, nogil=True)
+def fetch_add(flags, index, value):
+    """Adds value to flags[index] (int64) atomically; returns the value before."""
+    return _fetch_add(flags, index, value)
+
+
+@njit(cache=True, nogil=True)
+def exchange(flags, index, value):
+    """Sets flags[index] (int64) to value atomically; returns the value before."""
+    return _exchange(flags, index, value)
+
+
+@njit(cache=True, nogil=True)
+def take_ticket(flags, index, run, tasks):
+    """Takes the next task of run `run` from a ticket counter flags[index] (int64) that holds
+    run << 32 | next task: returns the task's index, or -1 when the run has none left or is
+    no longer the counter's (a later run has been posted), which leaves the counter as is.
+    Tagging the count with its run keeps a worker that is late to leave one run from taking
+    a task of the next with the old run's function."""
+    while True:
+        now = _load_acquire(flags, index)
+        task = now & 0xFFFFFFFF
+        if now >> 32 != run or task >= tasks:
+            return -1
+        if _compare_exchange(flags, index, now, now + 1):
+            return task
+
+
+@njit(cache=True, nogil=True)
+def wake_sleepers(flags, first, stride, n, woken):
+    """Clears the n sleep marks flags[first + k * stride] (int64, k < n) atomically and
+    writes the k of those that were set (the workers to wake) into woken (n,) int64;
+    returns how many."""
+    count = 0
+    for k in range(n):
+        if _exchange(flags, first + k * stride, 0) != 0:
+            woken[count] = k
+            count += 1
+    return count

@@ -422,8 +422,7 @@ def _cpu_ns(thread):
 
 def test_pool_threads_spin_between_runs_and_rest_on_request():
     """A pool thread keeps its CPU for a while after a run (kernels.spin), and gives it up
-    at once after rest(); with busy_wait=False it never spins. Hundreds of runs in a row
-    lose no wake-up either way."""
+    at once after rest(). Hundreds of runs in a row lose no wake-up."""
     import os
     import time
     if not os.path.exists("/proc/self/task") or len(os.sched_getaffinity(0)) < 2:
@@ -440,27 +439,22 @@ def test_pool_threads_spin_between_runs_and_rest_on_request():
             pass
         return _cpu_ns(pool._workers[0]) - before
 
-    for busy in (True, False):
-        pool = Pool(2, busy_wait=busy)
-        done = []
-        for r in range(300):
-            pool.run(lambda w, i: done.append(i), 3)
-            if r % 50 == 0:
-                pool.rest()
-        assert sorted(done) == sorted(list(range(3)) * 300)
-        # Three tries each: on a shared VM a thread's CPU time also counts moments the host
-        # took from it, so a small figure is its least and a large one its most (a pool that
-        # spun when it should sleep would spin in every try).
-        tries = [[spent_while_caller_works(pool, rest) for rest in (False, True)]
-                 for _ in range(3)]
-        pool.close()
-        assert not pool._workers
-        rested = min(rest for _, rest in tries)
-        assert rested < 5e6, tries
-        if busy:   # up to SPIN_SECONDS, 10 ms
-            assert max(spun for spun, _ in tries) > 5e6, tries
-        else:
-            assert min(spun for spun, _ in tries) < 5e6, tries
+    pool = Pool(2)
+    done = []
+    for r in range(300):
+        pool.run(lambda w, i: done.append(i), 3)
+        if r % 50 == 0:
+            pool.rest()
+    assert sorted(done) == sorted(list(range(3)) * 300)
+    # Three tries: on a shared VM a thread's CPU time also counts moments the host took
+    # from it, so a small figure is its least and a large one its most (a pool that spun
+    # when it should sleep would spin in every try).
+    tries = [[spent_while_caller_works(pool, rest) for rest in (False, True)]
+             for _ in range(3)]
+    pool.close()
+    assert not pool._workers
+    assert min(rest for _, rest in tries) < 5e6, tries
+    assert max(spun for spun, _ in tries) > 5e6, tries   # up to SPIN_SECONDS, 10 ms
 
 
 def test_affinity_pins_workers_and_changes_nothing(mnist_dir):

@@ -1,7 +1,6 @@
 """Worker processes (--workers processes): the same bits as threads, every call run once,
 a worker's error or death reported in the main process, and nothing left running."""
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -16,7 +15,7 @@ from cgp import procs
 from cgp.equivalence import compare, train_run
 from cgp.errors import CgpError, NetError
 from cgp.layers import aligned_zeros
-from cgp.procs import Processes
+from cgp.procs import ProcessPool
 from cgp.train import RunConfig, Trainer
 from test_engine import solver
 
@@ -33,6 +32,18 @@ def test_processes_give_the_bits_of_threads(model, chunks, mnist_dir, cifar_dir)
     rows, ok = compare(outcomes)
     assert ok, rows
     assert outcomes[0].accuracy and outcomes[0].losses[0] != outcomes[0].losses[-1]
+
+
+def test_updates_in_processes_keep_every_history_and_pass(mnist_dir):
+    """The update runs in whichever process takes each slice: Adam's two histories and the
+    sum of iter_size passes must be shared, or the bits differ from threads."""
+    sp = solver("mnist", type="Adam", base_lr=0.001, momentum=0.9, momentum2=0.999,
+                lr_policy="fixed", iter_size=2)
+    outcomes = [train_run(sp, None, RunConfig(threads=t, chunks=5, data_dir=str(mnist_dir),
+                                              workers=w), 3)
+                for w, t in [("threads", 1), ("processes", 2), ("processes", 3)]]
+    rows, ok = compare(outcomes)
+    assert ok, rows
 
 
 def test_resume_from_snapshot_in_processes_is_bitwise_identical(tmp_path, mnist_dir):
@@ -54,85 +65,203 @@ def test_resume_from_snapshot_in_processes_is_bitwise_identical(tmp_path, mnist_
     assert threads.last_test == resumed.last_test
 
 
-class Recorder:
-    """The part of an Engine that Processes drives: calls (groups), the shared batch
-    (inputs) and work(). Call g records (g, worker, pid) in shared memory and adds the
-    batch's first value, so a worker that read a stale batch shows; call `fail` raises."""
-
-    def __init__(self, calls):
-        self.groups = [None] * calls
-        self.inputs = {0: aligned_zeros(1, np.float64, shared=True)}
-        self.seen = aligned_zeros((calls, 4), np.float64, shared=True)
-        self.fail = aligned_zeros(1, np.int64, shared=True)   # forked workers see it change
-        self.fail[0] = -1
-
-    def work(self, worker, g, iteration, seed, batch):
-        if g == self.fail[0]:
-            raise NetError(f"call {g} failed in worker {worker}")
-        self.seen[g] = g, worker, os.getpid(), batch[0][0] + iteration + seed
+def _record(seen, fail):
+    """A program for a pool: task i records (i, worker, pid, the sum of its arguments) in the
+    shared array seen, and raises where i is in the shared array fail."""
+    def task(w, i, *args):
+        if i in fail:
+            raise NetError(f"task {i} failed in worker {w}")
+        seen[i] = i, w, os.getpid(), sum(args)
+    return task
 
 
-def test_every_call_runs_once_and_errors_reach_the_caller():
-    engine = Recorder(40)
-    workers = Processes(3, [engine])
+def test_every_task_runs_once_and_errors_reach_the_caller():
+    seen = aligned_zeros((40, 4), np.float64, shared=True)
+    fail = aligned_zeros(2, np.int64, shared=True)   # forked workers see it change
+    fail[:] = -1
+    pool = ProcessPool(3)
+    record = pool.program(_record(seen, fail))
+    pool.start()
     try:
-        assert all(p.is_alive() for p in workers.procs) and len(workers.procs) == 2
+        assert all(p.is_alive() for p in pool.procs) and len(pool.procs) == 2
         for iteration in range(3):
-            engine.seen[:] = -1
-            engine.inputs[0][0] = 100 * iteration
-            workers.run(engine, iteration, seed=7)
-            assert list(engine.seen[:, 0]) == list(range(40))
-            assert set(engine.seen[:, 1]) <= {0, 1, 2}
-            main = engine.seen[:, 1] == 0
-            assert (engine.seen[main, 2] == os.getpid()).all()
-            assert (engine.seen[~main, 2] != os.getpid()).all()
-            assert (engine.seen[:, 3] == 101 * iteration + 7).all()
-        # An error in any worker reaches the caller, with its type and message, once the
-        # running calls have ended (that no call starts after it: the test below).
-        engine.fail[0] = 5
-        engine.seen[:] = -1
-        with pytest.raises(NetError, match="call 5 failed"):
-            workers.run(engine, 0, 0)
-        assert engine.seen[5, 0] == -1
-        engine.fail[0] = -1
-        workers.run(engine, 0, 0)   # the workers still serve
-        assert list(engine.seen[:, 0]) == list(range(40))
+            seen[:] = -1
+            pool.run(record, 40, iteration, 7.5)
+            assert list(seen[:, 0]) == list(range(40))
+            assert set(seen[:, 1]) <= {0, 1, 2}
+            main = seen[:, 1] == 0
+            assert (seen[main, 2] == os.getpid()).all()
+            assert (seen[~main, 2] != os.getpid()).all()
+            assert (seen[:, 3] == iteration + 7.5).all()
+            pool.run(record, 0)   # nothing to run: returns at once
+        # The lowest failed task's error reaches the caller, with its type and message, once
+        # the running tasks have ended; every other failure is read with it.
+        fail[:] = 9, 5
+        seen[:] = -1
+        with pytest.raises(NetError, match="task 5 failed"):
+            pool.run(record, 40)
+        assert seen[5, 0] == -1 and seen[9, 0] == -1
+        fail[:] = -1
+        pool.run(record, 40)   # the workers still serve, and no failure is left over
+        assert list(seen[:, 0]) == list(range(40))
         # A worker that dies ends the run with a message that says so, and every later run.
-        os.kill(workers.procs[0].pid, signal.SIGKILL)
-        workers.procs[0].join()
+        os.kill(pool.procs[0].pid, signal.SIGKILL)
+        pool.procs[0].join()
         for _ in range(2):
             with pytest.raises(CgpError,
                                match="worker process 1 ended unexpectedly .killed by signal 9"):
-                workers.run(engine, 0, 0)
+                pool.run(record, 40)
     finally:
-        pids = [p.pid for p in workers.procs]
-        workers.close()
+        pids = [p.pid for p in pool.procs]
+        pool.close()
     assert not any(psutil.pid_exists(pid) for pid in pids)   # ended and reaped
 
 
-def test_an_error_stops_the_handing_out_of_calls():
-    engine = Recorder(40)
-    engine.fail[0] = 5
-    counter = aligned_zeros(2, np.int64, shared=True)
-    counter[:] = 0, 40
-    engine.seen[:] = -1
-    with pytest.raises(NetError, match="call 5 failed"):
-        procs._take_calls(engine, 0, 0, 0, counter, multiprocessing.Lock())
-    assert list(counter) == [40, 40]   # what any other worker asks for next: nothing
-    assert list(engine.seen[:5, 0]) == [0, 1, 2, 3, 4] and (engine.seen[5:, 0] == -1).all()
+def test_an_error_stops_the_handing_out_of_tasks():
+    started = aligned_zeros(1, np.int64, shared=True)
+
+    def task(w, i):
+        started[0] += 1 if w == 0 else 0   # the caller's count: workers' writes may race
+        if i == 3:
+            raise ValueError("task 3")
+    for threads in (1, 3):
+        pool = ProcessPool(threads)
+        failing = pool.program(task)
+        pool.start()
+        try:
+            started[0] = 0
+            with pytest.raises(ValueError, match="task 3"):
+                pool.run(failing, 2000)
+            assert started[0] < 2000
+            if threads == 1:
+                assert started[0] == 4   # tasks 0 to 3, in order, and nothing after
+        finally:
+            pool.close()
+
+
+def test_a_worker_late_to_leave_a_run_takes_no_task_of_the_next():
+    """A run's tickets carry its number (kernels.spin.take_ticket): once the next run is
+    posted, the old one's count can neither hand out a task nor take one of the new run."""
+    from cgp.kernels import spin
+    flags = np.zeros(1, np.int64)
+    flags[0] = 4 << 32
+    assert [spin.take_ticket(flags, 0, 4, 2) for _ in range(3)] == [0, 1, -1]
+    flags[0] = 5 << 32   # run 5 posted
+    assert spin.take_ticket(flags, 0, 4, 100) == -1 and flags[0] == 5 << 32
+    assert spin.take_ticket(flags, 0, 5, 100) == 0
+
+
+def _meet(arrived, threads):
+    """A program whose task i waits (up to 10 s) until `threads` tasks have started: it
+    ends only if every worker takes one of them, and records who did."""
+    import time
+
+    def task(w, i):
+        arrived[1 + i] = os.getpid()
+        from cgp.kernels import spin
+        spin.fetch_add(arrived, 0, 1)
+        deadline = time.monotonic() + 10
+        while spin.load(arrived, 0) < threads and time.monotonic() < deadline:
+            pass
+    return task
+
+
+def test_workers_wake_for_every_run_after_rest_and_sleep():
+    """Workers that spin, that were sent to sleep (rest) and that fell asleep on their own
+    all take part in the next run; a resting worker uses no CPU."""
+    import time
+    arrived = aligned_zeros(4, np.int64, shared=True)
+    pool = ProcessPool(3)
+    meet = pool.program(_meet(arrived, 3))
+    pool.start()
+    try:
+        for how in ("spinning", "rested", "rested", "asleep", "spinning"):
+            if how == "rested":
+                pool.rest()
+            elif how == "asleep":
+                # Past SPIN_SECONDS a worker sleeps on its own.
+                deadline = time.monotonic() + 0.5
+                while time.monotonic() < deadline:
+                    pass
+            arrived[:] = 0
+            pool.run(meet, 3)
+            assert arrived[0] == 3 and len(set(arrived[1:])) == 3, how
+        pool.rest()
+        before = [psutil.Process(p.pid).cpu_times() for p in pool.procs]
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            pass
+        after = [psutil.Process(p.pid).cpu_times() for p in pool.procs]
+        assert all(a.user + a.system - b.user - b.system < 0.05 for a, b in zip(after, before))
+    finally:
+        pool.close()
+
+
+def test_a_report_longer_than_a_pipe_holds_reaches_the_caller():
+    arrived = aligned_zeros(4, np.int64, shared=True)
+    meet = _meet(arrived, 3)
+
+    def task(w, i):
+        meet(w, i)   # every worker takes a task
+        if w:
+            raise NetError(f"task {i} " + "x" * 300_000)
+    pool = ProcessPool(3)
+    failing = pool.program(task)
+    pool.start()
+    try:
+        with pytest.raises(NetError, match="task [12] x") as raised:
+            pool.run(failing, 3)
+        assert len(str(raised.value)) > 300_000
+    finally:
+        pool.close()
+
+
+def test_workers_end_when_the_main_process_is_killed():
+    code = ("import os, sys, numpy as np\n"
+            "from cgp.procs import ProcessPool\n"
+            "pool = ProcessPool(2)\n"
+            "pool.program(lambda w, i: None)\n"
+            "pool.start()\n"
+            "print(pool.procs[0].pid, flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    worker = psutil.Process(int(out.stdout))
+    try:
+        worker.wait(timeout=10)   # it checks every second whether its parent is there
+    except psutil.TimeoutExpired:
+        worker.kill()
+        raise AssertionError("the orphaned worker kept running")
+
+
+def test_programs_come_before_start_and_arguments_fit():
+    pool = ProcessPool(2)
+    task = pool.program(lambda w, i, *args: None)
+    with pytest.raises(RuntimeError, match="before start"):
+        pool.run(task, 1)
+    pool.start()
+    try:
+        with pytest.raises(RuntimeError, match="after start"):
+            pool.program(lambda w, i: None)
+        with pytest.raises(RuntimeError, match="room for"):
+            pool.run(task, 1, "x" * 5000)
+        pool.run(task, 4, "x" * 100)
+    finally:
+        pool.close()
 
 
 def test_workers_are_pinned_with_affinity():
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no affinity on this OS")
-    engine = Recorder(8)
     allowed = sorted(os.sched_getaffinity(0))
-    workers = Processes(3, [engine], affinity=True)
+    pool = ProcessPool(3, affinity=True)
+    pool.start()
     try:
-        cpus = [psutil.Process(p.pid).cpu_affinity() for p in workers.procs]
+        cpus = [psutil.Process(p.pid).cpu_affinity() for p in pool.procs]
         assert cpus == [[allowed[1 % len(allowed)]], [allowed[2 % len(allowed)]]]
+        assert os.sched_getaffinity(0) == {allowed[0]}
     finally:
-        workers.close()
+        pool.close()
+    assert sorted(os.sched_getaffinity(0)) == allowed
 
 
 def test_commands_take_workers(mnist_dir, tmp_path):
@@ -182,7 +311,7 @@ def test_memory_check_counts_what_workers_hold(model, mnist_dir, cifar_dir):
         # share of the activations, which the check counts apart.
         activations = trainer.engine.workspaces[1]
         own = sum(a.nbytes for a in activations.data + activations.diff if a is not None)
-        for proc in trainer.procs.procs:
+        for proc in trainer.pool.procs:
             assert psutil.Process(proc.pid).memory_full_info().uss < WORKER_PROCESS_BYTES + own
     finally:
         trainer.close()
