@@ -14,7 +14,7 @@ from cgp.engine import Engine, Pool
 from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
-from cgp.procs import ProcessPool, share_params
+from cgp.procs import ProcessPool, default_workers, share_params
 from cgp.prototxt import read_net
 from cgp.snapshot import copy_weights, read_caffemodel
 
@@ -35,16 +35,16 @@ def load_weights(net, names, log):
 
 
 def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, download=True,
-             log=print, flush_denormals=True, workers="threads", affinity=False):
+             log=print, flush_denormals=True, workers=None, affinity=False):
     """Run `iterations` TEST batches; returns ({output: mean}, mean loss). workers, affinity:
-    as cgp train's (RunConfig)."""
+    as cgp train's (RunConfig; workers None: procs.default_workers())."""
     if iterations < 1:
         raise CgpError(f"--iterations must be at least 1, got {iterations}")
     if not Path(model).is_file():
         raise CgpError(f"model '{model}' not found (looked in {Path.cwd()})")
     net = Net(read_net(model), caffe_pb2.TEST, RunOptions(data_dir, download))
     load_weights(net, weights, log)
-    shared = workers == "processes"
+    shared = (workers or default_workers()) == "processes"
     if shared:
         share_params(net)
     pool = (ProcessPool if shared else Pool)(threads, affinity, flush_denormals)

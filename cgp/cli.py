@@ -25,16 +25,18 @@ WORKERS = ("threads", "processes")
 
 
 def add_workers_option(p, listed=False):
+    """--workers; None when not given: cgp.procs.default_workers() (imported only to run)."""
     if listed:
-        p.add_argument("--workers", default="threads",
+        p.add_argument("--workers", default=None,
                        help="'threads', 'processes' or both, comma-separated: every thread count "
-                            "runs with its workers as each (default threads)")
+                            "runs with its workers as each (default: processes on Linux, "
+                            "threads elsewhere)")
     else:
-        p.add_argument("--workers", choices=WORKERS, default="threads",
-                       help="run the --threads workers as threads of this process (default) "
-                            "or as forked processes (Linux, macOS), which never wait for "
-                            "each other's Python interpreter lock: for many cores. Results "
-                            "are identical either way")
+        p.add_argument("--workers", choices=WORKERS, default=None,
+                       help="run the --threads workers as forked processes (Linux, macOS), "
+                            "which never wait for each other's Python interpreter lock, or as "
+                            "threads of this process (default: processes on Linux, threads "
+                            "elsewhere). Results are identical either way")
 
 
 def add_run_options(p, threads_list=False):
@@ -126,7 +128,7 @@ def cmd_train(args, log=print):
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
                        sighup_effect=args.sighup_effect, denormals=args.denormals,
-                       workers=args.workers)
+                       workers=worker_kind(args.workers))
     check_threads(args.threads, log)
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
@@ -134,7 +136,7 @@ def cmd_train(args, log=print):
         net = trainer.net
         log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
             f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
-            f"{'thread(s)' if args.workers == 'threads' else 'process(es)'}, seed "
+            f"{'thread(s)' if config.workers == 'threads' else 'process(es)'}, seed "
             f"{trainer.seed}, {denormals_text(trainer.pool.flush)}")
         log(f"cgp: {trainer.memory_line}")
         if args.snapshot:
@@ -174,7 +176,16 @@ def thread_list(text):
     return values
 
 
+def worker_kind(value):
+    """The kind of worker of a run's --workers; None (not given): the default kind."""
+    from cgp.procs import default_workers
+    return value or default_workers()
+
+
 def worker_list(text):
+    """The kinds of worker that a listed --workers names; None: the default kind."""
+    if text is None:
+        return [worker_kind(None)]
     kinds = [w.strip() for w in str(text).split(",") if w.strip()]
     if not kinds or not set(kinds) <= set(WORKERS):
         raise CgpError(f"--workers wants threads, processes or both, comma-separated; got "
@@ -213,7 +224,7 @@ def cmd_test(args, log=print):
     check_threads(args.threads, log)
     run_test(args.model, args.weights, args.iterations, threads=args.threads, chunks=args.chunks,
              data_dir=args.data_dir, download=not args.no_download, log=log,
-             flush_denormals=args.denormals == "flush", workers=args.workers,
+             flush_denormals=args.denormals == "flush", workers=worker_kind(args.workers),
              affinity=args.affinity)
     return 0
 

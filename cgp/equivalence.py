@@ -85,9 +85,11 @@ def step_against_float64(sp, solver_path, config):
     return error, loss32, loss64
 
 
-def run(sp, solver_path, config, threads_list, iters, log=print, workers=("threads",)):
+def run(sp, solver_path, config, threads_list, iters, log=print, workers=None):
     """The whole harness; returns the process exit status (0: all equivalent). workers:
-    every thread count runs with its workers as each of these (RunConfig.workers)."""
+    every thread count runs with its workers as each of these (RunConfig.workers; default
+    config's)."""
+    workers = workers or (config.workers,)
     if not threads_list:
         raise CgpError("--threads needs at least one thread count")
     if iters < 1:

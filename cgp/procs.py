@@ -19,6 +19,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import traceback
 import warnings
 
@@ -51,6 +52,14 @@ _ALIVE_CHECK_SECONDS = 0.1
 def available():
     """Whether this OS can fork the workers (Linux, macOS; not Windows)."""
     return "fork" in multiprocessing.get_all_start_methods()
+
+
+def default_workers():
+    """How workers run unless told: as processes on Linux, where no interpreter lock is
+    shared and fork() is cheap and safe for the numeric libraries loaded here; as threads
+    elsewhere (Windows cannot fork, and macOS's system libraries are not safe to use in a
+    forked child). The same bits either way."""
+    return "processes" if sys.platform.startswith("linux") and available() else "threads"
 
 
 def share_params(net):

@@ -11,7 +11,7 @@ that Caffe wrote resumes as Caffe resumes, with the data back at the first recor
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ from cgp.engine import Engine, Pool, group_size
 from cgp.errors import CgpError
 from cgp.layers import aligned_zeros
 from cgp.net import Net, RunOptions
-from cgp.procs import ProcessPool, share_params
+from cgp.procs import ProcessPool, default_workers, share_params
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, writable_folder,
@@ -47,7 +47,8 @@ class RunConfig:
     sigint_effect: str = "stop"       # Caffe's --sigint_effect: stop, snapshot or none
     sighup_effect: str = "snapshot"   # Caffe's --sighup_effect
     affinity: bool = False    # pin workers to cores
-    workers: str = "threads"  # run the workers as "threads" or as forked "processes"
+    # Run the workers as "threads" or as forked "processes" (default: procs.default_workers).
+    workers: str = field(default_factory=default_workers)
     denormals: str = "flush"  # subnormal floats: "flush" to zero (fast) or "keep" (IEEE)
 
     def __post_init__(self):

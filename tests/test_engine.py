@@ -315,11 +315,13 @@ def test_subnormals_flushed_or_kept_alike_for_any_thread_count():
     assert not np.array_equal(grads[True, 1], grads[False, 1])
 
 
+@pytest.mark.parametrize("workers", ["threads", "processes"])
 @pytest.mark.parametrize("model,chunks", [("mnist", 16), ("mnist", 7), ("cifar10", 16)])
-def test_bitwise_identical_for_any_thread_count(model, chunks, mnist_dir, cifar_dir):
+def test_bitwise_identical_for_any_thread_count(model, chunks, workers, mnist_dir, cifar_dir):
     data = mnist_dir if model == "mnist" else cifar_dir
     sp = solver(model, test_iter=[1])
-    outcomes = [train_run(sp, None, RunConfig(threads=t, chunks=chunks, data_dir=str(data)), 3)
+    outcomes = [train_run(sp, None, RunConfig(threads=t, chunks=chunks, data_dir=str(data),
+                                              workers=workers), 3)
                 for t in THREADS]
     rows, ok = compare(outcomes)
     assert ok, rows
@@ -339,7 +341,7 @@ def test_chunk_count_changes_only_rounding(mnist_dir):
 def test_resume_from_snapshot_is_bitwise_identical(tmp_path, mnist_dir, threads):
     sp = solver("mnist", snapshot=3, test_interval=2, test_iter=[1], display=0,
                 snapshot_prefix=str(tmp_path / f"t{threads}"))
-    config = RunConfig(threads=threads, data_dir=str(mnist_dir), max_iter=6)
+    config = RunConfig(threads=threads, data_dir=str(mnist_dir), max_iter=6, workers="threads")
     whole = Trainer(sp, None, config, log=lambda line: None)
     whole.solve()
     resumed = Trainer(sp, None, config, log=lambda line: None)
@@ -462,9 +464,12 @@ def test_affinity_pins_workers_and_changes_nothing(mnist_dir):
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no thread affinity on this OS")
     sp = solver("mnist")
-    plain = train_run(sp, None, RunConfig(threads=2, data_dir=str(mnist_dir)), 2)
-    pinned = train_run(sp, None, RunConfig(threads=2, affinity=True, data_dir=str(mnist_dir)), 2)
-    assert pinned.sha256 == plain.sha256 and pinned.losses == plain.losses
+    plain = train_run(sp, None, RunConfig(threads=2, workers="threads",
+                                          data_dir=str(mnist_dir)), 2)
+    for workers in ("threads", "processes"):
+        pinned = train_run(sp, None, RunConfig(threads=2, affinity=True, workers=workers,
+                                               data_dir=str(mnist_dir)), 2)
+        assert pinned.sha256 == plain.sha256 and pinned.losses == plain.losses
     import threading
     allowed = os.sched_getaffinity(0)
     pool = Pool(2, affinity=True)
