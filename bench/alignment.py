@@ -26,8 +26,10 @@ ALLOCATORS = (cgp.layers.base, cgp.net, cgp.engine, cgp.comm)
 ALIGNED = cgp.layers.base.aligned_zeros
 
 
-def off_line(shape, dtype):
-    """Like aligned_zeros, but 16 bytes past a cache line."""
+def off_line(shape, dtype, shared=False):
+    """Like aligned_zeros, but 16 bytes past a cache line; private memory only (the trainers
+    run their workers as threads)."""
+    assert not shared
     dtype = np.dtype(dtype)
     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.zeros(size + 128, np.uint8)
@@ -40,7 +42,7 @@ def trainer(model, threads, data_dir, alloc):
         module.aligned_zeros = alloc
     try:
         path = models.solver_path(model)
-        config = RunConfig(threads=threads, progress=False, data_dir=data_dir)
+        config = RunConfig(threads=threads, progress=False, data_dir=data_dir, workers="threads")
         return Trainer(read_solver(path), path, config, log=lambda line: None)
     finally:
         for module in ALLOCATORS:

@@ -53,7 +53,8 @@ def trainer(model, threads, data_dir, engine=None):
             cgp.train.Pool = lambda *args, **kw: _Programs(engine.Pool(*args, **kw))
     try:
         path = models.solver_path(model)
-        config = RunConfig(threads=threads, progress=False, data_dir=data_dir)
+        # Threads: a revision's Pool is what is compared.
+        config = RunConfig(threads=threads, progress=False, data_dir=data_dir, workers="threads")
         return Trainer(read_solver(path), path, config, log=lambda line: None)
     finally:
         for name, value in own.items():

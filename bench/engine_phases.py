@@ -33,13 +33,13 @@ class TimedPool(Pool):
         self.phases = {}   # caller's name -> [wall, busy]
         self._lock = threading.Lock()
 
-    def run(self, fn, tasks):
+    def run(self, fn, tasks, *args):
         name = sys._getframe(1).f_code.co_name
         busy = [0.0]
 
         def timed(worker, i):
             started = time.perf_counter()
-            fn(worker, i)
+            fn(worker, i, *args)
             with self._lock:
                 busy[0] += time.perf_counter() - started
 
@@ -56,7 +56,7 @@ PHASES = {"run": "chunks (forward, backward)", "reduce": "reduction", "step": "s
 def measure(model, threads, steps, data_dir, factor, group):
     # Trainer resolves the solver's net relative to the solver file.
     path = models.solver_path(model)
-    config = RunConfig(threads=threads, progress=False, data_dir=data_dir)
+    config = RunConfig(threads=threads, progress=False, data_dir=data_dir, workers="threads")
     trainer = Trainer(read_solver(path), path, config, log=lambda line: None)
     pool = TimedPool(threads)
     trainer.pool.close()

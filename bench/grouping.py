@@ -21,7 +21,8 @@ from interleave import interleaved_rounds  # bench/, on the path when run as a s
 def trainer(model, threads, group, data_dir):
     # Trainer resolves the solver's net relative to the solver file.
     path = models.solver_path(model)
-    config = RunConfig(threads=threads, progress=False, data_dir=data_dir)
+    # Threads: the engine is rebuilt on the trainer's pool, after any fork would have been.
+    config = RunConfig(threads=threads, progress=False, data_dir=data_dir, workers="threads")
     t = Trainer(read_solver(path), path, config, log=lambda line: None)
     t.engine = Engine(t.net, t.config.chunks, t.pool, t.engine.comm, group=group)
     return t

@@ -54,7 +54,8 @@ def main():
 
     def trainer():
         return Trainer(read_solver(path), path,
-                       RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir),
+                       RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
+                                 workers="threads"),
                        log=lambda line: None)
     with tempfile.TemporaryDirectory() as folder:
         old = base_loss_layer(args.base, folder)

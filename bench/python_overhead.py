@@ -47,7 +47,8 @@ def main():
     args = parser.parse_args()
     # Trainer resolves the solver's net relative to the solver file.
     path = models.solver_path(args.model)
-    config = RunConfig(chunks=args.chunks, data_dir=args.data_dir, threads=args.threads)
+    config = RunConfig(chunks=args.chunks, data_dir=args.data_dir, threads=args.threads,
+                       workers="threads")
     trainer = Trainer(read_solver(path), path, config, log=lambda line: None)
     net, engine = trainer.net, trainer.engine
     c0, c1 = engine.groups[0]

@@ -30,14 +30,14 @@ class TracingPool(Pool):
         super().__init__(threads)
         self.runs = []
 
-    def run(self, fn, tasks):
+    def run(self, fn, tasks, *args):
         if sys._getframe(1).f_code.co_name != "run":   # the reduction and update: untraced
-            return super().run(fn, tasks)
+            return super().run(fn, tasks, *args)
         records, started = [], time.perf_counter()
 
         def traced(worker, i):
             wall, cpu = time.perf_counter(), time.thread_time()
-            fn(worker, i)
+            fn(worker, i, *args)
             records.append((wall - started, time.perf_counter() - wall,
                             time.thread_time() - cpu))
 
@@ -48,7 +48,8 @@ class TracingPool(Pool):
 def measure(model, threads, steps, data_dir):
     path = models.solver_path(model)
     trainer = Trainer(read_solver(path), path, RunConfig(threads=threads, progress=False,
-                                                         data_dir=data_dir), log=lambda l: None)
+                                                         data_dir=data_dir, workers="threads"),
+                      log=lambda l: None)
     pool = TracingPool(threads)
     trainer.pool.close()
     trainer.pool = trainer.engine.comm.pool = trainer.engine.pool = pool
