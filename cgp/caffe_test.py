@@ -44,7 +44,7 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
         raise CgpError(f"model '{model}' not found (looked in {Path.cwd()})")
     net = Net(read_net(model), caffe_pb2.TEST, RunOptions(data_dir, download))
     load_weights(net, weights, log)
-    shared = (workers or default_workers()) == "processes"
+    shared = (workers or default_workers()) == "processes" and threads > 1   # as Trainer
     if shared:
         share_params(net)
     pool = (ProcessPool if shared else Pool)(threads, affinity, flush_denormals)

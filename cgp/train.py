@@ -185,7 +185,8 @@ class Trainer:
         self.net.init_params(self.seed)
         if config.workers not in WORKERS:
             raise CgpError(f"--workers {config.workers}: expected one of {', '.join(WORKERS)}")
-        shared = config.workers == "processes"
+        # One worker forks nothing: it runs as plain sequential code, in private memory.
+        shared = config.workers == "processes" and config.threads > 1
         if shared:
             for net in [self.net] + self.test_nets:
                 share_params(net)

@@ -46,6 +46,18 @@ def test_updates_in_processes_keep_every_history_and_pass(mnist_dir):
     assert ok, rows
 
 
+def test_one_worker_forks_nothing(mnist_dir):
+    """A single worker runs as plain sequential code in private memory, whatever --workers."""
+    trainer = Trainer(solver("mnist"), None, RunConfig(threads=1, workers="processes",
+                                                       data_dir=str(mnist_dir)),
+                      log=lambda line: None)
+    try:
+        assert not trainer.pool.shared_memory and not psutil.Process().children()
+        assert trainer.engine.inputs is None
+    finally:
+        trainer.close()
+
+
 def test_resume_from_snapshot_in_processes_is_bitwise_identical(tmp_path, mnist_dir):
     sp = solver("mnist", snapshot=3, test_interval=2, test_iter=[1], display=0,
                 snapshot_prefix=str(tmp_path / "p"))
