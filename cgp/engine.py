@@ -215,6 +215,7 @@ class Pool:
                 run.work(w)
 
     def program(self, fn):
+        """fn itself: threads run any function (see cgp.procs.ProcessPool.program)."""
         return fn
 
     def run(self, fn, tasks, *args):

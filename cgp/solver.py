@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from cgp.errors import PrototxtError
-from cgp.layers import aligned_zeros
 from cgp.kernels import update
+from cgp.layers import aligned_zeros
 
 # Caffe's solver registry, and the order of the deprecated SolverParameter.SolverType enum (0..5).
 SOLVER_TYPES = ("SGD", "Nesterov", "AdaGrad", "RMSProp", "AdaDelta", "Adam")
