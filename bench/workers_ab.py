@@ -1,4 +1,4 @@
-"""Interleaved A/B of whole training steps with the calls in threads against the same in
+"""Interleaved A/B of whole training steps with the workers as threads against the same as
 worker processes (`--workers processes`, cgp/procs.py). Two trainers train from one seed in
 one process, their steps interleaved round by round, so a change of the machine's speed hits
 both alike. Prints the median time of a step for each and the processes' speed as the median
