@@ -14,6 +14,7 @@ Pool's threads do, kernels/spin.py) before it sleeps on a semaphore; no message 
 pipe unless a task fails. Tasks are handed out in index order to whichever worker asks next,
 so which process runs which task is left to timing and never changes a bit.
 """
+import functools
 import multiprocessing
 import os
 import pickle
@@ -54,12 +55,20 @@ def available():
     return "fork" in multiprocessing.get_all_start_methods()
 
 
+@functools.lru_cache(maxsize=None)
 def default_workers():
     """How workers run unless told: as processes on Linux, where no interpreter lock is
     shared and fork() is cheap and safe for the numeric libraries loaded here; as threads
     elsewhere (Windows cannot fork, and macOS's system libraries are not safe to use in a
-    forked child). The same bits either way."""
-    return "processes" if sys.platform.startswith("linux") and available() else "threads"
+    forked child), and where the OS refuses the semaphores the processes sleep on (a
+    container without a writable /dev/shm). The same bits either way."""
+    if not (sys.platform.startswith("linux") and available()):
+        return "threads"
+    try:
+        multiprocessing.get_context("fork").Semaphore(0)
+    except OSError:
+        return "threads"
+    return "processes"
 
 
 def share_params(net):
@@ -122,7 +131,12 @@ class ProcessPool:
         if self.threads == 1:
             return
         ctx = multiprocessing.get_context("fork")
-        self._wakes = [ctx.Semaphore(0) for _ in range(self.threads)]
+        try:
+            self._wakes = [ctx.Semaphore(0) for _ in range(self.threads)]
+        except OSError as error:
+            raise CgpError(f"--workers processes: the OS refused a semaphore shared between "
+                           f"processes ({error}); POSIX semaphores need a writable /dev/shm. "
+                           "Use --workers threads") from None
         # A worker reports a failed task through a pipe of its own: the one message that is
         # not a counter (an exception is an object).
         pipes = [ctx.Pipe(duplex=False) for _ in range(self.threads - 1)]

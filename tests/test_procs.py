@@ -282,6 +282,28 @@ def test_workers_are_pinned_with_affinity():
     assert sorted(os.sched_getaffinity(0)) == allowed
 
 
+def test_without_process_semaphores_threads_are_the_default(mnist_dir, tmp_path):
+    """Where /dev/shm cannot be written (some containers), the OS refuses the semaphores that
+    worker processes sleep on: asked for, they say so; by default the workers are threads.
+    Run in a mount namespace whose /dev/shm is read-only (needs unshare and mount rights)."""
+    import shutil
+    script = 'mount -t tmpfs -o ro,size=4k tmpfs /dev/shm && exec "$@"'
+    jail = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+    if not shutil.which("unshare") or subprocess.run(jail + ["true"],
+                                                     capture_output=True).returncode:
+        pytest.skip("needs unshare and the right to mount in a new mount namespace")
+
+    def train(*args):
+        return subprocess.run(jail + [sys.executable, "-m", "cgp", "train", "mnist", "--threads",
+                                      "2", "--iters", "1", "--data-dir", str(mnist_dir), *args],
+                              capture_output=True, text=True, cwd=tmp_path)
+    out = train("--workers", "processes")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "refused a semaphore" in out.stderr and "writable /dev/shm" in out.stderr
+    out = train()
+    assert out.returncode == 0 and "on 2 thread(s)" in out.stdout, out.stderr
+
+
 def test_commands_take_workers(mnist_dir, tmp_path):
     def cgp(*args):
         out = subprocess.run([sys.executable, "-m", "cgp", *args, "--data-dir", str(mnist_dir)],
