@@ -50,7 +50,8 @@ def uncovered(size, factored):
 
 
 class ThreadCommunicator:
-    """Tree-sums chunk buffers in parallel over column blocks on a Pool."""
+    """Tree-sums chunk buffers in parallel over column blocks on a pool: cgp.engine.Pool's
+    threads, or cgp.procs.ProcessPool's processes (the buffers then in shared memory)."""
 
     def __init__(self, pool):
         self.pool = pool
