@@ -7,6 +7,9 @@ training step has several hand-overs (the chunks, the reduction, the update), so
 sleeps between them pays that cost several times a step. OpenMP runtimes spin for a while
 before they sleep for the same reason (KMP_BLOCKTIME). The spin runs in compiled code
 that releases the lock, so the thread it waits for is never held up by it.
+
+Also the atomic operations on shared counters by which cgp.procs.ProcessPool posts runs and
+hands out tasks across processes (fetch_add, exchange, take_ticket, wake_sleepers).
 """
 from numba import njit, types
 from numba.extending import intrinsic
