@@ -47,7 +47,8 @@ def add_run_options(p, threads_list=False):
                        help="comma-separated thread counts to compare (default 1,2,3,4)")
     else:
         p.add_argument("--threads", type=int, default=1,
-                       help="worker threads (default 1); results are identical for any value")
+                       help="workers (default 1; processes or threads: --workers); results are "
+                            "identical for any value")
     p.add_argument("--chunks", type=int, default=16,
                    help="fixed pieces each batch is cut into (default 16). Results depend on "
                         "this, never on --threads; at most this many threads do useful work")
