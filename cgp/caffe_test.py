@@ -14,7 +14,7 @@ from cgp.engine import Engine, Pool
 from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
-from cgp.procs import ProcessPool, default_workers, share_params
+from cgp.procs import ProcessPool, default_workers, forks, share_params
 from cgp.prototxt import read_net
 from cgp.snapshot import copy_weights, read_caffemodel
 
@@ -44,7 +44,7 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
         raise CgpError(f"model '{model}' not found (looked in {Path.cwd()})")
     net = Net(read_net(model), caffe_pb2.TEST, RunOptions(data_dir, download))
     load_weights(net, weights, log)
-    shared = (workers or default_workers()) == "processes" and threads > 1   # as Trainer
+    shared = forks(workers or default_workers(), threads)
     if shared:
         share_params(net)
     pool = (ProcessPool if shared else Pool)(threads, affinity, flush_denormals)

@@ -113,6 +113,7 @@ def check_threads(threads, log):
 
 
 def cmd_train(args, log=print):
+    from cgp.procs import worker_noun
     from cgp.prototxt import read_solver
     from cgp.train import RunConfig, Trainer
 
@@ -137,7 +138,7 @@ def cmd_train(args, log=print):
         net = trainer.net
         log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
             f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
-            f"{'thread(s)' if config.workers == 'threads' else 'process(es)'}, seed "
+            f"{worker_noun(config.workers, args.threads)}, seed "
             f"{trainer.seed}, {denormals_text(trainer.pool.flush)}")
         log(f"cgp: {trainer.memory_line}")
         if args.snapshot:

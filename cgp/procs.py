@@ -71,6 +71,17 @@ def default_workers():
     return "processes"
 
 
+def forks(workers, threads):
+    """Whether `threads` workers of kind `workers` ("threads", "processes") run as forked
+    processes: one worker never does; it runs as plain sequential code in private memory."""
+    return workers == "processes" and threads > 1
+
+
+def worker_noun(workers, threads):
+    """What the workers are, for messages: "process(es)" or "thread(s)"."""
+    return "process(es)" if forks(workers, threads) else "thread(s)"
+
+
 def share_params(net):
     """Moves net.params into shared memory, where worker processes forked later read the
     weights that the main process writes; before any view of them is taken (engines)."""

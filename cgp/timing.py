@@ -12,7 +12,7 @@ COMPILING = "compiling kernels (first run only; cached afterwards)"
 
 
 def add_time(sub):
-    from cgp.cli import add_denormals_option
+    from cgp.cli import add_denormals_option, add_workers_option
     p = sub.add_parser(
         "time", help="time forward and backward of every layer (Caffe's `caffe time`)",
         description="Average forward and backward milliseconds per layer and per iteration, "
@@ -21,7 +21,8 @@ def add_time(sub):
     p.add_argument("--model", required=True, help="net prototxt (Caffe's format)")
     p.add_argument("--iterations", type=int, default=50, help="iterations to time (default 50)")
     p.add_argument("--threads", type=int, default=1,
-                   help="threads for the engine's whole-iteration time (default 1)")
+                   help="workers for the engine's whole-iteration time (default 1)")
+    add_workers_option(p)
     p.add_argument("--chunks", type=int, default=16,
                    help="fixed pieces each batch is cut into (default 16)")
     add_denormals_option(p)
@@ -198,16 +199,24 @@ class LayerTimer:
         self.data[:] = 0
 
 
-def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True):
-    """Wall-clock milliseconds per forward-backward of the real engine on `threads` threads
-    (gradient reduction included)."""
+def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True,
+                workers="threads"):
+    """Wall-clock milliseconds per forward-backward of the real engine on `threads` workers,
+    run as `workers` ("threads" or "processes", as cgp train's; gradient reduction
+    included). With processes, net.params moves into shared memory."""
     from cgp.comm import ThreadCommunicator
     from cgp.engine import Engine, Pool
+    from cgp.procs import ProcessPool, forks, share_params
 
-    pool = Pool(threads, flush_denormals=flush_denormals)
+    shared = forks(workers, threads)
+    if shared:
+        share_params(net)
+    pool = (ProcessPool if shared else Pool)(threads, flush_denormals=flush_denormals)
     try:
         engine = Engine(net, chunks, pool, ThreadCommunicator(pool),
                         backward=bool(net.loss_weights))
+        if shared:
+            pool.start()
         engine.run(load_batch(net, 0, seed), 0, seed)  # warm-up
         total = 0.0
         for it in range(iterations):
@@ -223,6 +232,8 @@ def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True):
 def cmd_time(args, log=print):
     from threadpoolctl import threadpool_limits
 
+    from cgp.cli import worker_kind
+    from cgp.procs import worker_noun
     from cgp.errors import CgpError
     from cgp.net import Net, RunOptions
     from cgp.proto import caffe_pb2
@@ -272,9 +283,11 @@ def cmd_time(args, log=print):
         log(f"Average Backward pass: {per * t_backward:.3f} ms.")
         log(f"Average Forward-Backward: {per * (t_forward + t_backward):.3f} ms.")
         log(f"Total Time: {1e3 * (t_forward + t_backward):.1f} ms.")
+        workers = worker_kind(args.workers)
         engine_ms = engine_time(net, args.threads, args.chunks, args.iterations, args.seed,
-                                flush)
-        log(f"Average Forward-Backward, engine on {args.threads} thread(s): {engine_ms:.3f} ms "
+                                flush, workers)
+        log(f"Average Forward-Backward, engine on {args.threads} "
+            f"{worker_noun(workers, args.threads)}: {engine_ms:.3f} ms "
             f"({1e3 * net.batch_size / engine_ms:.0f} images/s).")
     log("*** Benchmark ends ***")
     return 0

@@ -23,7 +23,7 @@ from cgp.engine import Engine, Pool, group_size
 from cgp.errors import CgpError
 from cgp.layers import aligned_zeros
 from cgp.net import Net, RunOptions
-from cgp.procs import ProcessPool, default_workers, share_params
+from cgp.procs import ProcessPool, default_workers, forks, share_params
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, writable_folder,
@@ -185,8 +185,7 @@ class Trainer:
         self.net.init_params(self.seed)
         if config.workers not in WORKERS:
             raise CgpError(f"--workers {config.workers}: expected one of {', '.join(WORKERS)}")
-        # One worker forks nothing: it runs as plain sequential code, in private memory.
-        shared = config.workers == "processes" and config.threads > 1
+        shared = forks(config.workers, config.threads)
         if shared:
             for net in [self.net] + self.test_nets:
                 share_params(net)
@@ -232,7 +231,7 @@ class Trainer:
         self.memory_line = check_memory(self.net, chunks, self.pool.threads,
                                         len(self.solver.histories),
                                         psutil.virtual_memory().available,
-                                        self.config.workers == "processes")
+                                        forks(self.config.workers, self.pool.threads))
 
     # -- data ----------------------------------------------------------------------
     def _batch(self, net, position, iteration):

@@ -345,12 +345,13 @@ def test_time_train_net_prints_every_layer(capsys, mnist_dir):
 def test_time_deploy_net_with_random_input(capsys, tmp_path):
     model = tmp_path / "deploy.prototxt"
     model.write_text(DEPLOY)
-    text = run_cli(capsys, "time", "--model", model, "--iterations", "2", "--threads", "2",
-                   "--chunks", "3", "--phase", "TEST")
-    for name in ("data", "conv", "relu", "pool", "fc", "prob"):
-        layer_times(text, name)
-    assert "no loss" in text and "engine on 2 thread(s)" in text
-    assert layer_times(text, "conv")[1] > 0   # weight gradients are timed, as in Caffe
+    for workers, kind in (("threads", "thread(s)"), ("processes", "process(es)")):
+        text = run_cli(capsys, "time", "--model", model, "--iterations", "2", "--threads", "2",
+                       "--chunks", "3", "--phase", "TEST", "--workers", workers)
+        for name in ("data", "conv", "relu", "pool", "fc", "prob"):
+            layer_times(text, name)
+        assert "no loss" in text and f"engine on 2 {kind}" in text
+        assert layer_times(text, "conv")[1] > 0   # weight gradients are timed, as in Caffe
 
 
 # -- the first-run note --------------------------------------------------------------
