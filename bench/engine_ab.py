@@ -11,6 +11,7 @@ two must end with bitwise equal weights.
 import argparse
 import tempfile
 
+import cgp.procs
 import cgp.train
 from cgp import models
 from cgp.prototxt import read_solver
@@ -26,7 +27,7 @@ def base_engine(rev, folder):
 
 class _Programs:
     """A Pool of a revision before cgp.procs.ProcessPool, with the interface that the
-    working tree's trainer and communicator use: program(fn), and run arguments."""
+    working tree's trainer and communicator use: program(fn), start(), run arguments."""
 
     def __init__(self, pool):
         self.pool = pool
@@ -37,6 +38,9 @@ class _Programs:
     def program(self, fn):
         return fn
 
+    def start(self):
+        pass
+
     def run(self, fn, tasks, *args):
         self.pool.run(lambda w, i: fn(w, i, *args), tasks)
 
@@ -44,21 +48,23 @@ class _Programs:
 def trainer(model, threads, data_dir, engine=None):
     """A Trainer whose Engine and Pool come from `engine` (a module; default the working
     tree's)."""
-    names = ("Engine", "Pool", "group_size")
-    own = {name: getattr(cgp.train, name) for name in names}
+    # Where the trainer finds each: its Engine and group_size in cgp.train, its Pool in
+    # cgp.procs (make_pool).
+    places = [(cgp.train, "Engine"), (cgp.train, "group_size"), (cgp.procs, "Pool")]
+    own = [(module, name, getattr(module, name)) for module, name in places]
     if engine is not None:
-        for name in names:
-            setattr(cgp.train, name, getattr(engine, name))
+        for module, name in places:
+            setattr(module, name, getattr(engine, name))
         if not hasattr(engine.Pool, "program"):
-            cgp.train.Pool = lambda *args, **kw: _Programs(engine.Pool(*args, **kw))
+            cgp.procs.Pool = lambda *args, **kw: _Programs(engine.Pool(*args, **kw))
     try:
         path = models.solver_path(model)
         # Threads: a revision's Pool is what is compared.
         config = RunConfig(threads=threads, progress=False, data_dir=data_dir, workers="threads")
         return Trainer(read_solver(path), path, config, log=lambda line: None)
     finally:
-        for name, value in own.items():
-            setattr(cgp.train, name, value)
+        for module, name, value in own:
+            setattr(module, name, value)
 
 
 def main():

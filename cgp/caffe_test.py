@@ -10,11 +10,11 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from cgp.comm import ThreadCommunicator
-from cgp.engine import Engine, Pool
+from cgp.engine import Engine
 from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
-from cgp.procs import ProcessPool, default_workers, forks, share_params
+from cgp.procs import default_workers, make_pool
 from cgp.prototxt import read_net
 from cgp.snapshot import copy_weights, read_caffemodel
 
@@ -44,14 +44,10 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
         raise CgpError(f"model '{model}' not found (looked in {Path.cwd()})")
     net = Net(read_net(model), caffe_pb2.TEST, RunOptions(data_dir, download))
     load_weights(net, weights, log)
-    shared = forks(workers or default_workers(), threads)
-    if shared:
-        share_params(net)
-    pool = (ProcessPool if shared else Pool)(threads, affinity, flush_denormals)
+    pool = make_pool(workers or default_workers(), threads, [net], affinity, flush_denormals)
     try:
         engine = Engine(net, chunks, pool, ThreadCommunicator(pool), backward=False)
-        if shared:
-            pool.start()
+        pool.start()
         if not engine.tracked:
             raise CgpError(f"model {model}: the TEST net has no scalar outputs (loss, accuracy) "
                            "to score")

@@ -218,6 +218,10 @@ class Pool:
         """fn itself: threads run any function (see cgp.procs.ProcessPool.program)."""
         return fn
 
+    def start(self):
+        """Nothing to do: the threads started with the pool (cgp.procs.ProcessPool forks
+        its workers here)."""
+
     def run(self, fn, tasks, *args):
         if tasks < 1:
             return

@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 
-from cgp.engine import spin_count
+from cgp.engine import Pool, spin_count
 from cgp.errors import CgpError
 from cgp.kernels import fpenv, spin
 from cgp.layers import aligned_zeros
@@ -80,6 +80,17 @@ def forks(workers, threads):
 def worker_noun(workers, threads):
     """What the workers are, for messages: "process(es)" or "thread(s)"."""
     return "process(es)" if forks(workers, threads) else "thread(s)"
+
+
+def make_pool(workers, threads, nets=(), affinity=False, flush_denormals=True):
+    """The pool that `threads` workers of kind `workers` run on: a ProcessPool where they
+    fork (the nets' parameters moved into shared memory first), else a thread Pool. Its
+    start() comes once the engines and every other program exist."""
+    if not forks(workers, threads):
+        return Pool(threads, affinity, flush_denormals)
+    for net in nets:
+        share_params(net)
+    return ProcessPool(threads, affinity, flush_denormals)
 
 
 def share_params(net):

@@ -205,18 +205,14 @@ def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True,
     run as `workers` ("threads" or "processes", as cgp train's; gradient reduction
     included). With processes, net.params moves into shared memory."""
     from cgp.comm import ThreadCommunicator
-    from cgp.engine import Engine, Pool
-    from cgp.procs import ProcessPool, forks, share_params
+    from cgp.engine import Engine
+    from cgp.procs import make_pool
 
-    shared = forks(workers, threads)
-    if shared:
-        share_params(net)
-    pool = (ProcessPool if shared else Pool)(threads, flush_denormals=flush_denormals)
+    pool = make_pool(workers, threads, [net], flush_denormals=flush_denormals)
     try:
         engine = Engine(net, chunks, pool, ThreadCommunicator(pool),
                         backward=bool(net.loss_weights))
-        if shared:
-            pool.start()
+        pool.start()
         engine.run(load_batch(net, 0, seed), 0, seed)  # warm-up
         total = 0.0
         for it in range(iterations):
@@ -233,9 +229,9 @@ def cmd_time(args, log=print):
     from threadpoolctl import threadpool_limits
 
     from cgp.cli import worker_kind
-    from cgp.procs import worker_noun
     from cgp.errors import CgpError
     from cgp.net import Net, RunOptions
+    from cgp.procs import worker_noun
     from cgp.proto import caffe_pb2
     from cgp.prototxt import read_net
 

@@ -19,11 +19,11 @@ import psutil
 from threadpoolctl import threadpool_limits
 
 from cgp.comm import ThreadCommunicator, blocks
-from cgp.engine import Engine, Pool, group_size
+from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
 from cgp.layers import aligned_zeros
 from cgp.net import Net, RunOptions
-from cgp.procs import ProcessPool, default_workers, forks, share_params
+from cgp.procs import default_workers, forks, make_pool
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, writable_folder,
@@ -185,17 +185,14 @@ class Trainer:
         self.net.init_params(self.seed)
         if config.workers not in WORKERS:
             raise CgpError(f"--workers {config.workers}: expected one of {', '.join(WORKERS)}")
-        shared = forks(config.workers, config.threads)
-        if shared:
-            for net in [self.net] + self.test_nets:
-                share_params(net)
         for effect in (config.sigint_effect, config.sighup_effect):
             if effect not in SIGNAL_EFFECTS:
                 raise CgpError(f"signal effect '{effect}': expected one of "
                                f"{', '.join(SIGNAL_EFFECTS)}")
+        shared = forks(config.workers, config.threads)
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, shared)
-        self.pool = (ProcessPool if shared else Pool)(config.threads, config.affinity,
-                                                      config.denormals == "flush")
+        self.pool = make_pool(config.workers, config.threads, [self.net] + self.test_nets,
+                              config.affinity, config.denormals == "flush")
         comm = ThreadCommunicator(self.pool)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm)
@@ -209,8 +206,7 @@ class Trainer:
         gradient = self._accum if self._accum is not None else self.engine.chunk_grads[0]
         self._update = self.pool.program(lambda w, i, step: self.solver.apply(
             step, self.net.params, gradient, *self.slices[i]))
-        if shared:
-            self.pool.start()   # forked once everything the workers run exists
+        self.pool.start()   # workers forked once everything they run exists
         self.iter = 0
         # The iteration whose batch starts at record 0: 0, or the iteration of a Caffe
         # .solverstate resumed from (Caffe's data layers start again at the first record).
