@@ -134,6 +134,17 @@ def spin_count(workers):
     return int(SPIN_SECONDS * spins_per_second()) if 1 < workers <= (usable or 1) else 0
 
 
+def run_first(first):
+    """Runs a pool run's `first` function (None: nothing); returns its exception, or None."""
+    if first is None:
+        return None
+    try:
+        first()
+    except BaseException as error:   # raised once the run's tasks are done
+        return error
+    return None
+
+
 class Pool:
     """`threads` workers that share a list of tasks; task i of run(fn, tasks, *args) runs as
     fn(worker, i, *args). fn is any function; program(fn) returns it as it is, for callers
@@ -222,12 +233,16 @@ class Pool:
         """Nothing to do: the threads started with the pool (cgp.procs.ProcessPool forks
         its workers here)."""
 
-    def run(self, fn, tasks, *args):
+    def run(self, fn, tasks, *args, first=None):
+        """first: a function the caller runs once the tasks are posted, before it takes any
+        (work of its own that the other workers' tasks overlap); its exception is raised
+        after the run, in place of a task's."""
         if tasks < 1:
             return
         run = _Run(fn, tasks, self._flags, args)
         if self._workers:
             self._post(run)
+        own = run_first(first)
         state = fpenv.set_flush(self.flush)
         try:
             run.work(0)
@@ -235,8 +250,8 @@ class Pool:
             fpenv.restore(state)
         spin.wait_for(self._flags, 1, tasks, self._spins)
         run.finished.wait()
-        if run.error is not None:
-            raise run.error
+        if own is not None or run.error is not None:
+            raise own or run.error
 
     def _post(self, run):
         with self._posted:

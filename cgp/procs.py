@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 
-from cgp.engine import Pool, spin_count
+from cgp.engine import Pool, run_first, spin_count
 from cgp.errors import CgpError
 from cgp.kernels import fpenv, spin
 from cgp.layers import aligned_zeros
@@ -191,7 +191,8 @@ class ProcessPool:
             os.sched_setaffinity(0, {cpus[0]})
 
     # -- the caller -----------------------------------------------------------------
-    def run(self, program, tasks, *args):
+    def run(self, program, tasks, *args, first=None):
+        """first: as Pool.run's, in the caller, while the workers take tasks."""
         if tasks < 1:
             return
         if not self._started:
@@ -212,6 +213,7 @@ class ProcessPool:
         flags[_TASKS], flags[_PROGRAM], flags[_ARG_BYTES] = tasks, program, len(data)
         self._args[:len(data)] = np.frombuffer(data, np.uint8)
         self._post(run)
+        own = run_first(first)
         state = fpenv.set_flush(self.flush)
         try:
             self._take(0, run)
@@ -219,8 +221,9 @@ class ProcessPool:
             fpenv.restore(state)
             if self.procs:   # before the next run resets the counts, even after an interrupt
                 self._wait(tasks)
-        if flags[_FAILED]:
-            raise self._first_failure()
+        failure = self._first_failure() if flags[_FAILED] else None   # read: none left over
+        if own is not None or failure is not None:
+            raise own or failure
 
     def _post(self, run):
         """Publishes run number `run` (everything written before is seen with it) and wakes

@@ -216,6 +216,7 @@ class Trainer:
         self.last_test = {}
         self.last_test_iter = None
         self._stop = False
+        self._ahead = None        # (what _batch was asked, the batch) read ahead by step()
         self._request = None      # what a signal asked for: "stop" or "snapshot"
         # Caffe's solver field `weights` (the command line's --weights replaces it).
         base = Path(solver_path).parent if solver_path else None
@@ -231,12 +232,33 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------
     def _batch(self, net, position, iteration):
-        """Source blob id -> whole-batch array, for the batch at a record position."""
+        """Source blob id -> whole-batch array, for the batch at a record position: the one
+        read ahead (_read_ahead) when it is that one."""
+        key = (net, position, iteration, self.seed)
+        if self._ahead is not None and self._ahead[0] == key:
+            batch, self._ahead = self._ahead[1], None
+            return batch
         batch = {}
         for entry in net.sources:
             for blob, array in zip(entry.tops, entry.layer.load(position, iteration, self.seed)):
                 batch[blob] = array
         return batch
+
+    def _read_ahead(self):
+        """Loads the next iteration's first batch while the workers update the weights: the
+        caller's own work during the update (Pool.run's `first`), which would otherwise be
+        a serial part of the next step. A batch is a function of its position, iteration
+        and seed alone, so reading it early changes nothing; _batch uses it only if the next
+        request is for that very batch (not after a restore or a jump back). A data error is
+        left to the step that needs the batch, which then reads it again and raises it."""
+        size, n = self.sp.iter_size, self.net.batch_size
+        position = (self.iter + 1 - self.data_origin) * size * n
+        self._ahead = None
+        try:
+            batch = self._batch(self.net, position, (self.iter + 1) * size)
+        except Exception:   # noqa: BLE001  (raised again where the batch is needed)
+            return
+        self._ahead = ((self.net, position, (self.iter + 1) * size, self.seed), batch)
 
     def tests_before(self, it):
         """How many test passes Caffe runs from the data origin up to iteration `it`: the
@@ -274,7 +296,7 @@ class Trainer:
         """One training iteration: forward/backward, update, iter += 1."""
         loss, outputs, grad = self.forward_backward()
         update = self.solver.prepare(self.iter, grad, self.slices)
-        self.pool.run(self._update, len(self.slices), update)
+        self.pool.run(self._update, len(self.slices), update, first=self._read_ahead)
         self.iter += 1
         return loss, outputs, update.rate
 

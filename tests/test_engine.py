@@ -397,6 +397,81 @@ def test_pool_runs_every_task_once_with_the_caller_as_worker_zero():
         pool.close()
 
 
+def test_the_callers_first_work_overlaps_the_tasks():
+    """run(..., first=f): the caller runs f once the tasks are posted and before it takes
+    any, so a pool thread runs tasks meanwhile; f's exception comes after every task."""
+    import threading
+    pool = Pool(2)
+    try:
+        ran, started = [], threading.Event()
+
+        def task(w, i):
+            ran.append((i, w))
+            started.set()
+
+        def first():
+            assert threading.current_thread() is threading.main_thread()
+            assert started.wait(timeout=10)   # a pool thread took a task meanwhile
+
+        pool.run(task, 4, first=first)
+        assert sorted(i for i, _ in ran) == [0, 1, 2, 3] and {w for _, w in ran} >= {1}
+
+        def failing():
+            raise ValueError("first's own")
+        ran.clear()
+        with pytest.raises(ValueError, match="first's own"):
+            pool.run(task, 40, first=failing)
+        assert sorted(i for i, _ in ran) == list(range(40))
+    finally:
+        pool.close()
+
+
+def test_next_batch_is_read_during_the_update_and_only_once(mnist_dir):
+    """Trainer._read_ahead: step k reads step k + 1's batch while the workers update; every
+    batch is read once, and one read ahead for a position the trainer then leaves (a jump
+    back) is not used: the jump gives the bits of a fresh run."""
+    sp = solver("mnist")
+    runs = []
+    for jump in (False, True):
+        trainer = Trainer(sp, None, RunConfig(threads=2, data_dir=str(mnist_dir)),
+                          log=lambda line: None)
+        layer = trainer.net.sources[0].layer
+        reads, load = [], layer.load
+        in_update = []
+
+        def recording_load(position, iteration, seed, load=load, reads=reads):
+            reads.append((position, iteration, bool(in_update) and in_update[-1]))
+            return load(position, iteration, seed)
+        layer.load = recording_load
+        run = trainer.pool.run
+
+        def marking_run(*args, **kw):
+            in_update.append(kw.get("first") is not None)
+            try:
+                return run(*args, **kw)
+            finally:
+                in_update.clear()
+        trainer.pool.run = marking_run
+        for _ in range(3):
+            trainer.step()
+        if jump:   # back to iteration 0 from the start's weights, as bench speedup does
+            trainer.iter = 0
+            trainer.net.init_params(trainer.seed)
+            for h in trainer.solver.histories:
+                h[...] = 0
+            for _ in range(3):
+                trainer.step()
+        runs.append(trainer.net.params.copy())
+        trainer.close()
+        if not jump:
+            # Iteration 0's batch at the start; then 1, 2 and 3's, each during an update.
+            assert [r[:2] for r in reads] == [(0, 0), (64, 1), (128, 2), (192, 3)]
+            assert [r[2] for r in reads] == [False, True, True, True]
+        else:
+            assert [r[:2] for r in reads][3:6] == [(192, 3), (0, 0), (64, 1)]
+    assert np.array_equal(runs[0], runs[1])
+
+
 def test_spin_waits_see_another_threads_write():
     """The watched value is read from memory on every pass (an atomic load), not once: a
     write from another thread ends the wait long before the reads run out."""

@@ -234,6 +234,46 @@ def test_the_lowest_failed_tasks_error_comes_back_however_long():
         pool.close()
 
 
+def test_the_callers_first_work_overlaps_the_workers_tasks():
+    """As with threads (test_engine): the caller's `first` runs while the workers take tasks;
+    its exception comes after every task, and no worker's failure is left for the next run."""
+    import time
+    from cgp.kernels import spin
+    done = aligned_zeros(41, np.int64, shared=True)
+
+    def task(w, i, fail):
+        done[1 + i] = os.getpid()
+        spin.fetch_add(done, 0, 1)
+        if fail and i == 7:
+            raise NetError("task 7")
+    pool = ProcessPool(2)
+    program = pool.program(task)
+    pool.start()
+    try:
+        def first():
+            deadline = time.monotonic() + 10
+            while spin.load(done, 0) < 1 and time.monotonic() < deadline:
+                pass
+            assert spin.load(done, 0) >= 1   # a worker ran a task meanwhile
+
+        def failing():
+            first()
+            raise ValueError("first's own")
+        for fail in (False, True):
+            done[:] = 0
+            pool.run(program, 40, False, first=first)
+            assert done[0] == 40 and (done[1:] != os.getpid()).any()
+            done[:] = 0
+            with pytest.raises(ValueError, match="first's own"):
+                pool.run(program, 40, fail, first=failing)
+            assert done[0] == 40 or fail
+        done[:] = 0
+        pool.run(program, 40, False)   # nothing left over from the failed runs
+        assert done[0] == 40
+    finally:
+        pool.close()
+
+
 def test_workers_end_when_the_main_process_is_killed():
     code = ("import os, sys, numpy as np\n"
             "from cgp.procs import ProcessPool\n"
