@@ -27,8 +27,8 @@ class ReadAtStart(Trainer):
 
 
 def time_outside_runs(trainer):
-    """Makes the trainer add up its wall time inside the pool's runs; returns the counter
-    [seconds inside runs, steps, seconds of steps]."""
+    """Makes the trainer add up its steps' wall time and the part of it inside the pool's
+    runs; returns the counter [seconds inside runs, steps, seconds of steps]."""
     counter = [0.0, 0, 0.0]
     run, step = trainer.pool.run, trainer.step
 
@@ -65,7 +65,7 @@ def main():
     ab_pair(pair, ("read at the start", "read ahead"), args)
     for name, (inside, steps, total) in zip(("read at the start", "read ahead"), counters):
         print(f"  {name}: {1e3 * (total - inside) / steps:.3f} ms per step outside the "
-              f"pool's runs, of {1e3 * total / steps:.2f} ms")
+              f"pool's runs (the mean over all {steps} of its steps, warm-up included)")
 
 
 if __name__ == "__main__":
