@@ -236,7 +236,7 @@ class Pool:
     def run(self, fn, tasks, *args, first=None):
         """first: a function the caller runs once the tasks are posted, before it takes any
         (work of its own that the other workers' tasks overlap); its exception is raised
-        after the run, in place of a task's."""
+        after the run, in place of a task's. With no tasks nothing runs, first neither."""
         if tasks < 1:
             return
         run = _Run(fn, tasks, self._flags, args)
