@@ -309,7 +309,8 @@ def test_foreign_load_leaves_out_our_own_children():
         child = multiprocessing.get_context("fork").Process(target=_spin, args=(0.3,))
         child.start()
         child.join()
-        assert load._ours() - before >= 0.29
+        # 0.3 s of CPU, counted in clock ticks of 10 ms and subtracted in floating point.
+        assert load._ours() - before >= 0.28
 
 
 def test_default_threads_reach_the_core_count(monkeypatch):
