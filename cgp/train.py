@@ -228,9 +228,15 @@ class Trainer:
         self.memory_line = check_memory(self.net, chunks, self.pool.threads,
                                         len(self.solver.histories),
                                         psutil.virtual_memory().available,
-                                        forks(self.config.workers, self.pool.threads))
+                                        self.pool.shared_memory)
 
     # -- data ----------------------------------------------------------------------
+    def _pass(self, it, k):
+        """(record position, iteration number of the data) of pass k of training iteration
+        it: iter_size passes per iteration, the data counted from the data origin."""
+        size = self.sp.iter_size
+        return ((it - self.data_origin) * size + k) * self.net.batch_size, it * size + k
+
     def _batch(self, net, position, iteration):
         """Source blob id -> whole-batch array, for the batch at a record position: the one
         read ahead (_read_ahead) when it is that one."""
@@ -251,14 +257,13 @@ class Trainer:
         and seed alone, so reading it early changes nothing; _batch uses it only if the next
         request is for that very batch (not after a restore or a jump back). A data error is
         left to the step that needs the batch, which then reads it again and raises it."""
-        size, n = self.sp.iter_size, self.net.batch_size
-        position = (self.iter + 1 - self.data_origin) * size * n
         self._ahead = None
+        position, iteration = self._pass(self.iter + 1, 0)
         try:
-            batch = self._batch(self.net, position, (self.iter + 1) * size)
+            batch = self._batch(self.net, position, iteration)
         except Exception:   # noqa: BLE001  (raised again where the batch is needed)
             return
-        self._ahead = ((self.net, position, (self.iter + 1) * size, self.seed), batch)
+        self._ahead = ((self.net, position, iteration, self.seed), batch)   # as _batch asks
 
     def tests_before(self, it):
         """How many test passes Caffe runs from the data origin up to iteration `it`: the
@@ -278,12 +283,12 @@ class Trainer:
     def forward_backward(self):
         """Gradients of the current iteration (summed over iter_size passes): returns
         (loss, outputs of the last pass, gradient)."""
-        size, n = self.sp.iter_size, self.net.batch_size
+        size = self.sp.iter_size
         loss = 0.0
         for k in range(size):
-            position = ((self.iter - self.data_origin) * size + k) * n
-            batch = self._batch(self.net, position, self.iter * size + k)
-            outputs, pass_loss, grad = self.engine.run(batch, self.iter * size + k, self.seed)
+            position, iteration = self._pass(self.iter, k)
+            batch = self._batch(self.net, position, iteration)
+            outputs, pass_loss, grad = self.engine.run(batch, iteration, self.seed)
             loss += pass_loss
             if self._accum is not None:
                 if k == 0:
