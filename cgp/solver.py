@@ -30,6 +30,18 @@ class Step(NamedTuple):
     correction: np.float32       # Adam's bias correction for this iteration; 1 for other rules
     grad_norm: Optional[float]   # global L2 norm of the gradients, when clip_gradients >= 0
 
+    def __reduce__(self):
+        # Worker processes receive a Step pickled with every update (cgp.procs): as Python
+        # floats, which hold float32 values exactly, it pickles and loads about 10 times as
+        # fast as with NumPy scalars, whose pickling rebuilds their dtype.
+        return _step, (self.it, float(self.rate), float(self.clip_scale),
+                       float(self.correction), self.grad_norm)
+
+
+def _step(it, rate, clip_scale, correction, grad_norm):
+    """A pickled Step, with its float32 fields float32 again."""
+    return Step(it, f32(rate), f32(clip_scale), f32(correction), grad_norm)
+
 
 def _c_pow(base, exponent):
     """C's pow on doubles: inf and NaN where Python's math.pow raises."""
