@@ -49,6 +49,10 @@ def add_bench(sub):
                    help="timings per configuration; the median counts (default 5)")
     s.add_argument("--warmup", type=int, default=3,
                    help="untimed iterations per configuration first (default 3)")
+    s.add_argument("--lead-in", type=int, default=3,
+                   help="untimed iterations at the start of every timing (default 3): a CPU "
+                        "left idle while the other configurations ran needs a few "
+                        "iterations to regain its speed, which training never pays")
     s.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same network in PyTorch (needs torch installed)")
     s.add_argument("--ceiling", action="store_true",
@@ -232,6 +236,8 @@ class Config:
     context: object = None             # () -> the context manager that run() needs, untimed
     save: object = None                # save(): remember the training state ...
     restore: object = None             # restore(): ... and go back to it, untimed
+    pause: object = lambda: None       # pause(): after a timing, untimed: its workers sleep
+                                       # (they must not spin while the next one is timed)
     rates: list = field(default_factory=list)   # images/s of each repetition
     steals: list = field(default_factory=list)  # the share of the CPUs' time the hypervisor
                                                 # withheld during each repetition (steal)
@@ -248,28 +254,35 @@ def steal_seconds():
     return getattr(psutil.cpu_times(), "steal", 0.0)
 
 
-def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None):
+def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None,
+                lead_in=0):
     """Warm every configuration up, then time `repeats` rounds; round r runs the
     configurations in order, rotated by r, then each_round() if given. Every timing trains
     the same iterations from the same state (the one after the warm-up): the work is
     identical in every repetition, and a net that trains itself into another regime (tiny
     gradients turning denormal, say) cannot make later repetitions slower than earlier ones.
+    Each timing starts after `lead_in` untimed iterations: interleaving leaves a CPU idle
+    while other configurations run, and a CPU back from idling runs slower for several
+    iterations (bench/idle_ramp.py), which training, its CPUs never idle, does not pay.
     Each timing also records the steal time over it, as a share of all CPUs' time."""
     cpus = os.cpu_count() or 1
     for c in configs:
         with c.context():
             c.run(warmup)
+        c.pause()
         c.save()
     for r in range(repeats):
         k = r % len(configs)
         for c in configs[k:] + configs[:k]:
             c.restore()
             with c.context():
+                c.run(lead_in)
                 started, stolen = time.perf_counter(), steal_seconds()
                 c.run(iters)
                 wall = time.perf_counter() - started
                 c.rates.append(c.copies * iters * images_per_iter / wall)
                 c.steals.append((steal_seconds() - stolen) / (wall * cpus))
+            c.pause()
         if each_round is not None:
             each_round()
         log(f"  repetition {r + 1}/{repeats}: " +
@@ -286,7 +299,6 @@ def cgp_config(threads, trainer, workers="threads"):
     def run(iterations):
         for _ in range(iterations):
             trainer.step()
-        trainer.pool.rest()   # its threads must not spin while the next one is timed
 
     def save():
         saved[:] = [trainer.iter, trainer.solver.current_step, trainer.net.params.copy(),
@@ -303,7 +315,8 @@ def cgp_config(threads, trainer, workers="threads"):
         return hashlib.sha256(trainer.net.params.tobytes()).hexdigest()
     # As in Trainer.solve: BLAS single-threaded, the workers are the only threads.
     config = Config("cgp", threads, None if workers == "threads" else workers, run=run,
-                    context=lambda: threadpool_limits(limits=1), save=save, restore=restore)
+                    context=lambda: threadpool_limits(limits=1), save=save, restore=restore,
+                    pause=trainer.pool.rest)
     config.digest = digest
     return config
 
@@ -647,8 +660,9 @@ def cmd_speedup(args, log=print):
     for name in ("iters", "repeats"):
         if getattr(args, name) < 1:
             raise CgpError(f"--{name} must be at least 1")
-    if args.warmup < 0:
-        raise CgpError("--warmup must be at least 0")
+    for name in ("warmup", "lead_in"):
+        if getattr(args, name) < 0:
+            raise CgpError(f"--{name.replace('_', '-')} must be at least 0")
     torch_ref = None
     if args.compare == "torch":
         from cgp import torch_ref
@@ -692,11 +706,13 @@ def cmd_speedup(args, log=print):
             f" as {' and as '.join(workers)}"
             f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}"
             f"{'; the machine ceiling' if ceilings else ''}; {args.warmup} warm-up "
-            f"+ {args.repeats} x {args.iters} iterations each, interleaved")
+            f"+ {args.repeats} x ({args.lead_in} untimed + {args.iters}) iterations each, "
+            "interleaved")
         matmul = []  # NumPy's matmul rate, timed in every round like the configurations
         with ForeignLoad() as foreign:
             interleaved(configs, args.iters, args.repeats, args.warmup, images, log,
-                        each_round=lambda: matmul.append(matmul_gflops()))
+                        each_round=lambda: matmul.append(matmul_gflops()),
+                        lead_in=args.lead_in)
         # Every configuration ended on the same iterations from the same state: the copies
         # too, or they did not time the training that cgp runs.
         for copies in ceilings:
@@ -733,7 +749,8 @@ def cmd_speedup(args, log=print):
               "chunks": len(first.engine.bounds), "denormals": args.denormals,
               "workers": workers,
               "iters": args.iters,
-              "repeats": args.repeats, "warmup": args.warmup, "seed": first.seed,
+              "repeats": args.repeats, "warmup": args.warmup, "lead_in": args.lead_in,
+              "seed": first.seed,
               "threads": threads, "compare": args.compare, "ceiling": args.ceiling,
               "training_flops_per_image": flops,
               "numpy_matmul_gflops": [round(r, 2) for r in matmul],
