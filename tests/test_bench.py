@@ -4,6 +4,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +164,29 @@ def test_speedup_interleaves_in_rotated_order(monkeypatch):
     assert order == [1, 2, 4, 2, 4, 1, 4, 1, 2]
     rows, best = summarise(configs)
     assert [r["speedup"] for r in rows if r["threads"] == 1] == [1.0] and best == {}
+
+
+def test_each_timing_starts_after_its_lead_in():
+    """Every timing restores the state, runs lead_in untimed iterations and then the timed
+    ones, and pauses the configuration's workers after it, untimed too."""
+    from cgp import bench
+    events = []
+    configs = [Config("cgp", t) for t in (1, 2)]
+    for c in configs:
+        def run(n, c=c):
+            events.append((c.threads, "run", n))
+            time.sleep(0.2 if n == 2 else 0.01 * n)   # the lead-in is slow, the rest fast
+        c.run = run
+        c.context = lambda: threadpool_limits(limits=None)
+        c.save = lambda: None
+        c.restore = lambda c=c: events.append((c.threads, "restore"))
+        c.pause = lambda c=c: time.sleep(0.2) or events.append((c.threads, "pause"))
+    bench.interleaved(configs, iters=1, repeats=2, warmup=0, images_per_iter=1,
+                      log=lambda s: None, lead_in=2)
+    timing = [[(t, "restore"), (t, "run", 2), (t, "run", 1), (t, "pause")] for t in (1, 2)]
+    assert events[4:] == timing[0] + timing[1] + timing[1] + timing[0]
+    # One image per iteration in 0.01 s: the lead-in and the pause are not in the rate.
+    assert all(50 < rate < 101 for c in configs for rate in c.rates)
 
 
 def test_paired_speedup_is_the_median_of_ratios_within_rounds():

@@ -386,3 +386,15 @@ def test_momentum_is_allowed_where_caffe_allows_it():
     for type_ in ("SGD", "Nesterov", "AdaDelta", "Adam"):
         Solver(solver_param(f"type: '{type_}' momentum: 0.9 lr_policy: 'fixed'"), lr_mult,
                decay_mult)
+
+
+def test_a_step_crosses_to_worker_processes_unchanged():
+    """A Step pickled (as worker processes receive it) loads with the same values and types:
+    float32 learning rate, clip scale and correction, whose every bit survives."""
+    import pickle
+
+    from cgp.solver import Step
+    step = Step(7, np.float32(1) / np.float32(3), np.float32(0.1), np.float32(np.pi), 2.5)
+    back = pickle.loads(pickle.dumps(step))
+    assert back == step and [type(v) for v in back] == [type(v) for v in step]
+    assert [type(v) for v in back[1:4]] == [np.float32] * 3
