@@ -49,6 +49,27 @@ def uncovered(size, factored):
     return ranges
 
 
+class Reduction:
+    """A reduction cut into tasks once (ThreadCommunicator.plan): task(w, i), run by worker w,
+    writes the sum over chunks of the columns spans[i] = (lo, hi) of the flat gradient into
+    result[lo:hi], reading the chunks' gradients (or factors) of those columns alone.
+    Called, it runs every task on the pool and returns result; a caller may instead run the
+    tasks within a run of its own, each once the chunks' gradients of its columns are
+    written (Engine, which overlaps them with the backward passes still running)."""
+
+    def __init__(self, pool, tasks, spans, result):
+        self.tasks, self.spans, self.result = tasks, spans, result
+        self.pool = pool
+        self._program = pool.program(self.task)
+
+    def task(self, w, i):
+        self.tasks[i](w)
+
+    def __call__(self):
+        self.pool.run(self._program, len(self.tasks))
+        return self.result
+
+
 class ThreadCommunicator:
     """Tree-sums chunk buffers in parallel over column blocks on a pool: cgp.engine.Pool's
     threads, or cgp.procs.ProcessPool's processes (the buffers then in shared memory)."""
@@ -68,29 +89,23 @@ class ThreadCommunicator:
         return self._scratch[key]
 
     def plan(self, bufs, factored=()):
-        """The reduction of bufs and factored (as in reduce), cut into its tasks once: returns
-        a function of no arguments that runs them and returns the sum, for a caller that
-        reduces the same buffers every iteration (the engine)."""
+        """The reduction of bufs and factored (as in reduce), cut into its tasks once, for a
+        caller that reduces the same buffers every iteration (the engine): a Reduction."""
         sums, partials = self._worker_scratch(bufs.shape[0], bufs.dtype)
-        tasks = []  # each a function of the worker that runs it (whose scratch it uses)
+        tasks, spans = [], []  # each task a function of the worker that runs it (whose
+                               # scratch it uses), and the columns it sums
         for lo, hi in uncovered(bufs.shape[1], factored):
             for a, b in blocks(hi - lo):
                 tasks.append(lambda w, lo=lo + a, hi=lo + b: tree_sum(bufs, lo, hi, sums[w]))
+                spans.append((lo + a, lo + b))
         for f in factored:
             out = bufs[0, f.offset:f.offset + f.J * f.L]
             rows = max(ROW_GRAIN, BLOCK // f.L // ROW_GRAIN * ROW_GRAIN)
             for j0, j1 in blocks(f.J, rows):
                 tasks.append(lambda w, f=f, out=out, j0=j0, j1=j1: outer_tree_sum(
                     f.a, f.b, f.J, f.L, f.starts, j0, j1, partials[w], sums[w], out))
-
-        def run(w, i):
-            tasks[i](w)
-        run = self.pool.program(run)
-
-        def reduce():
-            self.pool.run(run, len(tasks))
-            return bufs[0]
-        return reduce
+                spans.append((f.offset + j0 * f.L, f.offset + j1 * f.L))
+        return Reduction(self.pool, tasks, spans, bufs[0])
 
     def reduce(self, bufs, factored=()):
         """bufs: (K, P), one row per chunk; factored: FactoredGrad blocks of the gradient that

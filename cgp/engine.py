@@ -72,6 +72,11 @@ def group_size(net, chunks, threads):
     return -(-len(bounds) // calls)
 
 
+class RunCancelled(Exception):
+    """Raised by a task that waited for another's progress after that other failed (see
+    Pool.check_run); the run raises the failure itself."""
+
+
 class _Run:
     """One Pool.run: hands tasks out in index order to whichever worker asks next, and
     counts them done, also into flags[1] for a caller that watches it (kernels.spin). The
@@ -109,6 +114,11 @@ class _Run:
 # interpreter's work between two runs of a step (making the next batch, the solver's
 # bookkeeping), so that within a training run the pool's threads never sleep.
 SPIN_SECONDS = 0.01
+
+
+# How long a task that waits for other tasks' progress watches memory between checks that
+# the run has not failed; with more workers than CPUs it sleeps as long instead.
+WAIT_CHECK_SECONDS = 0.0005
 
 
 # What Pool.rest posts in place of a run.
@@ -177,6 +187,7 @@ class Pool:
         self._caller_cpus = None
         self._flags = aligned_zeros(2, np.int64)   # runs posted, tasks done in the latest
         self._run = None
+        self._current = None   # the run in progress (or the latest)
         self._posted = threading.Condition()
         self._workers = []
         cpus = sorted(os.sched_getaffinity(0)) if affinity and hasattr(os, "sched_getaffinity") else []
@@ -239,7 +250,7 @@ class Pool:
         after the run, in place of a task's. With no tasks nothing runs, first neither."""
         if tasks < 1:
             return
-        run = _Run(fn, tasks, self._flags, args)
+        run = self._current = _Run(fn, tasks, self._flags, args)
         if self._workers:
             self._post(run)
         own = run_first(first)
@@ -252,6 +263,12 @@ class Pool:
         run.finished.wait()
         if own is not None or run.error is not None:
             raise own or run.error
+
+    def check_run(self):
+        """For a task that waits for another task's progress: raises RunCancelled if a task
+        of the run has failed, after which no task starts and that progress may never come."""
+        if self._current.error is not None:
+            raise RunCancelled()
 
     def _post(self, run):
         with self._posted:
@@ -282,7 +299,7 @@ class Engine:
     """Runs forward (and backward) of one net over the chunks of each batch."""
 
     def __init__(self, net, chunks, pool, comm, backward=True, params=None, factor=True,
-                 group=None):
+                 group=None, overlap=True):
         """params: the flat parameter array to run with (default net.params); a float64
         copy runs the same kernels in float64 (the equivalence harness's reference).
         factor: let layers that can (see Layer.can_factor_param_diff) hand their weight
@@ -290,10 +307,14 @@ class Engine:
         chunks; the same bits either way, with far less memory traffic.
         group: chunks per call (default: group_size); 1 where the net cannot group
         (Net.groupable).
+        overlap: run the reduction's tasks in the calls' pool run, each once the calls have
+        written its gradients (as below), or in a run of its own after the calls; the same
+        bits either way (bench/overlap_ab.py times the two).
         On a pool of worker processes (pool.shared_memory, cgp.procs), what calls read and
         write across workers (the batch, chunk gradients and factors, loss shares) is in
         shared memory; params must then be shared too (cgp.procs.share_params)."""
         self.net, self.pool, self.comm = net, pool, comm
+        self.overlap = overlap
         shared = pool.shared_memory
         self.bounds = chunk_bounds(net.batch_size, chunks)
         if group is None:
@@ -323,7 +344,20 @@ class Engine:
             if factor:
                 for index in net.factorable:
                     self.factored.append(self._factor(index, shared))
-            self.reduce = comm.plan(self.chunk_grads, self.factored)
+            self.reduction = comm.plan(self.chunk_grads, self.factored)
+            # The reduction's tasks run in the same pool run as the calls, after them, each
+            # once every call has passed, in its backward, the layers whose gradients it sums
+            # (progress[e]: calls past entry e): a worker done with its call sums the last
+            # layers' gradients while the others still run backward through the first ones.
+            # Those tasks go first; each writes its own columns, so the order changes no bit.
+            self.progress = aligned_zeros(len(net.entries), np.int64, shared)
+            self.needs = [self._writers(lo, hi) for lo, hi in self.reduction.spans]
+            self.reduce_order = sorted(range(len(self.needs)),
+                                       key=lambda t: -min(self.needs[t], default=len(net.entries)))
+            # Waits watch memory, as the pool's do, unless spin_count says a CPU is better
+            # left to the calls awaited (more workers than CPUs; one worker never waits).
+            self._wait_spins = (int(WAIT_CHECK_SECONDS * spins_per_second())
+                                if spin_count(pool.threads) else 0)
         # The batch values reported: loss tops and unread scalar outputs (accuracy, ...).
         tracked = dict(net.scalar_outputs())
         for blob in net.loss_weights:
@@ -335,7 +369,7 @@ class Engine:
         self.inputs = {t: aligned_zeros(net.blob_shapes[t], self.dtype, True)
                        for t in self.source_names} if shared else None
         self._batch = self.inputs   # what the calls of the run in progress read
-        self._calls = pool.program(self._call)
+        self._tasks = pool.program(self._task)
 
     def new_workspace(self):
         """One worker's buffers, sized for this engine's calls and for how the net runs its
@@ -377,18 +411,46 @@ class Engine:
                 self.inputs[b][...] = a   # cast to the run's dtype as it is copied
         else:
             self._batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
-        self.pool.run(self._calls, len(self.groups), iteration, seed)
+        tasks = len(self.groups)
+        if self.backward and self.overlap:
+            self.progress[:] = 0
+            tasks += len(self.reduce_order)
+        self.pool.run(self._tasks, tasks, iteration, seed)
+        if self.backward and not self.overlap:
+            self.reduction()
         # Shares add up in chunk order, in the dtype of the blobs they came from.
         totals = np.empty(len(self.tracked), self.dtype)
         sum_rows(self.shares.astype(self.dtype), totals)
         values = {name: float(v) for (_, name), v in zip(self.tracked, totals)}
         loss = float(sum(self.dtype.type(net.loss_weights[blob]) * totals[j]
                          for j, (blob, _) in enumerate(self.tracked) if blob in net.loss_weights))
-        grad = self.reduce() if self.backward else None
+        grad = self.reduction.result if self.backward else None
         return values, loss, grad
 
-    def _call(self, worker, g, iteration, seed):
-        self.work(worker, g, iteration, seed, self._batch)
+    def _writers(self, lo, hi):
+        """The entries that write gradients of columns lo:hi of the flat parameters."""
+        net = self.net
+        return [e for e, entry in enumerate(net.entries)
+                if any(net.param_blobs[p].offset < hi
+                       and lo < net.param_blobs[p].offset + net.param_blobs[p].size
+                       for p in entry.params)]
+
+    def _task(self, worker, i, iteration, seed):
+        """Task i of a run: call i, or after the calls, reduction task reduce_order[i - calls]
+        once its columns' gradients are written."""
+        calls = len(self.groups)
+        if i < calls:
+            self.work(worker, i, iteration, seed, self._batch)
+            return
+        t = self.reduce_order[i - calls]
+        for entry in self.needs[t]:
+            # Every call has been handed out before this task: each runs on a worker that
+            # waits for nothing, unless the run has failed (then check_run raises).
+            while spin.wait_for(self.progress, entry, calls, self._wait_spins) < calls:
+                self.pool.check_run()
+                if not self._wait_spins:
+                    time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by a call
+        self.reduction.task(worker, t)
 
     def work(self, worker, g, iteration, seed, batch):
         """One call: forward (and backward) of group g's samples in the worker's workspace,
@@ -407,4 +469,5 @@ class Engine:
             grads = self.chunk_grads[c0:c1]
             for lo, hi in net.zero_ranges:  # layers that set their gradients need no zeros
                 grads[:, lo:hi] = 0
-            net.backward(ws, chunk, data, self.params, self.group_grad_views[g])
+            net.backward(ws, chunk, data, self.params, self.group_grad_views[g],
+                         progress=self.progress)

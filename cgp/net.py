@@ -12,6 +12,7 @@ import numpy as np
 
 from cgp.errors import NetError
 from cgp.fillers import fill
+from cgp.kernels import spin
 from cgp.layers import REGISTRY, aligned_zeros, alloc_scratch, supported_types
 from cgp.proto import caffe_pb2
 
@@ -377,12 +378,14 @@ class Net:
                 clock[i] += time.perf_counter() - started
         return data
 
-    def backward(self, ws, chunk, data, params, param_diffs, plan=None, clock=None):
+    def backward(self, ws, chunk, data, params, param_diffs, plan=None, clock=None,
+                 progress=None):
         """Backward `chunk` after forward; adds parameter gradients into param_diffs, per
         entry the (parts,) + blob shape views of param_views (layers with
         overwrite_param_diff set theirs: callers zero only self.zero_ranges). plan: per
         entry (backward, propagate) in place of the entries' own flags; clock as in
-        forward."""
+        forward. progress: an int64 array to which 1 is added atomically at index i once
+        entry i is done (or has nothing to do), for a reduction that waits for it."""
         diff = ws.diff_views(chunk.n)
         for blob, weight in self.loss_weights.items():
             diff[blob][...] = weight
@@ -391,6 +394,7 @@ class Net:
             entry = self.entries[i]
             backward, propagate = plan[i] if plan else (entry.backward, entry.propagate)
             if not backward:
+                self._passed(progress, i)
                 continue
             started = time.perf_counter() if clock is not None else 0.0
             layer, p, pd, scratch = entry.layer, params[i], param_diffs[i], ws.scratch[i]
@@ -415,6 +419,12 @@ class Net:
                                chunk)
             if clock is not None:
                 clock[i] += time.perf_counter() - started
+            self._passed(progress, i)
+
+    @staticmethod
+    def _passed(progress, i):
+        if progress is not None:
+            spin.fetch_add(progress, i, 1)
 
     def _part_of(self, blob, array, k, a, b):
         """Part k's slice of a blob's array: its samples a:b, or its own batch value (a view,

@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 
-from cgp.engine import Pool, run_first, spin_count
+from cgp.engine import Pool, RunCancelled, run_first, spin_count
 from cgp.errors import CgpError
 from cgp.kernels import fpenv, spin
 from cgp.layers import aligned_zeros
@@ -128,6 +128,7 @@ class ProcessPool:
         self.programs = []
         self.procs = []
         self.broken = None
+        self._parent = os.getpid()
         self._started = False
         self._caller_cpus = None
         self._flags = aligned_zeros(_SLEEP + 8 * threads, np.int64, shared=True)
@@ -167,7 +168,6 @@ class ProcessPool:
         # Compiled (or loaded) here, so that no child starts by compiling.
         spin.take_ticket(self._flags, _TICKET, -1, 0)
         spin.wake_sleepers(self._flags, _SLEEP, 8, 0, self._woken)
-        self._parent = os.getpid()
         with warnings.catch_warnings():
             # Python 3.12+ warns that forking a process with threads may deadlock the child if
             # another thread holds a lock the child then takes. The only other threads here are
@@ -250,8 +250,21 @@ class ProcessPool:
                 if self._ended.poll(0):
                     raise self._lost()
 
+    def check_run(self):
+        """As Pool.check_run; also, in the caller, raises the error for a worker found dead
+        (whose tasks will never end), and ends a worker whose main process has gone."""
+        if spin.load(self._flags, _FAILED):
+            raise RunCancelled()
+        if os.getpid() == self._parent:
+            if self.procs and self._ended.poll(0):
+                raise self._lost()
+        elif os.getppid() != self._parent:
+            os._exit(0)
+
     def _lost(self):
-        """The error for a worker found dead; every later run raises it too."""
+        """The error for a worker found dead; every later run raises it too, and the run in
+        progress fails (workers waiting for the dead one's progress give up)."""
+        spin.exchange(self._flags, _FAILED, 1)
         w, proc = next((w, p) for w, p in enumerate(self.procs, 1) if not p.is_alive())
         proc.join(timeout=1)
         code = proc.exitcode
@@ -262,8 +275,11 @@ class ProcessPool:
 
     def _read_reports(self):
         for reader in self._reports if self.procs else []:
-            while reader.poll():
-                self._failures.append(reader.recv())
+            try:
+                while reader.poll():
+                    self._failures.append(reader.recv())
+            except EOFError:   # its worker has died (found and reported by the caller)
+                pass
 
     def _first_failure(self):
         """The exception of the lowest failed task of the latest run, the caller's or a

@@ -1,8 +1,12 @@
 """The headline guarantee: training is bitwise identical for any thread count, with
 chunk counts that do not divide the batch, more threads than cores, and across a
 snapshot and resume. Also the chunking and the fixed-order reduction themselves."""
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,11 +15,13 @@ from numba import njit
 from cgp import models
 from cgp.comm import FactoredGrad, ThreadCommunicator, blocks, reference_reduce, uncovered
 from cgp.engine import Engine, Pool, chunk_bounds, group_size
+from cgp.errors import CgpError, NetError
 from cgp.kernels import fpenv
 from cgp.kernels.fc import add_outer_rows
 from cgp.kernels.reduce import OUTER_PAD, sum_rows
 from cgp.kernels.tile import SHAPES, choose
 from cgp.net import Net, RunOptions
+from cgp.procs import make_pool
 from cgp.proto import caffe_pb2
 from cgp.prototxt import parse_net
 from cgp.equivalence import compare, train_run
@@ -197,6 +203,134 @@ def test_grouped_calls_change_no_bit(dtype):
     for values, loss, grad in results[1:]:
         assert values == results[0][0] and loss == results[0][1]
         assert np.array_equal(grad, results[0][2])
+
+
+def grouped_net_and_batch():
+    net = Net(parse_net(GROUP_NET, "grouped.prototxt"), caffe_pb2.TRAIN, RunOptions())
+    net.init_params(5)
+    rng = np.random.default_rng(4)
+    batch = {net.sources[0].tops[0]: rng.standard_normal((11, 2, 9, 9)).astype(np.float32),
+             net.sources[0].tops[1]: rng.integers(0, 5, 11).astype(np.float32)}
+    return net, batch
+
+
+def slow_first_layer(net, then=None):
+    """Makes the backward of GROUP_NET's first convolution, the last layer a call's backward
+    passes, sleep 0.3 s in the call of the batch's first samples, then run then() (if
+    given) before its work: the other call is long done, and its worker sums gradients."""
+    layer = next(e.layer for e in net.entries if e.layer.name == "c1")
+    backward = layer.backward
+
+    def slow(*args):
+        if args[-1].first == 0:
+            time.sleep(0.3)
+            if then is not None:
+                then()
+        return backward(*args)
+    layer.backward = slow
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_the_reduction_overlaps_backward_and_waits_for_every_call(workers):
+    """The reduction's tasks run in the calls' run, each once every call has passed the
+    layers whose gradients it sums: with one call's backward held up in the first layer,
+    the other worker sums the later layers' gradients meanwhile, and the first layer's
+    only after: the bits of one thread and of a reduction run after the calls."""
+    net, batch = grouped_net_and_batch()
+    want = []
+    for overlap in (False, True):
+        pool = Pool(1)
+        want.append(Engine(net, 5, pool, ThreadCommunicator(pool), overlap=overlap)
+                    .run(batch, 2, 7)[2].copy())
+        pool.close()
+    assert np.array_equal(want[0], want[1]) and np.count_nonzero(want[0]) > 0.5 * want[0].size
+    slow_first_layer(net)
+    pool = make_pool(workers, 2, [net])
+    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    summed = []   # (task, when) of each reduction task done, in the caller's memory
+    task = engine.reduction.task
+    if workers == "threads":
+        engine.reduction.task = lambda w, i: (task(w, i), summed.append((i, time.perf_counter())))
+    pool.start()
+    try:
+        started = time.perf_counter()
+        grad = engine.run(batch, 2, 7)[2]
+        took = time.perf_counter() - started
+        assert np.array_equal(grad, want[0])
+        first = engine.needs.index(min(engine.needs, key=min))   # a task of c1's columns
+        if workers == "threads":
+            done = dict(summed)
+            assert len(done) == len(engine.needs)
+            assert done[first] - started > 0.3   # after the held-up call
+            assert min(done.values()) - started < 0.2   # others long before it
+        assert took < 2
+    finally:
+        pool.close()
+
+
+def raised_within(seconds, fn, *args):
+    """The exception that fn(*args) raises (None if it returns), run in a thread of its own
+    so that a run that would wait forever fails the test after `seconds` instead."""
+    raised = []
+
+    def target():
+        try:
+            fn(*args)
+        except BaseException as error:   # noqa: BLE001  (handed to the test)
+            raised.append(error)
+        else:
+            raised.append(None)
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"the run did not end within {seconds} s"
+    return raised[0]
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_failed_call_ends_the_reduction_tasks_that_wait_for_it(workers):
+    """A call that fails while the other worker waits in a reduction task for its progress:
+    the run raises the call's error (not the waiting task's cancellation) and the pool goes
+    on serving."""
+    net, batch = grouped_net_and_batch()
+
+    def fail():
+        raise NetError("layer 'c1': made to fail")
+    slow_first_layer(net, then=fail)
+    pool = make_pool(workers, 2, [net])
+    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    pool.start()
+    try:
+        for _ in range(2):
+            error = raised_within(20, engine.run, batch, 2, 7)
+            assert isinstance(error, NetError) and "made to fail" in str(error)
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_dies_in_its_call_ends_the_waiting_run():
+    """A worker process killed in its call's backward, while the caller waits in a
+    reduction task for the gradients it would have written: the run ends with the error
+    that names the worker, instead of waiting forever."""
+    net, batch = grouped_net_and_batch()
+    main = os.getpid()
+
+    def die():
+        if os.getpid() != main:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.3)   # in the caller's call: the worker, if late to start, takes the other
+    layer = next(e.layer for e in net.entries if e.layer.name == "c1")
+    backward = layer.backward
+    layer.backward = lambda *args: (die(), backward(*args))[1]
+    pool = make_pool("processes", 2, [net])
+    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    pool.start()
+    try:
+        error = raised_within(20, engine.run, batch, 2, 7)
+        assert isinstance(error, CgpError)
+        assert "worker process 1 ended unexpectedly" in str(error)
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -1,0 +1,35 @@
+"""Interleaved A/B of whole training steps with the reduction in a pool run of its own after
+the chunks' calls (Engine(overlap=False)) against the default, where its tasks run in the
+calls' run, each as soon as every call's backward has written the gradients it sums: a
+worker done with its call sums the last layers' gradients while the others still run
+backward through the first ones, and a step hands over to the workers once less. Two
+trainers train from one seed in one process, their steps interleaved round by round; they
+must end with bitwise equal weights.
+
+    python bench/overlap_ab.py [mnist|cifar10] [--threads 2] [--rounds 15] [--steps 8]
+                               [--workers processes] [--data-dir DIR]
+"""
+import argparse
+
+from cgp import models
+from cgp.prototxt import read_solver
+from cgp.train import RunConfig, Trainer
+from interleave import ab_pair, add_pair_options  # bench/, on the path when run as a script
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_pair_options(parser, threads=2)
+    parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
+    args = parser.parse_args()
+    path = models.solver_path(args.model)
+    pair = [Trainer(read_solver(path), path,
+                    RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
+                              workers=args.workers), log=lambda line: None)
+            for _ in range(2)]
+    pair[0].engine.overlap = False
+    ab_pair(pair, ("separate", "overlapped"), args)
+
+
+if __name__ == "__main__":
+    main()
