@@ -30,18 +30,19 @@ class TracingPool(Pool):
         super().__init__(threads)
         self.runs = []
 
-    def run(self, fn, tasks, *args):
-        if sys._getframe(1).f_code.co_name != "run":   # the reduction and update: untraced
-            return super().run(fn, tasks, *args)
+    def run(self, fn, tasks, *args, first=None):
+        if sys._getframe(1).f_code.co_name != "run":   # the update: untraced
+            return super().run(fn, tasks, *args, first=first)
         records, started = [], time.perf_counter()
 
         def traced(worker, i):
             wall, cpu = time.perf_counter(), time.thread_time()
             fn(worker, i, *args)
-            records.append((wall - started, time.perf_counter() - wall,
-                            time.thread_time() - cpu))
+            if i < self.calls:   # the reduction's tasks that follow: untraced
+                records.append((wall - started, time.perf_counter() - wall,
+                                time.thread_time() - cpu))
 
-        super().run(traced, tasks)
+        super().run(traced, tasks, first=first)
         self.runs.append((time.perf_counter() - started, records))
 
 
@@ -53,6 +54,7 @@ def measure(model, threads, steps, data_dir):
     pool = TracingPool(threads)
     trainer.pool.close()
     trainer.pool = trainer.engine.comm.pool = trainer.engine.pool = pool
+    pool.calls = len(trainer.engine.groups)
     try:
         with threadpool_limits(limits=1):
             for _ in range(10):
@@ -76,7 +78,8 @@ def measure(model, threads, steps, data_dir):
     wall, cpu = median_ms([t[1] for t in tasks]), median_ms([t[2] for t in tasks])
     waiting = max(0.0, median_ms([t[1] - t[2] for t in tasks]))
     print(f"{model}, {threads} thread(s), {len(pool.runs[0][1])} calls per step, {steps} steps:")
-    print(f"  chunk phase          {median_ms([w for w, _ in pool.runs]):7.2f} ms per step")
+    print(f"  chunk phase          {median_ms([w for w, _ in pool.runs]):7.2f} ms per step "
+          "(with the reduction's tasks, which overlap the calls' ends)")
     print(f"  a call: wall         {wall:7.2f} ms, its thread's CPU {cpu:.2f} ms, "
           f"waiting {waiting:.2f} ms")
     if threads > 1:

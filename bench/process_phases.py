@@ -1,0 +1,148 @@
+"""Where a step's time goes on worker processes (cgp/procs.py), per pool run (the engine's
+calls with the reduction's tasks, or with --separate the reduction in a run of its own; the
+solver update, beside which the caller reads the next batch): the run's wall time in the
+caller, each worker's busy time in its tasks, how late the other workers start their first
+task after the caller enters the run, and how far apart the workers finish (the run end's
+imbalance). The serial part is the step's time outside the runs. The same steps at one
+worker (a pool of one process, which forks nothing) show what the work costs when one core
+does it all: busy time that grows at two workers is work that runs slower beside the other
+worker (shared caches, memory, reading what the other core wrote).
+
+    python bench/process_phases.py [mnist|cifar10] [--threads 1,2] [--steps 300]
+                                   [--separate] [--data-dir DIR]
+
+Times come from time.perf_counter (CLOCK_MONOTONIC on Linux: one clock for all processes),
+written by each task into shared memory.
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+import cgp.procs
+from cgp import models
+from cgp.layers import aligned_zeros
+from cgp.prototxt import read_solver
+from cgp.train import RunConfig, Trainer
+
+TASKS = 64   # room for each run's tasks
+
+# What each program is, by its function's name.
+NAMES = {"_task": "calls and reduction", "task": "reduction", "<lambda>": "update"}
+
+
+class Trace:
+    """Shared buffers where the tasks of every run, in every process, write (worker, start,
+    end), and where the caller writes each run's (program, entered, returned)."""
+
+    def __init__(self, runs):
+        self.tasks = aligned_zeros((runs, TASKS, 3), np.float64, shared=True)
+        self.runs = np.zeros((runs, 3))
+        self.count = aligned_zeros(1, np.int64, shared=True)   # runs started so far
+        self.names = []
+
+    def wrap(self, fn, name):
+        self.names.append(name)
+        count, tasks = self.count, self.tasks
+
+        def traced(w, i, *args):
+            row = tasks[(count[0] - 1) % len(tasks), i]
+            row[1] = time.perf_counter()
+            fn(w, i, *args)
+            row[2] = time.perf_counter()
+            row[0] = w
+        return traced
+
+
+def traced_pool(trace):
+    """A ProcessPool class whose programs and runs write into `trace`."""
+    base = cgp.procs.ProcessPool
+
+    class TracedPool(base):
+        def program(self, fn):
+            return super().program(trace.wrap(fn, getattr(fn, "__name__", "?")))
+
+        def run(self, program, tasks, *args, first=None):
+            k = int(trace.count[0]) % len(trace.runs)
+            trace.tasks[k] = 0
+            trace.count[0] += 1
+            started = time.perf_counter()
+            super().run(program, tasks, *args, first=first)
+            trace.runs[k] = program, started, time.perf_counter()
+    return TracedPool
+
+
+def measure(model, threads, steps, data_dir, overlap=True):
+    trace = Trace(runs=3 * steps + 16)
+    cgp.procs.ProcessPool = traced_pool(trace)
+    path = models.solver_path(model)
+    config = RunConfig(threads=threads, progress=False, data_dir=data_dir, workers="processes")
+    # One worker never forks: trace it through a pool of one process anyway.
+    cgp.procs.forks = lambda workers, threads: workers == "processes"
+    trainer = Trainer(read_solver(path), path, config, log=lambda line: None)
+    trainer.engine.overlap = overlap
+    names = {i: "calls" if name == "_task" and not overlap else NAMES.get(name, name)
+             for i, name in enumerate(trace.names)}
+    with threadpool_limits(limits=1):
+        for _ in range(10):
+            trainer.step()
+        trace.count[0] = 0
+        step_times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            trainer.step()
+            step_times.append(time.perf_counter() - started)
+    trainer.close()
+    return names, trace, step_times
+
+
+def summarise(names, trace, step_times, threads):
+    n = int(trace.count[0])
+    phases = {}
+    for k in range(n):
+        program, posted, returned = trace.runs[k]
+        rows = trace.tasks[k][trace.tasks[k, :, 1] > 0]
+        p = phases.setdefault(int(program), {"wall": [], "busy": [[] for _ in range(threads)],
+                                             "late": [], "apart": []})
+        p["wall"].append(returned - posted)
+        ends = []
+        for w in range(threads):
+            mine = rows[rows[:, 0] == w]
+            p["busy"][w].append(float((mine[:, 2] - mine[:, 1]).sum()))
+            if len(mine):
+                ends.append(mine[:, 2].max())
+                if w:
+                    p["late"].append(mine[:, 1].min() - posted)
+        if len(ends) > 1:
+            p["apart"].append(max(ends) - min(ends))
+    ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    step = ms(step_times)
+    walls = 0.0
+    print(f"{threads} worker(s): step {step:.3f} ms (median of {len(step_times)})")
+    for program, p in sorted(phases.items()):
+        walls += ms(p["wall"])
+        busy = "  ".join(f"w{w} {ms(b):.3f}" for w, b in enumerate(p["busy"]))
+        ends = (f"  late {ms(p['late']):.3f}  ends apart {ms(p['apart']):.3f}"
+                if threads > 1 else "")
+        print(f"  {names.get(program, program):>19}: wall {ms(p['wall']):.3f}  busy {busy}"
+              f"{ends} ms")
+    print(f"  serial (the step outside the runs) {step - walls:.3f} ms")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="mnist")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--separate", action="store_true")
+    parser.add_argument("--data-dir", default=None)
+    args = parser.parse_args()
+    for threads in [int(t) for t in args.threads.split(",")]:
+        summarise(*measure(args.model, threads, args.steps, args.data_dir, not args.separate),
+                  threads)
+
+
+if __name__ == "__main__":
+    main()
