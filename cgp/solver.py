@@ -131,7 +131,8 @@ def _check(param, type_):
 class Solver:
     """A Caffe solver over flat float32 arrays of n parameters.
 
-    param: caffe_pb2.SolverParameter. lr_mult, decay_mult: (n,) per-element blob multipliers.
+    param: caffe_pb2.SolverParameter. lr_mult, decay_mult: (n,) per-element blob multipliers
+    (constant within a blob: apply() hands the kernels a slice's runs of equal ones).
     histories: the rule's state, each (n,) float32 in parameter order: [h] for SGD, Nesterov,
     AdaGrad, RMSProp; [h, u] for AdaDelta and [m, v] for Adam. Caffe's SolverState.history lists
     every blob of histories[0] and then every blob of histories[1]. shared: allocate them in
@@ -166,6 +167,7 @@ class Solver:
             "Adam": (update.adam_update, 2, (momentum, f32(param.momentum2), delta)),
         }
         self._kernel, count, self._hyper = kernels[self.type]
+        self._cuts = {}   # (lo, hi) -> _pieces
         self.histories = [aligned_zeros(n, np.float32, shared) for _ in range(count)]
 
     def learning_rate(self, it):
@@ -228,12 +230,23 @@ class Solver:
     def apply(self, step, params, grads, lo, hi):
         """Update params[lo:hi] and the histories there; grads[lo:hi] is overwritten with the step
         taken (as Caffe leaves it in the diff). Touches nothing outside [lo, hi)."""
-        args = (params, grads, *self.histories, self.lr_mult, self.decay_mult, lo, hi,
-                step.rate, step.clip_scale, self._accum, self._weight_decay, self._l1,
-                *self._hyper)
-        if self.type == "Adam":
-            args += (step.correction,)   # the bias correction changes every iteration
-        self._kernel(*args)
+        extra = (step.correction,) if self.type == "Adam" else ()   # changes every iteration
+        for a, b, lr_mult, decay_mult in self._pieces(lo, hi):
+            self._kernel(params, grads, *self.histories, lr_mult, decay_mult, a, b, step.rate,
+                         step.clip_scale, self._accum, self._weight_decay, self._l1,
+                         *self._hyper, *extra)
+
+    def _pieces(self, lo, hi):
+        """[(a, b, lr_mult, decay_mult), ...]: [lo, hi) cut where the multipliers change, each
+        piece's pair as float32 scalars (the kernels take them so). Cut once per slice."""
+        key = (lo, hi)
+        if key not in self._cuts:
+            lr, decay = self.lr_mult[lo:hi], self.decay_mult[lo:hi]
+            changes = np.flatnonzero((lr[1:] != lr[:-1]) | (decay[1:] != decay[:-1])) + 1
+            bounds = [0, *changes.tolist(), hi - lo]
+            self._cuts[key] = [(lo + a, lo + b, lr[a], decay[a])
+                               for a, b in zip(bounds, bounds[1:]) if b > a]
+        return self._cuts[key]
 
     def update(self, params, grads, it):
         """prepare + apply over the whole array as one slice; returns the Step."""

@@ -8,11 +8,15 @@ Not here: the learning rate policy, the global gradient norm, and any threading 
 
 Arrays, all flat float32 of the net's parameter count n (only [lo, hi) is read or written):
   w       parameters              g        gradients in, steps out
-  h, u    rule histories          lr_mult, decay_mult   per-element blob multipliers
+  h, u    rule histories
 Scalars are float32 (np.float32) except lo, hi (int) and l1 (bool): a Python float would make
 Numba compute in float64 and the result would no longer be Caffe's float32 arithmetic.
   rate         global learning rate        clip_scale  clip_gradients factor, 1 when not clipping
   accum        1 / iter_size, in float32   weight_decay, l1  regularization (L1 if l1 else L2)
+  lr_mult, decay_mult   the blob multipliers of every parameter in [lo, hi) (the caller cuts
+               its slices where they change; cgp.solver.Solver.apply): as scalars, the kernel
+               reads two arrays fewer and tests for regularization once, not per element;
+               local_rate and local_decay are the products Caffe forms per blob.
 Elementwise only, so results are bitwise identical however [0, n) is cut into slices. The
 loops index views of the slice from 0: an index that may be negative (lo + i) costs Numba a
 wrap-around test per element, which keeps the loop from being vectorised.
@@ -45,10 +49,10 @@ def _caffe_gradient(g, w, clip_scale, accum, local_decay, l1):
 def sgd_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay, l1,
                momentum):
     """h = local_rate * g + momentum * h; w -= h."""
-    w, g, h, lr_mult, decay_mult = w[lo:hi], g[lo:hi], h[lo:hi], lr_mult[lo:hi], decay_mult[lo:hi]
+    w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
+    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
     for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
-        local_rate = rate * lr_mult[i]
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         step = local_rate * gi + momentum * h[i]
         h[i] = step
         g[i] = step
@@ -60,10 +64,10 @@ def nesterov_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accu
                     l1, momentum):
     """h' = local_rate * g + momentum * h; step = (1 + momentum) * h' - momentum * h; w -= step."""
     one_plus_momentum = np.float32(1.0) + momentum
-    w, g, h, lr_mult, decay_mult = w[lo:hi], g[lo:hi], h[lo:hi], lr_mult[lo:hi], decay_mult[lo:hi]
+    w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
+    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
     for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
-        local_rate = rate * lr_mult[i]
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         previous = h[i]
         current = local_rate * gi + momentum * previous
         h[i] = current
@@ -76,10 +80,10 @@ def nesterov_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accu
 def adagrad_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
                    l1, delta):
     """h += g^2; step = local_rate * (g / (sqrt(h) + delta)); w -= step."""
-    w, g, h, lr_mult, decay_mult = w[lo:hi], g[lo:hi], h[lo:hi], lr_mult[lo:hi], decay_mult[lo:hi]
+    w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
+    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
     for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
-        local_rate = rate * lr_mult[i]
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         history = gi * gi + h[i]
         h[i] = history
         step = local_rate * (gi / (np.sqrt(history) + delta))
@@ -92,10 +96,10 @@ def rmsprop_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum
                    l1, rms_decay, delta):
     """h = (1 - rms_decay) * g^2 + rms_decay * h; step = local_rate * (g / (sqrt(h) + delta))."""
     one_minus_decay = np.float32(1.0) - rms_decay
-    w, g, h, lr_mult, decay_mult = w[lo:hi], g[lo:hi], h[lo:hi], lr_mult[lo:hi], decay_mult[lo:hi]
+    w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
+    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
     for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
-        local_rate = rate * lr_mult[i]
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         history = one_minus_decay * (gi * gi) + rms_decay * h[i]
         h[i] = history
         step = local_rate * (gi / (np.sqrt(history) + delta))
@@ -111,10 +115,9 @@ def adadelta_update(w, g, h, u, lr_mult, decay_mult, lo, hi, rate, clip_scale, a
     u = (1-momentum) d^2 + momentum u; step = local_rate * d."""
     one_minus_momentum = np.float32(1.0) - momentum
     w, g, h, u = w[lo:hi], g[lo:hi], h[lo:hi], u[lo:hi]
-    lr_mult, decay_mult = lr_mult[lo:hi], decay_mult[lo:hi]
+    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
     for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
-        local_rate = rate * lr_mult[i]
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         history = one_minus_momentum * (gi * gi) + momentum * h[i]
         h[i] = history
         # The old u, before this step's update, scales the gradient.
@@ -134,10 +137,9 @@ def adam_update(w, g, m, v, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum
     one_minus_beta1 = np.float32(1.0) - beta1
     one_minus_beta2 = np.float32(1.0) - beta2
     w, g, m, v = w[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
-    lr_mult, decay_mult = lr_mult[lo:hi], decay_mult[lo:hi]
+    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
     for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, weight_decay * decay_mult[i], l1)
-        local_rate = rate * lr_mult[i]
+        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         mi = one_minus_beta1 * gi + beta1 * m[i]
         vi = one_minus_beta2 * (gi * gi) + beta2 * v[i]
         m[i] = mi

@@ -398,3 +398,16 @@ def test_a_step_crosses_to_worker_processes_unchanged():
     back = pickle.loads(pickle.dumps(step))
     assert back == step and [type(v) for v in back] == [type(v) for v in step]
     assert [type(v) for v in back[1:4]] == [np.float32] * 3
+
+
+def test_a_slice_is_cut_where_the_multipliers_change():
+    """The kernels take a piece's multipliers as float32 scalars: apply() cuts its slice
+    wherever lr_mult or decay_mult changes, and nowhere else."""
+    lr = np.array([1, 1, 1, 2, 2, 0, 0, 0], np.float32)
+    decay = np.array([1, 1, 0, 0, 0, 0, 1, 1], np.float32)
+    solver = Solver(rule_param("SGD"), lr, decay)
+    pieces = solver._pieces(1, 7)
+    assert [(a, b, float(m), float(d)) for a, b, m, d in pieces] == [
+        (1, 2, 1, 1), (2, 3, 1, 0), (3, 5, 2, 0), (5, 6, 0, 0), (6, 7, 0, 1)]
+    assert all(type(m) is np.float32 and type(d) is np.float32 for _, _, m, d in pieces)
+    assert solver._pieces(3, 3) == []
