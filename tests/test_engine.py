@@ -7,8 +7,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from numba import njit
 
@@ -331,6 +333,40 @@ def test_a_worker_that_dies_in_its_call_ends_the_waiting_run():
         assert "worker process 1 ended unexpectedly" in str(error)
     finally:
         pool.close()
+
+
+def test_a_worker_waiting_for_progress_ends_when_the_main_process_is_killed():
+    """The main process killed while its call (whichever it took) holds up the worker
+    process, which waits in a reduction task: the orphaned worker ends instead of waiting
+    for ever."""
+    code = ("import os, signal, sys, threading, time\n"
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from test_engine import grouped_net_and_batch\n"
+            "from cgp.comm import ThreadCommunicator\n"
+            "from cgp.engine import Engine\n"
+            "from cgp.procs import make_pool\n"
+            "net, batch = grouped_net_and_batch()\n"
+            "main = os.getpid()\n"
+            "layer = next(e.layer for e in net.entries if e.layer.name == 'c1')\n"
+            "backward = layer.backward\n"
+            "layer.backward = lambda *a: (os.getpid() == main and time.sleep(60), backward(*a))[1]\n"
+            "pool = make_pool('processes', 2, [net])\n"
+            "engine = Engine(net, 5, pool, ThreadCommunicator(pool))\n"
+            "pool.start()\n"
+            "print(pool.procs[0].pid, flush=True)\n"
+            "threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGKILL)).start()\n"
+            "engine.run(batch, 2, 7)\n")
+    main = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = psutil.Process(int(main.stdout.readline()))
+    finally:
+        main.wait(timeout=60)   # killed 1.5 s into the run
+        main.stdout.close()
+    try:
+        worker.wait(timeout=10)   # it checks every 0.5 ms of waiting whether its parent is there
+    except psutil.TimeoutExpired:
+        worker.kill()
+        raise AssertionError("the orphaned worker kept waiting") from None
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
