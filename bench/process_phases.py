@@ -117,7 +117,8 @@ def summarise(names, trace, step_times, threads):
                     p["late"].append(mine[:, 1].min() - posted)
         if len(ends) > 1:
             p["apart"].append(max(ends) - min(ends))
-    ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    def ms(xs):
+        return 1e3 * statistics.median(xs) if xs else float("nan")
     step = ms(step_times)
     walls = 0.0
     print(f"{threads} worker(s): step {step:.3f} ms (median of {len(step_times)})")

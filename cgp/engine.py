@@ -349,11 +349,12 @@ class Engine:
             # once every call has passed, in its backward, the layers whose gradients it sums
             # (progress[e]: calls past entry e): a worker done with its call sums the last
             # layers' gradients while the others still run backward through the first ones.
-            # Those tasks go first; each writes its own columns, so the order changes no bit.
+            # Backward runs the entries last to first, so a task awaits the first entry that
+            # writes its columns, and the tasks of the last entries go first; each writes its
+            # own columns, so the order changes no bit.
             self.progress = aligned_zeros(len(net.entries), np.int64, shared)
-            self.needs = [self._writers(lo, hi) for lo, hi in self.reduction.spans]
-            self.reduce_order = sorted(range(len(self.needs)),
-                                       key=lambda t: -min(self.needs[t], default=len(net.entries)))
+            self.awaited = [self._first_writer(lo, hi) for lo, hi in self.reduction.spans]
+            self.reduce_order = sorted(range(len(self.awaited)), key=lambda t: -self.awaited[t])
             # Waits watch memory, as the pool's do, unless spin_count says a CPU is better
             # left to the calls awaited (more workers than CPUs; one worker never waits).
             self._wait_spins = (int(WAIT_CHECK_SECONDS * spins_per_second())
@@ -427,13 +428,14 @@ class Engine:
         grad = self.reduction.result if self.backward else None
         return values, loss, grad
 
-    def _writers(self, lo, hi):
-        """The entries that write gradients of columns lo:hi of the flat parameters."""
+    def _first_writer(self, lo, hi):
+        """The first entry that writes gradients of columns lo:hi of the flat parameters
+        (every column has one)."""
         net = self.net
-        return [e for e, entry in enumerate(net.entries)
-                if any(net.param_blobs[p].offset < hi
-                       and lo < net.param_blobs[p].offset + net.param_blobs[p].size
-                       for p in entry.params)]
+        return next(e for e, entry in enumerate(net.entries)
+                    if any(net.param_blobs[p].offset < hi
+                           and lo < net.param_blobs[p].offset + net.param_blobs[p].size
+                           for p in entry.params))
 
     def _task(self, worker, i, iteration, seed):
         """Task i of a run: call i, or after the calls, reduction task reduce_order[i - calls]
@@ -443,13 +445,12 @@ class Engine:
             self.work(worker, i, iteration, seed, self._batch)
             return
         t = self.reduce_order[i - calls]
-        for entry in self.needs[t]:
-            # Every call has been handed out before this task: each runs on a worker that
-            # waits for nothing, unless the run has failed (then check_run raises).
-            while spin.wait_for(self.progress, entry, calls, self._wait_spins) < calls:
-                self.pool.check_run()
-                if not self._wait_spins:
-                    time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by a call
+        # Every call has been handed out before this task: each runs on a worker that waits
+        # for nothing, unless the run has failed (then check_run raises).
+        while spin.wait_for(self.progress, self.awaited[t], calls, self._wait_spins) < calls:
+            self.pool.check_run()
+            if not self._wait_spins:
+                time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by a call
         self.reduction.task(worker, t)
 
     def work(self, worker, g, iteration, seed, batch):

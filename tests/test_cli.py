@@ -97,6 +97,8 @@ LENET_NET = "models/lenet_train_test.prototxt"
     (("equivalence", "mnist", "--threads", "1", "--chunks", "0"), "--chunks must be at least 1"),
     (("bench", "speedup", "mnist", "--threads", "1", "--chunks", "0"), "--chunks must be"),
     (("bench", "speedup", "mnist", "--threads", "1", "--repeats", "0"), "--repeats must be"),
+    (("bench", "speedup", "mnist", "--threads", "1", "--lead-in", "-1"),
+     "--lead-in must be at least 0"),
     (("time", "--model", LENET_NET, "--chunks", "0"), "--chunks must be at least 1"),
 ])
 def test_numbers_out_of_range_are_refused_before_anything_runs(args, message, mnist_dir,

@@ -259,10 +259,10 @@ def test_the_reduction_overlaps_backward_and_waits_for_every_call(workers):
         grad = engine.run(batch, 2, 7)[2]
         took = time.perf_counter() - started
         assert np.array_equal(grad, want[0])
-        first = engine.needs.index(min(engine.needs, key=min))   # a task of c1's columns
+        first = engine.awaited.index(min(engine.awaited))   # a task of c1's columns
         if workers == "threads":
             done = dict(summed)
-            assert len(done) == len(engine.needs)
+            assert len(done) == len(engine.awaited)
             assert done[first] - started > 0.3   # after the held-up call
             assert min(done.values()) - started < 0.2   # others long before it
         assert took < 2
