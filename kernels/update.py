@@ -15,8 +15,8 @@ Numba compute in float64 and the result would no longer be Caffe's float32 arith
   accum        1 / iter_size, in float32   weight_decay, l1  regularization (L1 if l1 else L2)
   lr_mult, decay_mult   the blob multipliers of every parameter in [lo, hi) (the caller cuts
                its slices where they change; cgp.solver.Solver.apply): as scalars, the kernel
-               reads two arrays fewer and tests for regularization once, not per element;
-               local_rate and local_decay are the products Caffe forms per blob.
+               reads two arrays fewer and its regularization test is the same for every
+               element; local_rate and local_decay are the products Caffe forms per blob.
 Elementwise only, so results are bitwise identical however [0, n) is cut into slices. The
 loops index views of the slice from 0: an index that may be negative (lo + i) costs Numba a
 wrap-around test per element, which keeps the loop from being vectorised.
