@@ -7,10 +7,15 @@ trainers train from one seed in one process, their steps interleaved round by ro
 must end with bitwise equal weights.
 
     python bench/overlap_ab.py [mnist|cifar10] [--threads 2] [--rounds 15] [--steps 8]
-                               [--workers processes] [--data-dir DIR]
+                               [--workers processes] [--group N] [--data-dir DIR]
+
+--group N runs N chunks per call instead of the engine's default (cgp.engine.group_size):
+more, smaller calls per worker, as many workers would run (a call of 4 samples, --group 1,
+is what each of 16 workers runs per LeNet step).
 """
 import argparse
 
+import cgp.engine
 from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
@@ -21,7 +26,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_pair_options(parser, threads=2)
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
+    parser.add_argument("--group", type=int, default=None)
     args = parser.parse_args()
+    if args.group is not None:
+        cgp.engine.group_size = lambda net, chunks, threads: args.group
     path = models.solver_path(args.model)
     pair = [Trainer(read_solver(path), path,
                     RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
