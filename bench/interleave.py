@@ -64,13 +64,24 @@ def rest(trainer):
         trainer.pool.rest()
 
 
-def add_pair_options(parser, threads):
-    """The options of a bench script that compares two trainers (ab_pair)."""
+def add_pair_options(parser, threads, group=False):
+    """The options of a bench script that compares two trainers (ab_pair); with group,
+    --group N too (see use_group)."""
     parser.add_argument("model", nargs="?", default="mnist")
     parser.add_argument("--threads", type=int, default=threads)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--data-dir", default=None)
+    if group:
+        parser.add_argument("--group", type=int, default=None)
+
+
+def use_group(args):
+    """Makes engines built from now on run args.group chunks per call (--group N), in place
+    of cgp.engine.group_size's default; nothing when --group was not given."""
+    if args.group is not None:
+        import cgp.engine
+        cgp.engine.group_size = lambda net, chunks, threads: args.group
 
 
 def ab_pair(pair, names, args):

@@ -15,21 +15,18 @@ is what each of 16 workers runs per LeNet step).
 """
 import argparse
 
-import cgp.engine
 from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options  # bench/, on the path when run as a script
+from interleave import ab_pair, add_pair_options, use_group  # bench/, on the path
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_pair_options(parser, threads=2)
+    add_pair_options(parser, threads=2, group=True)
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
-    parser.add_argument("--group", type=int, default=None)
     args = parser.parse_args()
-    if args.group is not None:
-        cgp.engine.group_size = lambda net, chunks, threads: args.group
+    use_group(args)
     path = models.solver_path(args.model)
     pair = [Trainer(read_solver(path), path,
                     RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,

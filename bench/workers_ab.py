@@ -13,21 +13,18 @@ small calls, whose share of Python is large, show what the interpreter lock cost
 """
 import argparse
 
-import cgp.engine
 from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options  # bench/, on the path when run as a script
+from interleave import ab_pair, add_pair_options, use_group  # bench/, on the path
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_pair_options(parser, threads=2)
+    add_pair_options(parser, threads=2, group=True)
     parser.add_argument("--chunks", type=int, default=16)
-    parser.add_argument("--group", type=int, default=None)
     args = parser.parse_args()
-    if args.group is not None:
-        cgp.engine.group_size = lambda net, chunks, threads: args.group
+    use_group(args)
     path = models.solver_path(args.model)
     pair = [Trainer(read_solver(path), path,
                     RunConfig(threads=args.threads, chunks=args.chunks, progress=False,
