@@ -199,8 +199,7 @@ class ProcessPool:
             raise RuntimeError("ProcessPool.run before start()")
         if self.broken:
             raise CgpError(self.broken)
-        if self.procs and self._ended.poll(0):
-            raise self._lost()
+        self._check_alive()
         data = pickle.dumps(args) if args else b""
         if len(data) > ARGS_BYTES:
             raise RuntimeError(f"a run's arguments take {len(data)} bytes pickled; the pool "
@@ -247,8 +246,7 @@ class ProcessPool:
                 self._wakes[0].acquire()   # a worker cleared the mark: its wake-up is coming
             if not woke:
                 self._read_reports()   # a worker's report may be longer than its pipe holds
-                if self._ended.poll(0):
-                    raise self._lost()
+                self._check_alive()
 
     def check_run(self):
         """As Pool.check_run; also, in the caller, raises the error for a worker found dead
@@ -256,9 +254,18 @@ class ProcessPool:
         if spin.load(self._flags, _FAILED):
             raise RunCancelled()
         if os.getpid() == self._parent:
-            if self.procs and self._ended.poll(0):
-                raise self._lost()
-        elif os.getppid() != self._parent:
+            self._check_alive()
+        else:
+            self._end_if_orphaned()
+
+    def _check_alive(self):
+        """In the caller: raises the error for a worker found dead, if one is."""
+        if self.procs and self._ended.poll(0):
+            raise self._lost()
+
+    def _end_if_orphaned(self):
+        """In a worker: ends it if the main process has gone (nobody to work for)."""
+        if os.getppid() != self._parent:
             os._exit(0)
 
     def _lost(self):
@@ -379,6 +386,5 @@ class ProcessPool:
         if spin.load(flags, _POSTED) == seen or spin.exchange(flags, mark, 0) == 0:
             # Not posted yet, or posted by a caller that saw the mark: a wake-up is coming.
             while not self._wakes[w].acquire(timeout=_PARENT_CHECK_SECONDS):
-                if os.getppid() != self._parent:
-                    os._exit(0)   # the main process has gone: nobody to work for
+                self._end_if_orphaned()
         return spin.load(flags, _POSTED)
