@@ -23,7 +23,7 @@ from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
 from cgp.layers import aligned_zeros
 from cgp.net import Net, RunOptions
-from cgp.procs import default_workers, forks, make_pool
+from cgp.procs import default_workers, make_pool
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, writable_folder,
@@ -189,10 +189,10 @@ class Trainer:
             if effect not in SIGNAL_EFFECTS:
                 raise CgpError(f"signal effect '{effect}': expected one of "
                                f"{', '.join(SIGNAL_EFFECTS)}")
-        shared = forks(config.workers, config.threads)
-        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, shared)
         self.pool = make_pool(config.workers, config.threads, [self.net] + self.test_nets,
                               config.affinity, config.denormals == "flush")
+        shared = self.pool.shared_memory   # histories and the iter_size sum: workers write them
+        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, shared)
         comm = ThreadCommunicator(self.pool)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm)
