@@ -15,17 +15,27 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 
+def _counters(flags):
+    """For typing: whether flags is what these operations work on, a 1-d int64 array."""
+    return isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1
+
+
+def _element(context, builder, signature, args):
+    """For codegen: the address of flags[index], the first two arguments."""
+    array = context.make_array(signature.args[0])(context, builder, args[0])
+    return builder.gep(array.data, [args[1]])
+
+
 @intrinsic
 def _load_acquire(typingctx, flags, index):
     """flags[index] of a 1-d int64 array, read with an atomic acquire load: the compiler
     may not hoist it out of a loop, and later reads see what the writer wrote before it."""
-    if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
+    if not _counters(flags):
         return None
     sig = types.int64(flags, types.intp)
 
     def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        pointer = builder.gep(array.data, [args[1]])
+        pointer = _element(context, builder, signature, args)
         return builder.load_atomic(pointer, "acquire", 8)
     return sig, codegen
 
@@ -58,13 +68,12 @@ def _rmw_intrinsic(op):
     atomic sequentially consistent read-modify-write `op` ("add", "xchg") of it with value."""
     @intrinsic
     def rmw(typingctx, flags, index, value):
-        if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
+        if not _counters(flags):
             return None
         sig = types.int64(flags, types.intp, types.int64)
 
         def codegen(context, builder, signature, args):
-            array = context.make_array(signature.args[0])(context, builder, args[0])
-            pointer = builder.gep(array.data, [args[1]])
+            pointer = _element(context, builder, signature, args)
             return builder.atomic_rmw(op, pointer, args[2], "seq_cst")
         return sig, codegen
     return rmw
@@ -78,13 +87,12 @@ _exchange = _rmw_intrinsic("xchg")
 def _compare_exchange(typingctx, flags, index, expected, value):
     """Sets flags[index] (1-d int64) to value if it holds expected, atomically (sequentially
     consistent); returns whether it did."""
-    if not (isinstance(flags, types.Array) and flags.dtype == types.int64 and flags.ndim == 1):
+    if not _counters(flags):
         return None
     sig = types.boolean(flags, types.intp, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        pointer = builder.gep(array.data, [args[1]])
+        pointer = _element(context, builder, signature, args)
         pair = builder.cmpxchg(pointer, args[2], args[3], "seq_cst", "seq_cst")
         return builder.extract_value(pair, 1)
     return sig, codegen
