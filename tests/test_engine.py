@@ -216,20 +216,28 @@ def grouped_net_and_batch():
     return net, batch
 
 
-def slow_first_layer(net, then=None):
+def before_first_layer(net, action):
     """Makes the backward of GROUP_NET's first convolution, the last layer a call's backward
-    passes, sleep 0.3 s in the call of the batch's first samples, then run then() (if
-    given) before its work: the other call is long done, and its worker sums gradients."""
+    passes, run action(chunk) (the call's Chunk) before its work."""
     layer = next(e.layer for e in net.entries if e.layer.name == "c1")
     backward = layer.backward
 
-    def slow(*args):
-        if args[-1].first == 0:
+    def patched(*args):
+        action(args[-1])
+        return backward(*args)
+    layer.backward = patched
+
+
+def hold_first_call(then=None):
+    """An action for before_first_layer: in the call of the batch's first samples, sleep
+    0.3 s, then run then() (if given): the other call is long done, and its worker sums
+    gradients."""
+    def hold(chunk):
+        if chunk.first == 0:
             time.sleep(0.3)
             if then is not None:
                 then()
-        return backward(*args)
-    layer.backward = slow
+    return hold
 
 
 @pytest.mark.parametrize("workers", ["threads", "processes"])
@@ -246,7 +254,7 @@ def test_the_reduction_overlaps_backward_and_waits_for_every_call(workers):
                     .run(batch, 2, 7)[2].copy())
         pool.close()
     assert np.array_equal(want[0], want[1]) and np.count_nonzero(want[0]) > 0.5 * want[0].size
-    slow_first_layer(net)
+    before_first_layer(net, hold_first_call())
     pool = make_pool(workers, 2, [net])
     engine = Engine(net, 5, pool, ThreadCommunicator(pool))
     summed = []   # (task, when) of each reduction task done, in the caller's memory
@@ -298,7 +306,7 @@ def test_a_failed_call_ends_the_reduction_tasks_that_wait_for_it(workers):
 
     def fail():
         raise NetError("layer 'c1': made to fail")
-    slow_first_layer(net, then=fail)
+    before_first_layer(net, hold_first_call(then=fail))
     pool = make_pool(workers, 2, [net])
     engine = Engine(net, 5, pool, ThreadCommunicator(pool))
     pool.start()
@@ -321,9 +329,7 @@ def test_a_worker_that_dies_in_its_call_ends_the_waiting_run():
         if os.getpid() != main:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.3)   # in the caller's call: the worker, if late to start, takes the other
-    layer = next(e.layer for e in net.entries if e.layer.name == "c1")
-    backward = layer.backward
-    layer.backward = lambda *args: (die(), backward(*args))[1]
+    before_first_layer(net, lambda chunk: die())
     pool = make_pool("processes", 2, [net])
     engine = Engine(net, 5, pool, ThreadCommunicator(pool))
     pool.start()
@@ -341,15 +347,13 @@ def test_a_worker_waiting_for_progress_ends_when_the_main_process_is_killed():
     for ever."""
     code = ("import os, signal, sys, threading, time\n"
             f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-            "from test_engine import grouped_net_and_batch\n"
+            "from test_engine import before_first_layer, grouped_net_and_batch\n"
             "from cgp.comm import ThreadCommunicator\n"
             "from cgp.engine import Engine\n"
             "from cgp.procs import make_pool\n"
             "net, batch = grouped_net_and_batch()\n"
             "main = os.getpid()\n"
-            "layer = next(e.layer for e in net.entries if e.layer.name == 'c1')\n"
-            "backward = layer.backward\n"
-            "layer.backward = lambda *a: (os.getpid() == main and time.sleep(60), backward(*a))[1]\n"
+            "before_first_layer(net, lambda chunk: os.getpid() == main and time.sleep(60))\n"
             "pool = make_pool('processes', 2, [net])\n"
             "engine = Engine(net, 5, pool, ThreadCommunicator(pool))\n"
             "pool.start()\n"
