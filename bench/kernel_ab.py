@@ -203,8 +203,9 @@ def pool_runs(module, shape, n, seed=0):
 
 
 def reduce_runs(module, shape, seed=0):
-    """A factored gradient's sum over 16 chunks: a panel scratch and a tree scratch, except in
-    a7a6a9a and 6b15401, which summed a stack of register tiles (outer_stack_size)."""
+    """A factored gradient's sum over 16 chunks: with a stack of register tiles where the
+    revision has outer_stack_size (a7a6a9a, 6b15401, and from the folded tiles on), else with a
+    panel scratch and a tree scratch."""
     batch, J, L = shape
     bounds = chunk_bounds(batch, 16)
     starts = np.array([first for first, _ in bounds] + [batch], np.int64)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cgp.kernels.reduce import OUTER_SCRATCH, TILE, outer_tree_sum, tree_sum
+from cgp.kernels.reduce import TILE, outer_stack_size, outer_tree_sum, tree_sum
 from cgp.layers import aligned_zeros
 
 BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enough to balance
@@ -79,19 +79,19 @@ class ThreadCommunicator:
         self._scratch = {}
 
     def _worker_scratch(self, k, dtype):
-        """Per worker: the tree's tile of partial sums, and a factored gradient's panel for
-        each of k chunks."""
+        """Per worker: the tree's tile of partial sums, and a factored gradient's stack of
+        partial sums, for k chunks."""
         key = (k, dtype)
         if key not in self._scratch:
             threads = self.pool.threads
             self._scratch[key] = (aligned_zeros((threads, k, TILE), dtype),
-                                  aligned_zeros((threads, k, OUTER_SCRATCH), dtype))
+                                  aligned_zeros((threads, outer_stack_size(k)), dtype))
         return self._scratch[key]
 
     def plan(self, bufs, factored=()):
         """The reduction of bufs and factored (as in reduce), cut into its tasks once, for a
         caller that reduces the same buffers every iteration (the engine): a Reduction."""
-        sums, partials = self._worker_scratch(bufs.shape[0], bufs.dtype)
+        sums, stacks = self._worker_scratch(bufs.shape[0], bufs.dtype)
         tasks, spans = [], []  # each task a function of the worker that runs it (whose
                                # scratch it uses), and the columns it sums
         for lo, hi in uncovered(bufs.shape[1], factored):
@@ -103,7 +103,7 @@ class ThreadCommunicator:
             rows = max(ROW_GRAIN, BLOCK // f.L // ROW_GRAIN * ROW_GRAIN)
             for j0, j1 in blocks(f.J, rows):
                 tasks.append(lambda w, f=f, out=out, j0=j0, j1=j1: outer_tree_sum(
-                    f.a, f.b, f.J, f.L, f.starts, j0, j1, partials[w], sums[w], out))
+                    f.a, f.b, f.J, f.L, f.starts, j0, j1, stacks[w], out))
                 spans.append((f.offset + j0 * f.L, f.offset + j1 * f.L))
         return Reduction(self.pool, tasks, spans, bufs[0])
 

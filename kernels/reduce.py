@@ -1,7 +1,7 @@
 """Gradient reduction kernels: the fixed-order sum of per-chunk gradient buffers
 (tree_sum), and of per-chunk gradients held as factors A_c^T @ B_c (outer_tree_sum), which
-forms each chunk's product a panel of register tiles at a time and sums the panels in the same
-tree.
+forms each chunk's product a register tile at a time and adds the tiles in the same tree as it
+goes, in registers and on a small stack in the L1 cache.
 
 Only the order of additions matters for bitwise results, never which thread adds:
 each kernel call handles a column range [lo, hi) of every buffer (or rows [j0, j1) of a
@@ -9,16 +9,14 @@ factored gradient), and any cut gives the same sums.
 """
 from numba import literally, njit
 
-from cgp.kernels.tile import SHAPES, T_MAX, VECTOR_BYTES, choose, lanes, tile
+from cgp.kernels.tile import SHAPES, VECTOR_BYTES, choose, folded_tile, lanes
 
 # Elements a factored operand must extend past its last row (tiles read up to T - 1 past a
 # row of A and KV vectors past a row of B; counted in float32, which has the most lanes).
 OUTER_PAD = max(max(T, KV * VECTOR_BYTES // 4) for T, KV in SHAPES)
-# Columns of a factored gradient per panel (a multiple of every tile's width, in float32 and
-# float64), and the elements per chunk of outer_tree_sum's panel scratch: one panel of the
-# tallest tile's rows.
-OUTER_COLUMNS = 960
-OUTER_SCRATCH = T_MAX * OUTER_COLUMNS
+# Elements per level of outer_tree_sum's stack of partial sums: the largest register tile
+# (counted in float32, which has the most lanes; a whole number of cache lines).
+OUTER_LEVEL = max(T * KV for T, KV in SHAPES) * VECTOR_BYTES // 4
 
 # Columns per pass of the whole tree: the partial sums of one tile stay in a small
 # cache-resident scratch, so each chunk buffer is read once and only row 0 is written.
@@ -75,34 +73,48 @@ def tree_sum(bufs, lo, hi, scratch):
 
 
 @njit(cache=True, nogil=True)
-def outer_tree_sum(a, b, J, L, starts, j0, j1, partials, scratch, out):
+def outer_stack_size(k):
+    """Elements of outer_tree_sum's stack for k chunks: OUTER_LEVEL per bit of k (the stack
+    holds at most popcount(c) + 1 tiles while chunk c < k - 1 is added)."""
+    levels = 0
+    while (1 << levels) <= k:
+        levels += 1
+    return levels * OUTER_LEVEL
+
+
+@njit(cache=True, nogil=True)
+def outer_tree_sum(a, b, J, L, starts, j0, j1, stack, out):
     """A factored gradient's tree sum. Chunk c's gradient is G_c = A_c^T @ B_c, where A_c and
     B_c are rows starts[c]:starts[c + 1] of A (M, J) and B (M, L), held row-major in the flat
     arrays a and b, which must extend OUTER_PAD elements past M * J and M * L (register tiles
     read past the last row). Each element of G_c is one chain of fused multiply-adds over
     the chunk's rows in order, from 0: what fc.add_outer_rows builds in a chunk's own buffer.
     For rows j in [j0, j1): out[j * L:(j + 1) * L] = the tree sum over c of G_c[j], in
-    tree_sum's order: bitwise what tree_sum gives over the k materialised chunk gradients,
-    one panel (T rows by up to OUTER_COLUMNS columns) at a time, so that they are never
-    written to memory: each chunk's register tiles fill its row of `partials`, then one
-    tree_sum over the panel (a tree per register tile cost more than the tiles).
-    partials: (k, OUTER_SCRATCH) and scratch: (k, TILE), for k chunks."""
+    tree_sum's order: bitwise what tree_sum gives over the k materialised chunk gradients.
+    One register tile of the output at a time, chunk by chunk, on a stack of partial sums
+    that merges as a binary counter carries: chunk c's product, still in registers, adds the
+    top tiles of the stack, one for each trailing zero bit of c + 1 (the pairs tree_sum
+    adds), and goes on the stack; the last chunk's adds every tile left, top down (tree_sum's
+    last levels), and goes to out. So a chunk's product is stored once, in the L1 cache, and
+    the sums cost no pass of their own.
+    stack: outer_stack_size(k) elements for k chunks, on a cache line (a tile stored across
+    two lines costs two stores)."""
     T, KV = choose(j1 - j0, L, lanes(a.itemsize), True)
     # One tile shape per compiled loop, given as a constant: a shape chosen inside the loop
     # costs a dispatch per tile, which for chunks of a few rows takes longer than the tile.
     # The cases are tile.SHAPES (checked at import below).
     if T == 12 and KV == 2:
-        _outer_blocks(12, 2, a, b, J, L, starts, j0, j1, partials, scratch, out)
+        _outer_blocks(12, 2, a, b, J, L, starts, j0, j1, stack, out)
     elif T == 8 and KV == 2:
-        _outer_blocks(8, 2, a, b, J, L, starts, j0, j1, partials, scratch, out)
+        _outer_blocks(8, 2, a, b, J, L, starts, j0, j1, stack, out)
     elif T == 6 and KV == 2:
-        _outer_blocks(6, 2, a, b, J, L, starts, j0, j1, partials, scratch, out)
+        _outer_blocks(6, 2, a, b, J, L, starts, j0, j1, stack, out)
     elif T == 8 and KV == 3:
-        _outer_blocks(8, 3, a, b, J, L, starts, j0, j1, partials, scratch, out)
+        _outer_blocks(8, 3, a, b, J, L, starts, j0, j1, stack, out)
     elif T == 6 and KV == 4:
-        _outer_blocks(6, 4, a, b, J, L, starts, j0, j1, partials, scratch, out)
+        _outer_blocks(6, 4, a, b, J, L, starts, j0, j1, stack, out)
     elif T == 3 and KV == 4:
-        _outer_blocks(3, 4, a, b, J, L, starts, j0, j1, partials, scratch, out)
+        _outer_blocks(3, 4, a, b, J, L, starts, j0, j1, stack, out)
 
 
 if SHAPES != ((12, 2), (8, 2), (6, 2), (8, 3), (6, 4), (3, 4)):
@@ -110,28 +122,31 @@ if SHAPES != ((12, 2), (8, 2), (6, 2), (8, 3), (6, 4), (3, 4)):
 
 
 @njit(cache=True, nogil=True)
-def _outer_blocks(T, KV, a, b, J, L, starts, j0, j1, partials, scratch, out):
+def _outer_blocks(T, KV, a, b, J, L, starts, j0, j1, stack, out):
     literally(T)
     literally(KV)
     k = starts.size - 1
     KVV = KV * lanes(a.itemsize)
-    width = partials.shape[1]
-    flat = partials.reshape(-1)
+    n = T * KVV  # elements per tile on the stack
     for jb in range(j0, j1, T):
         t_valid = min(T, j1 - jb)
-        for l0 in range(0, L, OUTER_COLUMNS):
-            cols = min(OUTER_COLUMNS, L - l0)
-            # Chunk c's panel: rows t < T of G_c, columns l0:l0 + cols, at partials[c, t*cols].
-            for c in range(k):
-                for lb in range(0, cols, KVV):
-                    tile(T, KV, flat, c * width + lb, cols, t_valid, cols - lb, False,
-                         a, starts[c] * J + jb, 1, 0, J, b, starts[c] * L + l0 + lb, 0, L,
-                         1, starts[c + 1] - starts[c])
-            tree_sum(partials, 0, t_valid * cols, scratch)
-            total = partials[0]
-            for t in range(t_valid):
-                o = (jb + t) * L + l0
-                out[o:o + cols] = total[t * cols:(t + 1) * cols]
+        for lb in range(0, L, KVV):
+            depth = 0  # tiles on the stack: popcount(c)
+            for c in range(k - 1):
+                carries = 0
+                while (c + 1) >> carries & 1 == 0:
+                    carries += 1
+                # The whole tile, rows and lanes past the block included (their operands are
+                # readable: OUTER_PAD), so that the stack never holds stale values.
+                folded_tile(T, KV, stack, (depth - carries) * n, KVV, T, KVV,
+                            a, starts[c] * J + jb, 1, 0, J, b, starts[c] * L + lb, 0, L,
+                            1, starts[c + 1] - starts[c], stack, (depth - 1) * n, KVV, -n,
+                            carries)
+                depth += 1 - carries
+            c = k - 1
+            folded_tile(T, KV, out, jb * L + lb, L, t_valid, L - lb,
+                        a, starts[c] * J + jb, 1, 0, J, b, starts[c] * L + lb, 0, L,
+                        1, starts[c + 1] - starts[c], stack, (depth - 1) * n, KVV, -n, depth)
 
 
 @njit(cache=True, nogil=True)

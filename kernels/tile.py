@@ -1,6 +1,7 @@
 """SIMD building blocks for Numba kernels, written with explicit 64-byte vectors (16 float32 or
 8 float64 lanes): `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix
-product), two data movers, `shifted_copy` (a copy of rows with zero fill) and
+product), and `folded_tile`, which adds tiles of partial sums to its products before it
+stores them; two data movers, `shifted_copy` (a copy of rows with zero fill) and
 `transpose_block`, and max pooling's two passes, `stride2_row_max` (along each row, for
 stride 2) and `column_max` (down the rows). No packing, no blocking for
 caches, no threads: callers lay their operands out so that these loops stream them.
@@ -155,8 +156,35 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
         return None
     sig = types.void(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
                      a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep)
+    return sig, _tile_codegen(dtype, fold=False)
+
+
+@intrinsic
+def folded_tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, a, a_off, a_ts,
+                a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep, s, s_off, s_ts,
+                s_step, nfold):
+    """tile (never accumulating) that, before it stores, adds nfold tiles of partial sums to
+    its products, one after another: for i < nfold,
+        acc[t][v] = s[s_off + i*s_step + t*s_ts + v*V : +V] + acc[t][v]
+    (full tiles: s must be readable over all T rows and KV vectors of each). A sum of many
+    small products then never stores the intermediate ones (outer_tree_sum's carries)."""
+    dtype = _float_dtype(out, a, b, s)
+    if dtype is None:
+        return None
+    sig = types.void(T, KV, out, out_off, out_ts, t_valid, v_valid, a, a_off, a_ts, a_gstep,
+                     a_step, b, b_off, b_gstep, b_step, nseg, nstep, s, s_off, s_ts, s_step,
+                     nfold)
+    return sig, _tile_codegen(dtype, fold=True)
+
+
+def _tile_codegen(dtype, fold):
+    """The code of tile (fold False) or folded_tile, whose arguments are tile's without
+    `accumulate`, then s, s_off, s_ts, s_step and nfold."""
 
     def codegen(context, builder, signature, args):
+        if fold:  # the argument positions of tile's, with accumulate False
+            args = list(args[:7]) + [ir.Constant(ir.IntType(1), 0)] + list(args[7:])
+            signature = types.void(*signature.args[:7], types.boolean, *signature.args[7:])
         tys = signature.args
         width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
 
@@ -172,6 +200,9 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
         a_off_, a_ts_, a_gstep_, a_step_ = index(9), index(10), index(11), index(12)
         b_off_, b_gstep_, b_step_ = index(14), index(15), index(16)
         nseg_, nstep_ = index(17), index(18)
+        if fold:
+            s_p, = _pointers(context, builder, signature, args, 19)
+            s_off_, s_ts_, s_step_, nfold_ = index(20), index(21), index(22), index(23)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
                                              f"llvm.fma.v{width}f{bits}")
         masked_load, masked_store = _masked_memory(builder, vty, width, bits)
@@ -227,6 +258,15 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
                         for v in range(n_v):
                             builder.store(builder.call(fma, [s, bv[v], builder.load(acc[t][v])]),
                                           acc[t][v])
+            if fold:
+                with cgutils.for_range(builder, nfold_) as level:
+                    s_i = builder.add(s_off_, builder.mul(level.index, s_step_))
+                    for t in range(n_t):
+                        s_t = builder.add(s_i, builder.mul(ir.Constant(intp, t), s_ts_))
+                        for v in range(n_v):
+                            at = vector_at(s_p, builder.add(s_t, ir.Constant(intp, v * width)))
+                            builder.store(builder.fadd(builder.load(at, align=1),
+                                                       builder.load(acc[t][v])), acc[t][v])
             for t in range(n_t):
                 with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, t), t_valid_)):
                     for v in range(n_v):
@@ -247,7 +287,7 @@ def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a
         builder.position_at_end(done)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
 
 
 @intrinsic

@@ -10,7 +10,7 @@ from numba import njit
 from cgp.errors import NetError
 from cgp.kernels import conv as K
 from cgp.kernels.blas import gemm
-from cgp.kernels.tile import SHAPES, shifted_copy, tile, transpose_block
+from cgp.kernels.tile import SHAPES, folded_tile, shifted_copy, tile, transpose_block
 from cgp.layers import Chunk, alloc_scratch
 from layer_check import (backward, build, check_forward, check_gradients,
                          check_parts, check_split_invariance, forward, random_params)
@@ -344,6 +344,49 @@ def test_tile_shapes_agree(dtype):
                                rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
     for other in results[1:]:
         assert np.array_equal(other, results[0])
+
+
+@njit
+def _folded(T, KV, out, M, N, a, b, nstep, V, stack, top, nfold):
+    """One tile of out (M, N) = sum over i of a[i, :M] (outer) b[i, :N] (a: (nstep, T),
+    b: (nstep, KV*V), flat), plus the stack's tiles top, top - 1, ... (nfold of them)."""
+    n = T * KV * V
+    if nfold < 0:  # tile's product alone, for comparison
+        tile(T, KV, out, 0, N, M, N, False, a, 0, 1, 0, T, b, 0, 0, KV * V, 1, nstep)
+    else:
+        folded_tile(T, KV, out, 0, N, M, N, a, 0, 1, 0, T, b, 0, 0, KV * V, 1, nstep,
+                    stack, top * n, KV * V, -n, nfold)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_folded_tile_adds_the_stack_top_down(dtype):
+    """folded_tile's products are tile's bits, then the stack's tiles are added one at a
+    time from the top, each on the left (the order that decides the rounding); only rows
+    below M and columns below N are stored."""
+    rng = np.random.default_rng(3)
+    V = 64 // np.dtype(dtype).itemsize
+    nstep = 3
+    for T, KV in SHAPES:
+        W = KV * V
+        a = rng.standard_normal(nstep * T).astype(dtype)
+        b = rng.standard_normal(nstep * W).astype(dtype)
+        product = np.zeros(T * W, dtype)
+        _folded(T, KV, product, T, W, a, b, nstep, V, product, 0, -1)
+        product = product.reshape(T, W)
+        np.testing.assert_allclose(product, np.einsum("it,iw->tw", a.reshape(nstep, T),
+                                                      b.reshape(nstep, W)), rtol=1e-5, atol=1e-5)
+        # Values of several magnitudes, so that another order of the adds rounds otherwise.
+        stack = (rng.standard_normal((5, T, W)) * 10.0 ** rng.integers(-4, 5, (5, T, W)))
+        stack = stack.astype(dtype)
+        for M, N, top, nfold in ((T, W, 4, 5), (T - 1, W - 3, 3, 2), (1, 1, 0, 1),
+                                 (T, W, 2, 0)):
+            out = np.full((M + 1) * N, 7.0, dtype)
+            _folded(T, KV, out, M, N, a, b, nstep, V, stack.ravel(), top, nfold)
+            want = product
+            for level in range(top, top - nfold, -1):
+                want = stack[level] + want
+            assert np.array_equal(out[:M * N].reshape(M, N), want[:M, :N]), (T, KV, M, N)
+            assert np.all(out[M * N:] == 7.0)
 
 
 @njit

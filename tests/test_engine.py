@@ -81,7 +81,7 @@ def test_factored_reduction_matches_materialised_chunk_gradients_bitwise(dtype):
     rng = np.random.default_rng(1)
     lanes = 64 // np.dtype(dtype).itemsize
     shapes_used = set()
-    for batch, chunks in ((13, 5), (16, 16), (7, 3), (100, 16), (5, 1)):
+    for batch, chunks in ((13, 5), (16, 16), (7, 3), (100, 16), (5, 1), (22, 11), (14, 7)):
         bounds = chunk_bounds(batch, chunks)
         k = len(bounds)
         starts = np.array([first for first, _ in bounds] + [batch], np.int64)
