@@ -6,10 +6,10 @@ matrix-vector product per row would read it once per row, and a BLAS GEMM would 
 into its packed layout. Two loop shapes do all the work:
 
 - rows_dot: out[m, r] = <a[m], w[r]>, dot products along the rows of w (forward; the input
-  gradient of a transposed weight). Four rows of a against two of w per pass; the sums are
-  vectorised, so their order is the compiler's (fixed for a build and a machine), and it is
-  the same for every row: rows past the end of a chunk repeat its last row instead of taking
-  another code path, so a sample's result never depends on its chunk.
+  gradient of a transposed weight): register tiles (cgp.kernels.tile.dot_tile) of four rows
+  of a by six of w, each dot product one fused multiply-add chain per vector lane, then the
+  lanes summed in a fixed tree, so its bits depend on its two rows alone: never on the
+  chunk, the tile or the machine's compiler.
 - rows_axpy: out[m] = sum over r, in order, of a[m, r] * w[r] (the input gradient; forward of a
   transposed weight): register tiles (cgp.kernels.tile) of rows of out by vectors along w's
   rows, each output element one chain of fused multiply-adds over r in order, from 0, so rows
@@ -25,49 +25,31 @@ K outputs per row.
 """
 from numba import njit
 
-from cgp.kernels.tile import SHAPES, T_MAX, choose, lanes, tile, transpose_block
+from cgp.kernels.tile import (DOT_K, DOT_M, SHAPES, T_MAX, choose, dot_tile, lanes, tile,
+                              transpose_block)
 
 # rows_axpy's scratch, per row of w: the rows of a tile may reach T_MAX - 1 past the last
 # row of out, and its vectors EDGE_MAX elements along w's rows.
 EDGE_MAX = max(KV for _, KV in SHAPES) * lanes(4)
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _dot_4x2(a0, a1, a2, a3, b0, b1):
-    """The eight dot products <a_i, b_j> of four rows a_i and two rows b_j, all of one length:
-    ((a0.b0, a1.b0, a2.b0, a3.b0), (a0.b1, a1.b1, a2.b1, a3.b1)). reassoc lets the sums be
-    vectorised; each is summed the same way, whatever the other rows hold."""
-    zero = a0.dtype.type(0)
-    s00 = s10 = s20 = s30 = s01 = s11 = s21 = s31 = zero
-    for c in range(a0.size):
-        u = b0[c]
-        v = b1[c]
-        x0, x1, x2, x3 = a0[c], a1[c], a2[c], a3[c]
-        s00 += x0 * u
-        s10 += x1 * u
-        s20 += x2 * u
-        s30 += x3 * u
-        s01 += x0 * v
-        s11 += x1 * v
-        s21 += x2 * v
-        s31 += x3 * v
-    return (s00, s10, s20, s30), (s01, s11, s21, s31)
-
-
 @njit(cache=True, nogil=True)
 def rows_dot(a, w, out):
-    """a: (M, L); w: (R, L); out: (M, R), OVERWRITTEN: out[m, r] = <a[m], w[r]>. Blocks of four
-    rows of a and two of w; a short last block repeats its last row (of a or w), whose copies
-    all give the same sums, so every element comes from the same code."""
-    M = a.shape[0]
+    """a: (M, L); w: (R, L); out: (M, R), OVERWRITTEN: out[m, r] = <a[m], w[r]>, in register
+    tiles of DOT_M rows of a by DOT_K of w (tile.dot_tile), which fix every dot product's
+    order by its two rows alone. The tiles run down a's rows for each block of w's, which
+    stays in the L1 cache meanwhile."""
+    M, L = a.shape
     R = w.shape[0]
-    for m0 in range(0, M, 4):
-        m1, m2, m3 = min(m0 + 1, M - 1), min(m0 + 2, M - 1), min(m0 + 3, M - 1)
-        for r0 in range(0, R, 2):
-            r1 = min(r0 + 1, R - 1)
-            s0, s1 = _dot_4x2(a[m0], a[m1], a[m2], a[m3], w[r0], w[r1])
-            out[m3, r1], out[m2, r1], out[m1, r1], out[m0, r1] = s1[3], s1[2], s1[1], s1[0]
-            out[m3, r0], out[m2, r0], out[m1, r0], out[m0, r0] = s0[3], s0[2], s0[1], s0[0]
+    if M == 0 or R == 0:
+        return
+    if not (a.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError("rows_dot: an operand not C-contiguous")
+    af, wf, of = a.reshape(M * L), w.reshape(R * L), out.reshape(M * R)
+    for r0 in range(0, R, DOT_K):
+        for m0 in range(0, M, DOT_M):
+            dot_tile(of, m0 * R + r0, R, min(DOT_M, M - m0), min(DOT_K, R - r0),
+                     af, m0 * L, L, wf, r0 * L, L, L)
 
 
 @njit(cache=True, nogil=True)

@@ -290,6 +290,96 @@ def _tile_codegen(dtype, fold):
     return codegen
 
 
+# dot_tile's register tile: DOT_M rows of a by DOT_K of w, one accumulator vector for each of
+# the 24 pairs, with the DOT_M operand vectors and one of w: 29 of AVX-512's 32 registers.
+DOT_M, DOT_K = 4, 6
+
+
+@intrinsic
+def dot_tile(typingctx, out, out_off, out_ms, m_valid, k_valid, a, a_off, a_ms, w, w_off, w_ks,
+             n):
+    """The dot products of DOT_M rows of a with DOT_K rows of w, each row n elements long:
+        out[out_off + i*out_ms + j] = <a[a_off + i*a_ms : +n], w[w_off + j*w_ks : +n]>
+    stored for i < m_valid and j < k_valid; rows past those repeat the last valid row (read,
+    never stored). Each dot product is the same V chains of fused multiply-adds, from 0, one
+    per lane l over the elements c = l, l + V, l + 2V, ... in order (masked loads past n), then
+    summed across lanes in a fixed tree (lanes l and l + V/2 first): its bits depend on the
+    two rows alone, never on the tile around it."""
+    dtype = _float_dtype(out, a, w)
+    if dtype is None:
+        return None
+    sig = types.void(out, out_off, out_ms, m_valid, k_valid, a, a_off, a_ms, w, w_off, w_ks, n)
+
+    def codegen(context, builder, signature, args):
+        width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
+        masked_load, _ = _masked_memory(builder, vty, width, bits)
+        out_p, a_p, w_p = _pointers(context, builder, signature, args, 0, 5, 8)
+        out_off_, out_ms_, m_valid_, k_valid_, a_off_, a_ms_, w_off_, w_ks_, n_ = _casts(
+            context, builder, signature, args, 1, 2, 3, 4, 6, 7, 9, 10, 11)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
+                                             f"llvm.fma.v{width}f{bits}")
+        zero = ir.Constant(vty, None)
+        one = ir.Constant(intp, 1)
+
+        def rows(off, step, valid, count):
+            # The start of each row, rows past `valid` at the last valid one.
+            last = builder.sub(valid, one)
+            return [builder.add(off, builder.mul(builder.select(
+                builder.icmp_signed("<", ir.Constant(intp, r), valid), ir.Constant(intp, r),
+                last), step)) for r in range(count)]
+
+        a_rows = rows(a_off_, a_ms_, m_valid_, DOT_M)
+        w_rows = rows(w_off_, w_ks_, k_valid_, DOT_K)
+        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(DOT_K)]
+               for _ in range(DOT_M)]
+        for i in range(DOT_M):
+            for j in range(DOT_K):
+                builder.store(zero, acc[i][j])
+
+        def at(base, row, c):
+            return builder.bitcast(builder.gep(base, [builder.add(row, c)]), vty.as_pointer())
+
+        def step(c, load):
+            av = [load(at(a_p, a_rows[i], c)) for i in range(DOT_M)]
+            for j in range(DOT_K):
+                wv = load(at(w_p, w_rows[j], c))
+                for i in range(DOT_M):
+                    builder.store(builder.call(fma, [av[i], wv, builder.load(acc[i][j])]),
+                                  acc[i][j])
+
+        whole = builder.udiv(n_, ir.Constant(intp, width))
+        with cgutils.for_range(builder, whole) as loop:
+            step(builder.mul(loop.index, ir.Constant(intp, width)),
+                 lambda p: builder.load(p, align=1))
+        tail = builder.mul(whole, ir.Constant(intp, width))
+        with builder.if_then(builder.icmp_signed("<", tail, n_)):
+            mask = _lanes_below(builder, builder.sub(n_, tail), width)
+            step(tail, lambda p: builder.call(masked_load, [p, ir.Constant(i32, 1), mask, zero]))
+
+        def lane_sum(v):
+            half = width // 2
+            while half >= 1:
+                low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
+                                                               list(range(half))))
+                high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
+                                                                list(range(half, 2 * half))))
+                v = builder.fadd(low, high)
+                half //= 2
+            return builder.extract_element(v, ir.Constant(i32, 0))
+
+        for i in range(DOT_M):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, i), m_valid_)):
+                o_i = builder.add(out_off_, builder.mul(ir.Constant(intp, i), out_ms_))
+                for j in range(DOT_K):
+                    with builder.if_then(builder.icmp_signed("<", ir.Constant(intp, j),
+                                                             k_valid_)):
+                        builder.store(lane_sum(builder.load(acc[i][j])),
+                                      builder.gep(out_p, [builder.add(o_i, ir.Constant(intp, j))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @intrinsic
 def shifted_copy(typingctx, out, out_off, src, src_off, period, lo, hi, n):
     """out[out_off + i] = src[src_off + i] where lo <= i % period < hi, else 0, for i < n: rows

@@ -198,3 +198,46 @@ def test_rows_axpy_kernel(dtype):
                 if whole is None:
                     whole = out
                 assert np.array_equal(out, whole[:M]), (R, L, M)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_dot_kernel(dtype):
+    """rows_dot (the forward pass, and the input gradient of a transposed weight) against
+    float64 at lengths around its vectors and row counts around its 4 x 6 tiles; each element
+    bitwise the same whatever the other rows; and exactly the documented order: one chain per
+    lane, then the lanes in a tree (with a = 1 the multiply-adds are plain adds, emulated
+    here in the dtype on values whose sums round differently in another order)."""
+    from cgp.kernels.fc import rows_dot
+
+    rng = np.random.default_rng(8)
+    V = 64 // np.dtype(dtype).itemsize
+    for L in (1, 5, V - 1, V, V + 1, 3 * V + 7, 200):
+        for R in (1, 5, 6, 7, 13):
+            w = rng.standard_normal((R, L)).astype(dtype)
+            a = rng.standard_normal((9, L)).astype(dtype)
+            whole = np.full((9, R), np.nan, dtype)
+            rows_dot(a, w, whole)
+            tol = 1e-5 if dtype == np.float32 else 1e-12
+            np.testing.assert_allclose(whole, a.astype(np.float64) @ w.T.astype(np.float64),
+                                       rtol=tol, atol=tol * L)
+            for M in (1, 2, 3, 5):
+                for first in (0, 4 - M % 4):
+                    out = np.full((M, 1), np.nan, dtype)
+                    rows_dot(a[first:first + M], w[R - 1:], out)
+                    assert np.array_equal(out[:, 0], whole[first:first + M, R - 1]), (L, R, M)
+    L, R = 5 * V + 3, 4
+    w = (rng.standard_normal((R, L)) * 10.0 ** rng.integers(-12, 13, (R, L))).astype(dtype)
+    out = np.zeros((1, R), dtype)
+    rows_dot(np.ones((1, L), dtype), w, out)
+    in_row_order = 0
+    for r in range(R):
+        lanes = np.zeros(V, dtype)
+        for c in range(L):
+            lanes[c % V] = lanes[c % V] + w[r, c]
+        half = V // 2
+        while half:
+            lanes = lanes[:half] + lanes[half:2 * half]
+            half //= 2
+        assert out[0, r] == lanes[0]
+        in_row_order += out[0, r] == np.cumsum(w[r])[-1]
+    assert in_row_order < R  # values on which the order shows
