@@ -20,7 +20,7 @@ windows that overhang the image's left or right edge one by one. A window-by-win
 R*S selects in a chain was several times slower. Taking each row's first max, then the first of
 the rows' maxima, is the row-major first max over the window, so the tie rule (a later cell
 must be strictly greater) is Caffe's exactly. 2x2 windows with stride 2 (LeNet's) do not
-overlap and take one pass, vectorised across each output row: faster there than two.
+overlap and take one pass: stride2_row_max over both rows of each window, in row-major order.
 
 AVE runs PLANE_BLOCK planes at a time, turned so that the planes lie innermost: every step of
 a window's sum, forward and backward, is then one vector loop over the block's planes (a plane
@@ -89,7 +89,7 @@ def _row_maxima(xf, xb, rmax, rarg, H, W, Q, S, stride_w, pad_w, lowest):
     """Pass 1 of max pooling over the plane at xf[xb]: rmax[h*Q + q], rarg[h*Q + q] = the max
     of row h over window q's columns (clipped to the image) and its plane index h*W + w."""
     if stride_w == 2:
-        stride2_row_max(xf, xb, W, -pad_w, Q, S, rmax, rarg, 0, 0, lowest, H)
+        stride2_row_max(xf, xb, W, -pad_w, Q, S, rmax, rarg, 0, 0, lowest, H, 1, W)
         return
     q_lo, q_hi = inner_columns(Q, W, S, stride_w, pad_w)
     if _tiles(W, Q, stride_w, pad_w):
@@ -127,55 +127,31 @@ def _clipped_row_max(xf, xb, rmax, rarg, h, q, W, Q, S, stride_w, pad_w, lowest)
 
 
 @njit(cache=True, nogil=True)
-def _max_2x2(xf, yf, af, xb, out, top, q_lo, q_hi, W):
-    """Windows q in [q_lo, q_hi) of one output row of 2x2 windows with stride 2, wholly inside
-    the image: rows top // W and the next, columns 2q + [0, 2), top = h0*W - pad_w. One pass
-    beats two here: the windows do not overlap and the rows are short."""
+def _max_pool_2x2(xf, yf, af, planes, H, W, P, Q, pad_h, pad_w):
+    """max_pool_forward for 2x2 windows with stride 2, in one pass (tile.stride2_row_max over
+    both rows of each window): one call for each plane's output rows whose windows hold two
+    image rows, one for each row clipped to one by the image's top or bottom edge."""
     lowest = xf.dtype.type(_LOWEST)
-    for q in range(q_lo, q_hi):
-        base = top + 2 * q
-        best = lowest
-        at = base
-        for i in range(2):
-            for j in range(2):
-                w = base + i * W + j
-                v = xf[np.uintp(xb + w)]
-                greater = v > best
-                at = w if greater else at
-                best = v if greater else best
-        yf[np.uintp(out + q)] = best
-        af[np.uintp(out + q)] = at
+    p_lo, p_hi = inner_columns(P, H, 2, 2, pad_h)
+    for plane in range(planes):
+        xb = plane * H * W
+        top = 2 * p_lo - pad_h
+        stride2_row_max(xf, xb + top * W, W, -pad_w, Q, 2, yf, af, (plane * P + p_lo) * Q,
+                        top * W, lowest, p_hi - p_lo, 2, 2 * W)
+        for p in range(P):
+            if p == p_lo:
+                break
+            _max_2x2_edge_row(xf, yf, af, xb, plane, p, H, W, P, Q, pad_h, pad_w, lowest)
+        for p in range(p_hi, P):
+            _max_2x2_edge_row(xf, yf, af, xb, plane, p, H, W, P, Q, pad_h, pad_w, lowest)
 
 
 @njit(cache=True, nogil=True)
-def _max_pool_2x2(xf, yf, af, planes, H, W, P, Q, pad_h, pad_w):
-    """max_pool_forward for 2x2 windows with stride 2, in one pass: full windows through
-    _max_2x2, those clipped by the image's edges one by one."""
-    lowest = xf.dtype.type(_LOWEST)
-    q_lo, q_hi = inner_columns(Q, W, 2, 2, pad_w)
-    for plane in range(planes):
-        xb = plane * H * W
-        for p in range(P):
-            h0, h1, _ = _window_rows(p, 2, 2, pad_h, H)
-            out = (plane * P + p) * Q
-            for q in range(Q):
-                if q == q_lo and h1 - h0 == 2:
-                    _max_2x2(xf, yf, af, xb, out, h0 * W - pad_w, q_lo, q_hi, W)
-                if q_lo <= q < q_hi and h1 - h0 == 2:
-                    continue
-                w0 = 2 * q - pad_w
-                w1 = min(w0 + 2, W)
-                w0 = max(w0, 0)
-                best = lowest
-                at = h0 * W + w0
-                for h in range(h0, h1):
-                    for w in range(h * W + w0, h * W + w1):
-                        v = xf[np.uintp(xb + w)]
-                        greater = v > best
-                        at = w if greater else at
-                        best = v if greater else best
-                yf[np.uintp(out + q)] = best
-                af[np.uintp(out + q)] = at
+def _max_2x2_edge_row(xf, yf, af, xb, plane, p, H, W, P, Q, pad_h, pad_w, lowest):
+    """Output row p of _max_pool_2x2, whose windows the image's edge clips to one row."""
+    h0, h1, _ = _window_rows(p, 2, 2, pad_h, H)
+    stride2_row_max(xf, xb + h0 * W, W, -pad_w, Q, 2, yf, af, (plane * P + p) * Q, h0 * W,
+                    lowest, 1, h1 - h0, W)
 
 
 @njit(cache=True, nogil=True)

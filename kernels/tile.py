@@ -1,10 +1,13 @@
 """SIMD building blocks for Numba kernels, written with explicit 64-byte vectors (16 float32 or
-8 float64 lanes): `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix
-product), and `folded_tile`, which adds tiles of partial sums to its products before it
-stores them; two data movers, `shifted_copy` (a copy of rows with zero fill) and
-`transpose_block`, and max pooling's two passes, `stride2_row_max` (along each row, for
-stride 2) and `column_max` (down the rows). No packing, no blocking for
-caches, no threads: callers lay their operands out so that these loops stream them.
+8 float64 lanes):
+- `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix product), and
+  `folded_tile`, which adds tiles of partial sums to its products before it stores them;
+- `dot_tile`, a register tile of dot products along contiguous rows;
+- two data movers, `shifted_copy` (a copy of rows with zero fill) and `transpose_block`;
+- max pooling's passes: `stride2_row_max` (along each row for stride 2, or over the rows of
+  whole windows) and `column_max` (down the rows).
+No packing, no blocking for caches, no threads: callers lay their operands out so that these
+loops stream them.
 
 Numba's own vectorised loops use 256-bit registers on CPUs that LLVM tunes for "prefer 256-bit"
 (most AVX-512 Xeons), half the arithmetic width. Vectors written out as LLVM vector types are
@@ -554,28 +557,32 @@ def column_max(typingctx, y, a, out, rmax, rarg, first, Q, R):
 
 @intrinsic
 def stride2_row_max(typingctx, x, row, W, w_first, Q, S, rmax, rarg, out, arg_base, lowest,
-                    rows):
-    """For each of `rows` image rows h of W cells, at x[row + h*W], and q < Q:
-    rmax[out + h*Q + q] = the first max over j < S of the cells w = w_first + 2q + j that lie
-    in [0, W) (a later cell must be strictly greater than the max so far, which starts at
-    `lowest`; NaN never is), and rarg[out + h*Q + q] = arg_base + h*W + w at that cell, or at
-    the window's first cell in the row where none beats `lowest`: the row pass of max pooling
-    with stride 2, the windows clipped by the row's edges. Each vector of V outputs reads two
-    vectors of cells per window column j, masked to the row, and takes the even ones with one
-    shuffle: strided reads without a loop per window. x and rmax are of one float dtype, rarg
-    int32."""
+                    rows, R, row_step):
+    """For each of `rows` output rows h, whose windows cover the R image rows of W cells at
+    x[row + h*row_step + i*W] (i < R), and q < Q: rmax[out + h*Q + q] = the first max, in
+    row-major order, over i < R and j < S of the cells w = w_first + 2q + j that lie in
+    [0, W) (a later cell must be strictly greater than the max so far, which starts at
+    `lowest`; NaN never is), and rarg[out + h*Q + q] = arg_base + h*row_step + i*W + w at that
+    cell, or at the window's first cell where none beats `lowest`. With R = 1 and
+    row_step = W: the row pass of max pooling with stride 2, the windows clipped by the
+    row's edges; with R = 2, S = 2 and row_step = 2W: the whole of 2 x 2 pooling with stride
+    2 (its windows do not overlap, so a second pass would save no work). Each vector of V
+    outputs reads two vectors of cells per window cell column j, masked to the row, and takes
+    the even ones with one shuffle: strided reads without a loop per window. x and rmax are
+    of one float dtype, rarg int32."""
     dtype = _float_dtype(x, rmax)
     if dtype is None or not (isinstance(rarg, types.Array) and rarg.dtype == types.int32):
         return None
-    sig = types.void(x, row, W, w_first, Q, S, rmax, rarg, out, arg_base, lowest, rows)
+    sig = types.void(x, row, W, w_first, Q, S, rmax, rarg, out, arg_base, lowest, rows, R,
+                     row_step)
 
     def codegen(context, builder, signature, args):
         width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
         load_f, store_f = _masked_memory(builder, vty, width, bits)
         _, store_i = _masked_memory(builder, i32v, width, "32", "i")
         x_p, rmax_p, rarg_p = _pointers(context, builder, signature, args, 0, 6, 7)
-        row0_, w_, w_first_, q_, s_, out0_, arg0_, rows_ = _casts(
-            context, builder, signature, args, 1, 2, 3, 4, 5, 8, 9, 11)
+        row0_, w_, w_first_, q_, s_, out0_, arg0_, rows_, r_, step_ = _casts(
+            context, builder, signature, args, 1, 2, 3, 4, 5, 8, 9, 11, 12, 13)
         low = context.cast(builder, args[10], signature.args[10], dtype)
         low_v = builder.shuffle_vector(
             builder.insert_element(ir.Constant(vty, ir.Undefined), low, ir.Constant(i32, 0)),
@@ -598,9 +605,9 @@ def stride2_row_max(typingctx, x, row, W, w_first, Q, S, rmax, rarg, out, arg_ba
                                          low_v])
 
         with cgutils.for_range(builder, rows_) as h:
-            row_ = builder.add(row0_, builder.mul(h.index, w_))
+            top_ = builder.add(row0_, builder.mul(h.index, step_))
             out_ = builder.add(out0_, builder.mul(h.index, q_))
-            arg_base_ = builder.add(arg0_, builder.mul(h.index, w_))
+            arg_base_ = builder.add(arg0_, builder.mul(h.index, step_))
             count = builder.udiv(builder.add(q_, ir.Constant(intp, width - 1)),
                                  ir.Constant(intp, width))
             with cgutils.for_range(builder, count) as loop:
@@ -611,14 +618,18 @@ def stride2_row_max(typingctx, x, row, W, w_first, Q, S, rmax, rarg, out, arg_ba
                 best = cgutils.alloca_once_value(builder, low_v)
                 where = cgutils.alloca_once_value(builder, builder.select(
                     builder.icmp_signed("<", start, zero_v), zero_v, start))
-                with cgutils.for_range(builder, s_) as j:
-                    c0 = builder.add(first, j.index)
-                    pair = builder.shuffle_vector(cells(row_, c0), cells(row_, builder.add(
-                        c0, ir.Constant(intp, width))), evens)
-                    greater = builder.fcmp_ordered(">", pair, builder.load(best))
-                    builder.store(builder.select(greater, pair, builder.load(best)), best)
-                    w = builder.add(start, _splat32(builder, j.index, width))
-                    builder.store(builder.select(greater, w, builder.load(where)), where)
+                with cgutils.for_range(builder, r_) as i:
+                    row_ = builder.add(top_, builder.mul(i.index, w_))
+                    down = _splat32(builder, builder.mul(i.index, w_), width)
+                    with cgutils.for_range(builder, s_) as j:
+                        c0 = builder.add(first, j.index)
+                        pair = builder.shuffle_vector(cells(row_, c0), cells(row_, builder.add(
+                            c0, ir.Constant(intp, width))), evens)
+                        greater = builder.fcmp_ordered(">", pair, builder.load(best))
+                        builder.store(builder.select(greater, pair, builder.load(best)), best)
+                        w = builder.add(builder.add(start, _splat32(builder, j.index, width)),
+                                        down)
+                        builder.store(builder.select(greater, w, builder.load(where)), where)
                 mask = _lanes_below(builder, builder.sub(q_, q0), width)
                 target = builder.add(out_, q0)
                 builder.call(store_f, [builder.load(best), at(rmax_p, vty, target), one, mask])

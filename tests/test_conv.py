@@ -448,7 +448,7 @@ def test_intrinsics_refuse_operands_of_mixed_or_other_types():
 
     @njit
     def rmax(x, out, arg):
-        stride2_row_max(x, 0, 8, 0, 4, 2, out, arg, 0, 0, -1.0, 1)
+        stride2_row_max(x, 0, 8, 0, 4, 2, out, arg, 0, 0, -1.0, 1, 1, 8)
 
     copy(f32, f32)
     transpose(f64, f64, f64)

@@ -105,9 +105,10 @@ def test_forward_sweep(method):
     # Many window geometries (both of the kernels' first-pass paths, every border case), on
     # data full of ties; MAX checks the mask too.
     rng = np.random.default_rng(3)
-    for size in [(5, 5), (6, 8), (8, 8), (9, 7), (12, 12)]:
-        for kernel, stride, pad in [(2, 2, 0), (3, 2, 0), (3, 2, 1), (2, 1, 0), (3, 3, 1),
-                                    (4, 2, 1), (5, 2, 2), (3, 1, 1)]:
+    # (3, 70): rows of more than two vectors of outputs.
+    for size in [(5, 5), (6, 8), (8, 8), (9, 7), (12, 12), (3, 70)]:
+        for kernel, stride, pad in [(2, 2, 0), (2, 2, 1), (3, 2, 0), (3, 2, 1), (2, 1, 0),
+                                    (3, 3, 1), (4, 2, 1), (5, 2, 2), (3, 1, 1)]:
             for mode in ("CEIL", "FLOOR"):
                 fields = (f"pool: {method} kernel_size: {kernel} stride: {stride} pad: {pad} "
                           f"round_mode: {mode}")
