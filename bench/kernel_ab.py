@@ -1,7 +1,7 @@
 """Interleaved A/B of the kernels against another git revision: the stride-1 convolutions of
-LeNet and cifar10_quick (forward, backward without and with the input gradient),
-cifar10_quick's pooling (forward, backward) and the reduction of the InnerProduct weight
-gradients that the engine sums from factors (LeNet's ip1, cifar10_quick's ip1: 16 chunks of
+LeNet and cifar10_quick (forward, backward without and with the input gradient), the
+pooling of both (forward, backward), their first InnerProduct (forward, input gradient) and
+the reduction of the InnerProduct weight gradients that the engine sums from factors (LeNet's ip1, cifar10_quick's ip1: 16 chunks of
 the whole batch), one thread. Each round times the base revision's kernel and then the
 working tree's on the same data, so a change of the machine's speed hits both alike; prints
 milliseconds per 100 samples (medians; per batch for the reductions), the working tree's
@@ -10,7 +10,7 @@ speed as the median of the per-round ratios, and whether the two gave the same b
     python bench/kernel_ab.py --base REV [--layers cifar2,cifar3,pool2,ip1sum] [--samples 12]
                               [--rounds 60]
 
-The base revision's kernels/conv.py, pool.py, reduce.py and tile.py are taken with `git show`
+The base revision's kernels/conv.py, pool.py, reduce.py, fc.py and tile.py are taken with `git show`
 into a temporary folder and imported from there (the rest of the package is the working
 tree's). `--base torch` times PyTorch's convolution instead (1 thread, channels_last, the
 same data: forward, and the backward kernels alone, through autograd on a kept graph), for
@@ -34,7 +34,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from cgp.engine import chunk_bounds
-from cgp.kernels import conv, pool, reduce
+from cgp.kernels import conv, fc, pool, reduce
 from cgp.layers import aligned_zeros
 from interleave import git_show  # bench/, on the path when run as a script
 
@@ -42,26 +42,32 @@ from interleave import git_show  # bench/, on the path when run as a script
 LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
           "cifar1": (3, 32, 32, 32, 5, 5, 2), "cifar2": (32, 16, 16, 32, 5, 5, 2),
           "cifar3": (32, 8, 8, 64, 5, 5, 2)}
-# name: (C, H, W, window, stride, MAX or AVE): cifar10_quick's pooling (3 x 3, stride 2, CEIL).
+# name: (C, H, W, window, stride, MAX or AVE): cifar10_quick's pooling (3 x 3, stride 2, CEIL)
+# and LeNet's (2 x 2, stride 2).
 POOLS = {"pool1": (32, 32, 32, 3, 2, "MAX"), "pool2": (32, 16, 16, 3, 2, "AVE"),
-         "pool3": (64, 8, 8, 3, 2, "AVE")}
+         "pool3": (64, 8, 8, 3, 2, "AVE"), "lenet-pool1": (20, 24, 24, 2, 2, "MAX"),
+         "lenet-pool2": (50, 8, 8, 2, 2, "MAX")}
+# name: (inputs, outputs): the first InnerProduct of LeNet and of cifar10_quick.
+INNER = {"ip1": (800, 500), "cifar-ip1": (1024, 64)}
 # name: (batch, J, L): a factored weight gradient's shape, summed over 16 chunks.
 REDUCTIONS = {"ip1sum": (64, 500, 800), "cifar-ip1sum": (100, 64, 1024)}
+KNOWN = list(LAYERS) + list(POOLS) + list(INNER) + list(REDUCTIONS)
 
 
 def base_modules(rev, folder):
-    """The revision's kernels/conv.py, pool.py and reduce.py, importing its own tile.py, as
-    modules base_conv, base_pool and base_reduce."""
+    """The revision's kernels/conv.py, pool.py, reduce.py and fc.py, importing its own tile.py,
+    as modules base_conv, base_pool, base_reduce and base_fc."""
     (folder / "base_tile.py").write_text(git_show(rev, "kernels/tile.py"))
-    for name in ("conv", "pool", "reduce"):
+    for name in ("conv", "pool", "reduce", "fc"):
         source = git_show(rev, f"kernels/{name}.py").replace("from cgp.kernels.tile import",
                                                              "from base_tile import")
         (folder / f"base_{name}.py").write_text(source)
     sys.path.insert(0, str(folder))
     import base_conv
+    import base_fc
     import base_pool
     import base_reduce
-    return base_conv, base_pool, base_reduce
+    return base_conv, base_pool, base_reduce, base_fc
 
 
 def normal(rng, shape):
@@ -202,6 +208,27 @@ def pool_runs(module, shape, n, seed=0):
     return {"forward": forward, "backward": backward}
 
 
+def inner_runs(module, shape, n, seed=0):
+    """InnerProduct's forward pass and input gradient (a weight not transposed) with the
+    module's kernels."""
+    C, K = shape
+    rng = np.random.default_rng(seed)
+    x, w, b, dy = normal(rng, (n, C)), normal(rng, (K, C)), normal(rng, K), normal(rng, (n, K))
+    y, dx = aligned_zeros((n, K), np.float32), aligned_zeros((n, C), np.float32)
+    scratch = aligned_zeros(module.scratch_size(n, K), np.float32)
+    none = aligned_zeros(0, np.float32)
+
+    def forward():
+        module.fc_forward(x, w, b, y, False, none)
+        return y
+
+    def input_gradient():
+        module.fc_backward(x, w, dy, dx, x, none, False, True, False, False, scratch)
+        return dx
+
+    return {"forward": forward, "input gradient": input_gradient}
+
+
 def reduce_runs(module, shape, seed=0):
     """A factored gradient's sum over 16 chunks: with a stack of register tiles where the
     revision has outer_stack_size (a7a6a9a, 6b15401, and from the folded tiles on), else with a
@@ -232,17 +259,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True,
                         help="git revision to compare against, or torch")
-    parser.add_argument("--layers", default=",".join(list(LAYERS) + list(POOLS) + list(REDUCTIONS)))
+    parser.add_argument("--layers", default=",".join(KNOWN))
     parser.add_argument("--samples", type=int, default=12, help="samples per call")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--torch-samples", type=int, default=None,
                         help="samples per PyTorch call with --base torch (default --samples)")
     args = parser.parse_args()
     layers = args.layers.split(",")
-    known = list(LAYERS) + list(POOLS) + list(REDUCTIONS)
-    unknown = [name for name in layers if name not in known]
+    unknown = [name for name in layers if name not in KNOWN]
     if unknown:
-        parser.error(f"unknown layers {unknown}; known: {', '.join(known)}")
+        parser.error(f"unknown layers {unknown}; known: {', '.join(KNOWN)}")
     with_torch = args.base == "torch"
     if with_torch and any(name not in LAYERS for name in layers):
         parser.error(f"--base torch times convolutions only: {', '.join(LAYERS)}")
@@ -252,7 +278,8 @@ def main():
     with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
         try:
             if not with_torch:
-                base_conv, base_pool, base_reduce = base_modules(args.base, Path(folder))
+                base_conv, base_pool, base_reduce, base_fc = base_modules(args.base,
+                                                                          Path(folder))
         except subprocess.CalledProcessError as err:
             sys.exit(f"kernel_ab: git show {args.base}: {err.stderr.strip()}")
         print(f"base {args.base} against the working tree, {args.samples} samples per call"
@@ -267,6 +294,9 @@ def main():
             elif name in POOLS:
                 old = pool_runs(base_pool, POOLS[name], args.samples)
                 new = pool_runs(pool, POOLS[name], args.samples)
+            elif name in INNER:
+                old = inner_runs(base_fc, INNER[name], args.samples)
+                new = inner_runs(fc, INNER[name], args.samples)
             elif with_torch:
                 old = torch_runs(LAYERS[name], torch_samples)
                 old_scale = 1e3 * 100 / torch_samples
