@@ -1,0 +1,102 @@
+"""Interleaved A/B of whole training steps with another git revision's layer kernels
+(kernels/fc.py for InnerProduct, kernels/pool.py for Pooling, each with that revision's
+tile.py) and its reduction (cgp/comm.py with its kernels/reduce.py), against the working
+tree's; the rest of the package is the working tree's. Two trainers train from one seed in
+one process, their steps interleaved round by round; prints the median time of a step for
+each, the working tree's speed as the median of the per-round ratios, and whether their
+weights came out bitwise equal (a revision whose kernels round otherwise gives other
+weights). Worker threads only: the kernels are swapped in this process around each step of
+the base trainer, which forked worker processes would not see.
+
+    python bench/step_kernels_ab.py --base REV [mnist|cifar10] [--threads 1] [--rounds 15]
+                                    [--steps 8] [--data-dir DIR]
+"""
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import cgp.layers.inner_product
+import cgp.layers.pool
+import cgp.train
+from cgp import models
+from cgp.prototxt import read_solver
+from cgp.train import RunConfig, Trainer
+# bench/, on the path when run as a script
+from interleave import ab_pair, add_pair_options, git_show
+
+# The layer modules whose kernels module (K: fc, pool) is swapped.
+LAYERS = (cgp.layers.inner_product, cgp.layers.pool)
+
+
+def base_modules(rev, folder):
+    """The revision's kernels/fc.py and pool.py, and its cgp/comm.py with its
+    kernels/reduce.py, importing its own tile.py: (fc, pool, comm) modules."""
+    sys.path.insert(0, str(folder))
+    sources = {"base_tile": git_show(rev, "kernels/tile.py")}
+    for name in ("fc", "pool", "reduce"):
+        sources[f"base_{name}"] = git_show(rev, f"kernels/{name}.py").replace(
+            "from cgp.kernels.tile import", "from base_tile import")
+    sources["base_comm"] = git_show(rev, "cgp/comm.py").replace(
+        "from cgp.kernels.reduce import", "from base_reduce import")
+    modules = {}
+    for name in ("base_tile", "base_reduce", "base_fc", "base_pool", "base_comm"):
+        path = Path(folder) / f"{name}.py"
+        path.write_text(sources[name])
+        spec = importlib.util.spec_from_file_location(name, path)
+        modules[name] = importlib.util.module_from_spec(spec)
+        sys.modules[name] = modules[name]
+        spec.loader.exec_module(modules[name])
+    return modules["base_fc"], modules["base_pool"], modules["base_comm"]
+
+
+class BaseKernels:
+    """A trainer whose steps run with the base revision's layer kernels: they are swapped into
+    the layer modules for the step, and back."""
+
+    def __init__(self, trainer, kernels):
+        self.__dict__.update(trainer=trainer, kernels=kernels)
+
+    def __getattr__(self, name):
+        return getattr(self.trainer, name)
+
+    def step(self):
+        own = [module.K for module in LAYERS]
+        for module, kernels in zip(LAYERS, self.kernels):
+            module.K = kernels
+        try:
+            return self.trainer.step()
+        finally:
+            for module, kernels in zip(LAYERS, own):
+                module.K = kernels
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_pair_options(parser, threads=1)
+    parser.add_argument("--base", required=True, help="git revision to compare against")
+    args = parser.parse_args()
+    path = models.solver_path(args.model)
+
+    def trainer():
+        config = RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
+                           workers="threads")
+        return Trainer(read_solver(path), path, config, log=lambda line: None)
+
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            fc, pool, comm = base_modules(args.base, folder)
+        except Exception as err:  # git's message, or a revision these files do not fit
+            sys.exit(f"step_kernels_ab: {args.base}: {getattr(err, 'stderr', '') or err}")
+        own = cgp.train.ThreadCommunicator
+        cgp.train.ThreadCommunicator = comm.ThreadCommunicator
+        try:
+            base = BaseKernels(trainer(), (fc, pool))
+        finally:
+            cgp.train.ThreadCommunicator = own
+        ab_pair([base, trainer()], (args.base, "working tree"), args)
+
+
+if __name__ == "__main__":
+    main()
