@@ -48,8 +48,8 @@ import numpy as np
 from numba import njit
 
 from cgp.kernels.blas import gemm
-from cgp.kernels.tile import (SHAPES, SPEEDS_UNIT, T_MAX, choose, lanes, shifted_copy, tile,
-                              transpose_block)
+from cgp.kernels.tile import (SHAPES, SPEEDS_UNIT, T_MAX, choose, lanes, shifted_copy,
+                              shifted_row_sum, tile, transpose_block)
 
 # Output positions per block of the weight gradient: the block of dycl that every tile of
 # the block reads stays in the L1 cache.
@@ -518,9 +518,10 @@ def _dx_columns(w, dy, dx, dyc, wt, cols, pad_h, pad_w, dil_h, dil_w, group, T, 
     """dx through the column matrix, for a layer whose output is clearly smaller than its
     input (unpadded): per sample and group, cols[(c, r, s), j] = sum over k in order of
     w[k, c, r, s] * dy[n, k, j], one chain per element (tiles of T rows by KV vectors of the
-    P*Q output positions j), then each row (c, r, s), in that order, is added into dx[n, c]
-    where tap (r, s) puts it. It multiplies no zeros; the adding pass touches each column
-    element once. dyc: one sample's dy (with room for a tile's last vectors); wt: the weights
+    P*Q output positions j), then the rows (c, r, s) are added into dx[n, c] where tap (r, s)
+    puts them, each element taking its taps in (r, s) order (tile.shifted_row_sum: the S taps
+    of a kernel row at once, several rows of dx at a time). It multiplies no zeros; the adding
+    pass touches each column element once. dyc: one sample's dy (with room for a tile's last vectors); wt: the weights
     with (c, r, s) innermost, rows padded to whole tiles (with zeros)."""
     N, C, H, W = dx.shape
     K, Cg, R, S = w.shape
@@ -550,18 +551,13 @@ def _dx_columns(w, dy, dx, dyc, wt, cols, pad_h, pad_w, dil_h, dil_w, group, T, 
             for c in range(Cg):
                 plane = (n * C + gr * Cg + c) * H * W
                 for r in range(R):
+                    # Row p + r*dil_h - pad_h of dx takes row p of the S taps (r, s), in order
+                    # of s: each element adds its taps in the (r, s) order of the column
+                    # matrix's rows.
                     p_lo, p_hi = _valid_range(r * dil_h - pad_h, 1, H, P)
-                    for s in range(S):
-                        shift = s * dil_w - pad_w
-                        q_lo, q_hi = _valid_range(shift, 1, W, Q)
-                        row = ((c * R + r) * S + s) * PQ
-                        for p in range(p_lo, p_hi):
-                            # Unsigned indices: a signed one costs a wrap-around test per
-                            # element (views would cost more to make than these rows take).
-                            o = plane + (p + r * dil_h - pad_h) * W + shift
-                            src = row + p * Q
-                            for q in range(q_lo, q_hi):
-                                dxf[np.uintp(o + q)] += cols[np.uintp(src + q)]
+                    shifted_row_sum(dxf, plane + (p_lo + r * dil_h - pad_h) * W, W, cols,
+                                    (c * R + r) * S * PQ + p_lo * Q, PQ, S, dil_w, pad_w, Q,
+                                    p_hi - p_lo)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
   `folded_tile`, which adds tiles of partial sums to its products before it stores them;
 - `dot_tile`, a register tile of dot products along contiguous rows;
 - two data movers, `shifted_copy` (a copy of rows with zero fill) and `transpose_block`;
+- `shifted_row_sum`, rows added into rows at several shifts (a column matrix into the input
+  gradient);
 - max pooling's passes: `stride2_row_max` (along each row for stride 2, or over the rows of
   whole windows) and `column_max` (down the rows).
 No packing, no blocking for caches, no threads: callers lay their operands out so that these
@@ -635,6 +637,83 @@ def stride2_row_max(typingctx, x, row, W, w_first, Q, S, rmax, rarg, out, arg_ba
                 builder.call(store_f, [builder.load(best), at(rmax_p, vty, target), one, mask])
                 arg = builder.add(builder.load(where), _splat32(builder, arg_base_, width))
                 builder.call(store_i, [arg, at(rarg_p, i32v, target), one, mask])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# Rows that shifted_row_sum adds at a time: independent chains that hide the adds' latency.
+ROW_SUM_ROWS = 8
+
+
+@intrinsic
+def shifted_row_sum(typingctx, out, out_off, W, src, src_off, src_step, S, dil, pad, Q, rows):
+    """For each of `rows` rows i, w < W, and s = 0, 1, ..., S - 1 in that order:
+    out[out_off + i*W + w] += src[src_off + s*src_step + i*Q + q] where q = w - (s*dil - pad)
+    lies in [0, Q); one rounding per add, as a loop over s, then w, would give: rows of the
+    input gradient gathered from the rows of a column matrix (tap s shifts its row by
+    s*dil - pad). ROW_SUM_ROWS rows at a time, in vectors along the row. out and src are of
+    one float dtype."""
+    dtype = _float_dtype(out, src)
+    if dtype is None:
+        return None
+    sig = types.void(out, out_off, W, src, src_off, src_step, S, dil, pad, Q, rows)
+
+    def codegen(context, builder, signature, args):
+        width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
+        load_f, store_f = _masked_memory(builder, vty, width, bits)
+        out_p, src_p = _pointers(context, builder, signature, args, 0, 3)
+        out_off_, w_, src_off_, step_, s_, dil_, pad_, q_, rows_ = _casts(
+            context, builder, signature, args, 1, 2, 4, 5, 6, 7, 8, 9, 10)
+        lane = ir.Constant(i32v, list(range(width)))
+        one = ir.Constant(i32, 1)
+        zero_f = ir.Constant(vty, None)
+        zero_i = ir.Constant(i32v, None)
+        n = ROW_SUM_ROWS
+
+        def at(p, off):
+            return builder.bitcast(builder.gep(p, [off]), vty.as_pointer())
+
+        groups = builder.udiv(builder.add(rows_, ir.Constant(intp, n - 1)), ir.Constant(intp, n))
+        count = builder.udiv(builder.add(w_, ir.Constant(intp, width - 1)),
+                             ir.Constant(intp, width))
+        with cgutils.for_range(builder, groups) as group:
+            i0 = builder.mul(group.index, ir.Constant(intp, n))
+            with cgutils.for_range(builder, count) as loop:
+                w0 = builder.mul(loop.index, ir.Constant(intp, width))
+                cols = builder.add(_splat32(builder, w0, width), lane)
+                in_row = _lanes_below(builder, builder.sub(w_, w0), width)
+                # Rows past `rows` take no lanes.
+                masks, targets, acc = [], [], []
+                for k in range(n):
+                    i = builder.add(i0, ir.Constant(intp, k))
+                    live = builder.icmp_signed("<", i, rows_)
+                    masks.append(builder.and_(in_row, builder.select(
+                        live, ir.Constant(ir.VectorType(ir.IntType(1), width), [1] * width),
+                        ir.Constant(ir.VectorType(ir.IntType(1), width), [0] * width))))
+                    targets.append(at(out_p, builder.add(out_off_, builder.add(
+                        builder.mul(i, w_), w0))))
+                    acc.append(cgutils.alloca_once_value(builder, builder.call(
+                        load_f, [targets[k], one, masks[k], zero_f])))
+                with cgutils.for_range(builder, s_) as s:
+                    shift = builder.sub(builder.mul(s.index, dil_), pad_)
+                    q = builder.sub(cols, _splat32(builder, shift, width))
+                    valid = builder.and_(builder.icmp_signed(">=", q, zero_i),
+                                         builder.icmp_signed("<", q, _splat32(builder, q_,
+                                                                              width)))
+                    # src's element for lane 0 (q = w0 - shift), which may lie outside the
+                    # row: only the valid lanes are read.
+                    first = builder.add(builder.add(src_off_, builder.mul(s.index, step_)),
+                                        builder.sub(w0, shift))
+                    for k in range(n):
+                        take = builder.and_(valid, masks[k])
+                        row = builder.add(first, builder.mul(builder.add(
+                            i0, ir.Constant(intp, k)), q_))
+                        v = builder.call(load_f, [at(src_p, row), one, take, zero_f])
+                        old = builder.load(acc[k])
+                        builder.store(builder.select(take, builder.fadd(old, v), old), acc[k])
+                for k in range(n):
+                    builder.call(store_f, [builder.load(acc[k]), targets[k], one, masks[k]])
         return context.get_dummy_value()
 
     return sig, codegen

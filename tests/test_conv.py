@@ -10,7 +10,8 @@ from numba import njit
 from cgp.errors import NetError
 from cgp.kernels import conv as K
 from cgp.kernels.blas import gemm
-from cgp.kernels.tile import SHAPES, folded_tile, shifted_copy, tile, transpose_block
+from cgp.kernels.tile import (SHAPES, folded_tile, shifted_copy, shifted_row_sum, tile,
+                              transpose_block)
 from cgp.layers import Chunk, alloc_scratch
 from layer_check import (backward, build, check_forward, check_gradients,
                          check_parts, check_split_invariance, forward, random_params)
@@ -390,6 +391,43 @@ def test_folded_tile_adds_the_stack_top_down(dtype):
 
 
 @njit
+def _row_sum(out, W, src, step, S, dil, pad, Q, rows):
+    shifted_row_sum(out, 3, W, src, 2, step, S, dil, pad, Q, rows)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_shifted_row_sum_adds_the_taps_in_order(dtype):
+    """shifted_row_sum (the input gradient's pass from the column matrix) against a loop over
+    the taps s in order, then the elements, in the dtype, on values of many magnitudes (another
+    order rounds otherwise): rows wider than a vector, more rows than it takes at once, taps
+    shifted left and right past both ends; nothing outside the rows is written."""
+    rng = np.random.default_rng(4)
+    order_shows = False
+    for W, Q, S, dil, pad, rows in ((12, 8, 5, 1, 0, 8), (40, 38, 3, 1, 1, 11),
+                                    (7, 7, 3, 2, 2, 3), (20, 4, 4, 5, 1, 9), (5, 9, 2, 1, 0, 1)):
+        step = rows * Q + 3
+        src = (rng.standard_normal(2 + S * step) * 10.0 ** rng.integers(-6, 7, 2 + S * step))
+        src = src.astype(dtype)
+        out = (rng.standard_normal(3 + rows * W + 4) * 1e3).astype(dtype)
+
+        def in_order(taps):
+            total = out.copy()
+            for s in taps:
+                shift = s * dil - pad
+                for i in range(rows):
+                    for w in range(W):
+                        if 0 <= w - shift < Q:
+                            total[3 + i * W + w] += src[2 + s * step + i * Q + w - shift]
+            return total
+
+        want = in_order(range(S))
+        order_shows |= not np.array_equal(want, in_order(reversed(range(S))))
+        _row_sum(out, W, src, step, S, dil, pad, Q, rows)
+        assert np.array_equal(out, want), (W, Q, S, dil, pad, rows)
+    assert order_shows
+
+
+@njit
 def _transpose(dst, src, sums, rows, cols, add):
     transpose_block(dst, 3, 37, src, 2, 31, rows, cols, sums, 1, add)
 
@@ -431,7 +469,7 @@ def test_intrinsics_refuse_operands_of_mixed_or_other_types():
     wrong type."""
     from numba.core.errors import TypingError
 
-    from cgp.kernels.tile import column_max, stride2_row_max
+    from cgp.kernels.tile import column_max, dot_tile, stride2_row_max
     f32, f64, i32 = (np.zeros(64, t) for t in (np.float32, np.float64, np.int32))
 
     @njit
@@ -450,15 +488,26 @@ def test_intrinsics_refuse_operands_of_mixed_or_other_types():
     def rmax(x, out, arg):
         stride2_row_max(x, 0, 8, 0, 4, 2, out, arg, 0, 0, -1.0, 1, 1, 8)
 
+    @njit
+    def dots(out, a, w):
+        dot_tile(out, 0, 4, 1, 1, a, 0, 4, w, 0, 4, 4)
+
+    @njit
+    def rows(out, src):
+        shifted_row_sum(out, 0, 4, src, 0, 4, 2, 1, 0, 4, 1)
+
     copy(f32, f32)
     transpose(f64, f64, f64)
     cmax(f32, i32, f32, i32)
     rmax(f64, f64, i32)
+    dots(f32, f32, f32)
+    rows(f64, f64)
     for call in (lambda: copy(f32, f64), lambda: copy(i32, i32),
                  lambda: transpose(f32, f32, f64), lambda: cmax(f32, i32, f64, i32),
                  lambda: cmax(f32, f32, f32, i32), lambda: cmax(i32, i32, i32, i32),
                  lambda: rmax(f32, f64, i32), lambda: rmax(f32, f32, f32),
-                 lambda: rmax(i32, i32, i32)):
+                 lambda: rmax(i32, i32, i32), lambda: dots(f32, f64, f32),
+                 lambda: dots(i32, i32, i32), lambda: rows(f32, f64), lambda: rows(i32, i32)):
         with pytest.raises(TypingError):
             call()
 
