@@ -1,6 +1,6 @@
 """Interleaved A/B of whole training steps with another git revision's layer kernels
-(kernels/fc.py for InnerProduct, kernels/pool.py for Pooling, each with that revision's
-tile.py) and its reduction (cgp/comm.py with its kernels/reduce.py), against the working
+(kernels/fc.py for InnerProduct, kernels/pool.py for Pooling, kernels/conv.py for
+Convolution, each with that revision's tile.py) and its reduction (cgp/comm.py with its kernels/reduce.py), against the working
 tree's; the rest of the package is the working tree's. Two trainers train from one seed in
 one process, their steps interleaved round by round; prints the median time of a step for
 each, the working tree's speed as the median of the per-round ratios, and whether their
@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cgp.layers.conv
 import cgp.layers.inner_product
 import cgp.layers.pool
 import cgp.train
@@ -26,29 +27,31 @@ from cgp.train import RunConfig, Trainer
 # bench/, on the path when run as a script
 from interleave import ab_pair, add_pair_options, git_show
 
-# The layer modules whose kernels module (K: fc, pool) is swapped.
-LAYERS = (cgp.layers.inner_product, cgp.layers.pool)
+# The layer modules whose kernels module (K: fc, pool, conv) is swapped. (Their scratch is
+# sized by the working tree's kernels: a revision whose kernels need more does not fit.)
+LAYERS = (cgp.layers.inner_product, cgp.layers.pool, cgp.layers.conv)
 
 
 def base_modules(rev, folder):
-    """The revision's kernels/fc.py and pool.py, and its cgp/comm.py with its
-    kernels/reduce.py, importing its own tile.py: (fc, pool, comm) modules."""
+    """The revision's kernels/fc.py, pool.py and conv.py, and its cgp/comm.py with its
+    kernels/reduce.py, importing its own tile.py: (fc, pool, conv, comm) modules."""
     sys.path.insert(0, str(folder))
     sources = {"base_tile": git_show(rev, "kernels/tile.py")}
-    for name in ("fc", "pool", "reduce"):
+    for name in ("fc", "pool", "conv", "reduce"):
         sources[f"base_{name}"] = git_show(rev, f"kernels/{name}.py").replace(
             "from cgp.kernels.tile import", "from base_tile import")
     sources["base_comm"] = git_show(rev, "cgp/comm.py").replace(
         "from cgp.kernels.reduce import", "from base_reduce import")
     modules = {}
-    for name in ("base_tile", "base_reduce", "base_fc", "base_pool", "base_comm"):
+    for name in ("base_tile", "base_reduce", "base_fc", "base_pool", "base_conv", "base_comm"):
         path = Path(folder) / f"{name}.py"
         path.write_text(sources[name])
         spec = importlib.util.spec_from_file_location(name, path)
         modules[name] = importlib.util.module_from_spec(spec)
         sys.modules[name] = modules[name]
         spec.loader.exec_module(modules[name])
-    return modules["base_fc"], modules["base_pool"], modules["base_comm"]
+    return (modules["base_fc"], modules["base_pool"], modules["base_conv"],
+            modules["base_comm"])
 
 
 class BaseKernels:
@@ -86,13 +89,13 @@ def main():
 
     with tempfile.TemporaryDirectory() as folder:
         try:
-            fc, pool, comm = base_modules(args.base, folder)
+            fc, pool, conv, comm = base_modules(args.base, folder)
         except Exception as err:  # git's message, or a revision these files do not fit
             sys.exit(f"step_kernels_ab: {args.base}: {getattr(err, 'stderr', '') or err}")
         own = cgp.train.ThreadCommunicator
         cgp.train.ThreadCommunicator = comm.ThreadCommunicator
         try:
-            base = BaseKernels(trainer(), (fc, pool))
+            base = BaseKernels(trainer(), (fc, pool, conv))
         finally:
             cgp.train.ThreadCommunicator = own
         ab_pair([base, trainer()], (args.base, "working tree"), args)
