@@ -521,8 +521,9 @@ def _dx_columns(w, dy, dx, dyc, wt, cols, pad_h, pad_w, dil_h, dil_w, group, T, 
     P*Q output positions j), then the rows (c, r, s) are added into dx[n, c] where tap (r, s)
     puts them, each element taking its taps in (r, s) order (tile.shifted_row_sum: the S taps
     of a kernel row at once, several rows of dx at a time). It multiplies no zeros; the adding
-    pass touches each column element once. dyc: one sample's dy (with room for a tile's last vectors); wt: the weights
-    with (c, r, s) innermost, rows padded to whole tiles (with zeros)."""
+    pass touches each column element once. dyc: one sample's dy (with room for a tile's last
+    vectors); wt: the weights with (c, r, s) innermost, rows padded to whole tiles (with
+    zeros)."""
     N, C, H, W = dx.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
