@@ -30,7 +30,7 @@ from cgp.train import RunConfig, Trainer
 TASKS = 64   # room for each run's tasks
 
 # What each program is, by its function's name.
-NAMES = {"_task": "calls and reduction", "task": "reduction", "<lambda>": "update"}
+NAMES = {"_task": "calls and reduction", "task": "reduction", "apply": "update"}
 
 
 class Trace:

@@ -297,8 +297,7 @@ def cgp_config(threads, trainer, workers="threads"):
     saved = []
 
     def run(iterations):
-        for _ in range(iterations):
-            trainer.step()
+        trainer.steps(iterations)   # as Trainer.solve runs them
 
     def save():
         saved[:] = [trainer.iter, trainer.solver.current_step, trainer.net.params.copy(),

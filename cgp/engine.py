@@ -370,7 +370,29 @@ class Engine:
         self.inputs = {t: aligned_zeros(net.blob_shapes[t], self.dtype, True)
                        for t in self.source_names} if shared else None
         self._batch = self.inputs   # what the calls of the run in progress read
+        self._apply = None           # the solver update merged into runs (merge_updates)
         self._tasks = pool.program(self._task)
+
+    def merge_updates(self, apply, spans):
+        """Lets run() take the previous step's solver update along (run's `pending`, a
+        solver Step): apply(worker, i, step) updates the flat parameters' columns spans[i].
+        Its tasks then come right after the first call, before the others, and every call's
+        forward waits, before each layer, until the blocks holding that layer's parameters
+        are updated: one worker updates while another starts its call, and a step hands
+        over to the workers once. The same arithmetic on the same values as an update run
+        of its own: every read of a parameter waits for its update, and the run's first
+        write of a gradient (backward, after the whole forward) comes after every update
+        has read it. Before the pool starts (worker processes must see apply)."""
+        net = self.net
+        self._apply = apply
+        self.update_spans = list(spans)
+        self.needs = []   # per entry: the update blocks that hold its parameters
+        for entry in net.entries:
+            cols = [(net.param_blobs[p].offset, net.param_blobs[p].offset
+                     + net.param_blobs[p].size) for p in entry.params]
+            self.needs.append([b for b, (lo, hi) in enumerate(self.update_spans)
+                               if any(a < hi and lo < z for a, z in cols)])
+        self.updated = aligned_zeros(len(self.update_spans), np.int64, self.pool.shared_memory)
 
     def new_workspace(self):
         """One worker's buffers, sized for this engine's calls and for how the net runs its
@@ -403,9 +425,11 @@ class Engine:
         starts = np.array([first * rows for first, _ in self.bounds] + [M], np.int64)
         return FactoredGrad(blob.offset, J, L, a, b, starts)
 
-    def run(self, batch, iteration, seed):
+    def run(self, batch, iteration, seed, pending=None, first=None):
         """batch: source blob id -> whole-batch array. Returns ({output name: value},
-        loss, gradient or None). The gradient is the fixed-order sum over chunks."""
+        loss, gradient or None). The gradient is the fixed-order sum over chunks.
+        pending: a solver Step to apply first, in this run (merge_updates). first: the
+        caller's own work at the start of the run (Pool.run)."""
         net = self.net
         if self.inputs is not None:
             for b, a in batch.items():
@@ -413,10 +437,15 @@ class Engine:
         else:
             self._batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
         tasks = len(self.groups)
+        if pending is not None:
+            if self._apply is None:
+                raise ValueError("Engine.run: a pending update needs merge_updates first")
+            self.updated[:] = 0
+            tasks += len(self.update_spans)
         if self.backward and self.overlap:
             self.progress[:] = 0
             tasks += len(self.reduce_order)
-        self.pool.run(self._tasks, tasks, iteration, seed)
+        self.pool.run(self._tasks, tasks, iteration, seed, pending, first=first)
         if self.backward and not self.overlap:
             self.reduction()
         # Shares add up in chunk order, in the dtype of the blobs they came from.
@@ -437,12 +466,24 @@ class Engine:
                            and lo < net.param_blobs[p].offset + net.param_blobs[p].size
                            for p in entry.params))
 
-    def _task(self, worker, i, iteration, seed):
+    def _task(self, worker, i, iteration, seed, pending):
         """Task i of a run: call i, or after the calls, reduction task reduce_order[i - calls]
-        once its columns' gradients are written."""
+        once its columns' gradients are written. With a pending update, its blocks' tasks
+        come after the first call (before it on one worker, which cannot wait for them)."""
         calls = len(self.groups)
+        if pending is not None:
+            updates = len(self.update_spans)
+            first_call = 1 if self.pool.threads > 1 else 0
+            if first_call <= i < first_call + updates:
+                b = i - first_call
+                self._apply(worker, b, pending)
+                spin.fetch_add(self.updated, b, 1)
+                return
+            if i >= first_call:
+                i -= updates
         if i < calls:
-            self.work(worker, i, iteration, seed, self._batch)
+            self.work(worker, i, iteration, seed, self._batch,
+                      self._ready if pending is not None else None)
             return
         t = self.reduce_order[i - calls]
         # Every call has been handed out before this task: each runs on a worker that waits
@@ -453,17 +494,26 @@ class Engine:
                 time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by a call
         self.reduction.task(worker, t)
 
-    def work(self, worker, g, iteration, seed, batch):
+    def _ready(self, entry):
+        """Waits until the update blocks that hold entry's parameters are done (a call's
+        forward, in a run with a pending update)."""
+        for b in self.needs[entry]:
+            while spin.wait_for(self.updated, b, 1, self._wait_spins) < 1:
+                self.pool.check_run()
+                if not self._wait_spins:
+                    time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by the update
+
+    def work(self, worker, g, iteration, seed, batch, ready=None):
         """One call: forward (and backward) of group g's samples in the worker's workspace,
         writing the group's loss shares and chunk gradients. batch: source blob id ->
-        whole-batch array."""
+        whole-batch array. ready: Net.forward's, where a pending update runs alongside."""
         net = self.net
         c0, c1 = self.groups[g]
         by_name = {self.source_names[b]: a for b, a in batch.items()}
         chunk = call_chunk(self.bounds[c0:c1], batch=net.batch_size, iteration=iteration,
                            seed=seed, batch_tops=by_name)
         ws = self.workspaces[worker]
-        data = net.forward(ws, chunk, batch, self.params)
+        data = net.forward(ws, chunk, batch, self.params, ready=ready)
         for j, (blob, _) in enumerate(self.tracked):
             self.shares[c0:c1, j] = data[blob][:c1 - c0]
         if self.backward:

@@ -34,10 +34,8 @@ def train_run(sp, solver_path, config, iters, log=lambda line: None):
     trainer = Trainer(sp, solver_path, replace(config, max_iter=iters, progress=False), log=log)
     try:
         losses = []
-        with threadpool_limits(limits=1):
-            while trainer.iter < iters:
-                loss, _, _ = trainer.step()
-                losses.append(loss)
+        with threadpool_limits(limits=1):   # as Trainer.solve runs the iterations
+            trainer.steps(iters, lambda it, loss, outputs, rate: losses.append(loss))
             accuracy = trainer.test(0) if trainer.test_nets else {}
         params = trainer.net.params.copy()
     finally:

@@ -351,17 +351,21 @@ class Net:
         return out
 
     # -- one call: a run of chunks ------------------------------------------------
-    def forward(self, ws, chunk, batch_data, params, clock=None):
+    def forward(self, ws, chunk, batch_data, params, clock=None, ready=None):
         """Forward the samples of `chunk` (one or more parts, see Chunk). batch_data: source
         blob id -> whole-batch array; params: per-entry views (from param_views). Fills
         ws.data and returns its views; a batch-value top holds one value per part.
-        clock: optional array, clock[i] += seconds spent in entry i."""
+        clock: optional array, clock[i] += seconds spent in entry i. ready: optional
+        ready(i), called before entry i runs (the engine waits there for the update of the
+        entry's parameters)."""
         data = ws.views(chunk.n)
         lo, hi = chunk.first, chunk.first + chunk.n
         for blob, array in batch_data.items():
             data[blob] = array[lo:hi]
         parts = chunk.parts
         for i, (entry, p, scratch) in enumerate(zip(self.entries, params, ws.scratch)):
+            if ready is not None:
+                ready(i)
             started = time.perf_counter() if clock is not None else 0.0
             layer = entry.layer
             if self.whole_calls[i]:

@@ -204,8 +204,12 @@ class Trainer:
         # The gradient that the update reads: the reduction's sum (comm.plan writes it into
         # the first chunk's row), or its sum over iter_size passes.
         gradient = self._accum if self._accum is not None else self.engine.chunk_grads[0]
-        self._update = self.pool.program(lambda w, i, step: self.solver.apply(
-            step, self.net.params, gradient, *self.slices[i]))
+        def apply(w, i, step):
+            self.solver.apply(step, self.net.params, gradient, *self.slices[i])
+        self._update = self.pool.program(apply)
+        # Within steps(), a step's update runs in the next step's run (Engine.merge_updates).
+        self.engine.merge_updates(apply, self.slices)
+        self._pending = None      # the Step whose update has not run yet (steps())
         self.pool.start()   # workers forked once everything they run exists
         self.iter = 0
         # The iteration whose batch starts at record 0: 0, or the iteration of a Caffe
@@ -250,15 +254,16 @@ class Trainer:
                 batch[blob] = array
         return batch
 
-    def _read_ahead(self):
-        """Loads the next iteration's first batch while the workers update the weights: the
-        caller's own work during the update (Pool.run's `first`), which would otherwise be
-        a serial part of the next step. A batch is a function of its position, iteration
-        and seed alone, so reading it early changes nothing; _batch uses it only if the next
-        request is for that very batch (not after a restore or a jump back). A data error is
-        left to the step that needs the batch, which then reads it again and raises it."""
+    def _read_ahead(self, it):
+        """Loads the first batch of iteration `it` while the workers work: the caller's own
+        work at the start of a pool run (Pool.run's `first`: the update run, or the step
+        before `it` with its update merged in), which would otherwise be a serial part of
+        the next step. A batch is a function of its position, iteration and seed alone, so
+        reading it early changes nothing; _batch uses it only if the next request is for
+        that very batch (not after a restore or a jump back). A data error is left to the
+        step that needs the batch, which then reads it again and raises it."""
         self._ahead = None
-        position, iteration = self._pass(self.iter + 1, 0)
+        position, iteration = self._pass(it, 0)
         try:
             batch = self._batch(self.net, position, iteration)
         except Exception:   # noqa: BLE001  (raised again where the batch is needed)
@@ -280,15 +285,18 @@ class Trainer:
         return done
 
     # -- one iteration -------------------------------------------------------------
-    def forward_backward(self):
+    def forward_backward(self, pending=None, first=None):
         """Gradients of the current iteration (summed over iter_size passes): returns
-        (loss, outputs of the last pass, gradient)."""
+        (loss, outputs of the last pass, gradient). pending: the previous step's update
+        (a Step), applied in the first pass's run; first: the caller's work in that run."""
         size = self.sp.iter_size
         loss = 0.0
         for k in range(size):
             position, iteration = self._pass(self.iter, k)
             batch = self._batch(self.net, position, iteration)
-            outputs, pass_loss, grad = self.engine.run(batch, iteration, self.seed)
+            outputs, pass_loss, grad = self.engine.run(batch, iteration, self.seed,
+                                                       pending if k == 0 else None,
+                                                       first if k == size - 1 else None)
             loss += pass_loss
             if self._accum is not None:
                 if k == 0:
@@ -299,11 +307,42 @@ class Trainer:
 
     def step(self):
         """One training iteration: forward/backward, update, iter += 1."""
-        loss, outputs, grad = self.forward_backward()
-        update = self.solver.prepare(self.iter, grad, self.slices)
-        self.pool.run(self._update, len(self.slices), update, first=self._read_ahead)
-        self.iter += 1
-        return loss, outputs, update.rate
+        return self.steps(1)
+
+    def steps(self, n, each=None):
+        """Up to n training iterations, each as step(); returns the last one's (loss,
+        outputs, rate). each(it, loss, outputs, rate), if given, is called after iteration
+        `it` and ends the run early by returning True. On two workers or more, each update
+        but the last runs in the next iteration's pool run, alongside its first layers
+        (Engine.merge_updates): the same bits as step() after step(), with one hand-over to
+        the workers per iteration instead of two. The weights are up to date when it
+        returns."""
+        merge = self.pool.threads > 1   # one worker has nothing to run an update beside
+        result = None
+        for k in range(n):
+            pending, self._pending = self._pending, None
+            more = merge and k + 1 < n
+            it = self.iter
+            loss, outputs, grad = self.forward_backward(
+                pending, (lambda: self._read_ahead(it + 1)) if more else None)
+            self._pending = self.solver.prepare(it, grad, self.slices)
+            result = loss, outputs, self._pending.rate
+            self.iter += 1
+            stop = each is not None and each(it, *result)
+            if stop or not more:
+                self.flush(ahead=not more)   # else this run has read the next batch
+            if stop:
+                break
+        return result
+
+    def flush(self, ahead=False):
+        """Runs the update that steps() has left pending, if any; with `ahead`, reading the
+        next iteration's batch meanwhile."""
+        if self._pending is not None:
+            update, self._pending = self._pending, None
+            it = self.iter
+            self.pool.run(self._update, len(self.slices), update,
+                          first=(lambda: self._read_ahead(it)) if ahead else None)
 
     def test(self, index=0):
         """One test pass of test net `index`: outputs averaged over test_iter batches."""
@@ -342,17 +381,14 @@ class Trainer:
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
             last = time.perf_counter()
             last_iter = self.iter
-            while self.iter < self.max_iter and not self._stop:
-                if self._due(sp.test_interval) and (self.iter > 0 or sp.test_initialization):
-                    self._test_all()
-                it = self.iter
-                loss, outputs, rate = self.step()
+
+            def done(it, loss, outputs, rate):
+                nonlocal last, last_iter
                 smoothed = self._smoothed(loss)
                 bar.update(1)
                 if sp.display and it % sp.display == 0:
                     now = time.perf_counter()
-                    done = max(1, self.iter - last_iter)
-                    speed = done / max(now - last, 1e-9)
+                    speed = max(1, self.iter - last_iter) / max(now - last, 1e-9)
                     self.log(f"Iteration {it} ({speed:.3g} iter/s, "
                              f"{speed * self.net.batch_size * sp.iter_size:.0f} img/s), "
                              f"loss = {fmt(smoothed)}")
@@ -360,6 +396,17 @@ class Trainer:
                         self.log(f"    Train net output #{j}: {name} = {fmt(value)}")
                     self.log(f"Iteration {it}, lr = {fmt(rate)}")
                     last, last_iter = now, self.iter
+                return self._request is not None   # a signal's request: acted on now
+
+            while self.iter < self.max_iter and not self._stop:
+                if self._due(sp.test_interval) and (self.iter > 0 or sp.test_initialization):
+                    self._test_all()
+                # The iterations up to the next test, snapshot or the end, in one steps().
+                n = self.max_iter - self.iter
+                for interval in (sp.test_interval if self.test_nets else 0, sp.snapshot):
+                    if interval > 0:
+                        n = min(n, interval - self.iter % interval)
+                self.steps(n, done)
                 request, self._request = self._request, None
                 if (sp.snapshot and self.iter % sp.snapshot == 0) or request == "snapshot":
                     self.snapshot()

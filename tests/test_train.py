@@ -47,3 +47,31 @@ def test_lenet_learns_real_mnist():
     run = train_run(sp, None, RunConfig(threads=2), 300)
     assert run.accuracy["accuracy"] >= 0.95
     assert np.mean(run.losses[-20:]) < 0.3
+
+
+@pytest.mark.parametrize("threads, workers", [(1, "threads"), (2, "threads"), (3, "threads"),
+                                              (2, "processes")])
+def test_steps_with_merged_updates_match_step_after_step(threads, workers, mnist_dir):
+    """steps(n) runs each update but the last inside the next iteration's pool run (the
+    calls' forward waits for the blocks of its layers; on one worker, in runs of their own):
+    bitwise the weights, solver history and losses of n step() calls, each with its update in
+    a run of its own; a run that each() ends early leaves the weights up to date too. Adam and
+    momentum SGD. (Without the waits the runs on several workers fail this.)"""
+    from cgp.train import Trainer
+    for solver in ("SGD", "Adam"):
+        sp = lenet_solver(32, type=solver)
+        config = RunConfig(threads=threads, workers=workers, data_dir=str(mnist_dir),
+                           progress=False)
+        trainers = [Trainer(sp, None, config, log=lambda line: None) for _ in range(2)]
+        try:
+            single = [trainers[0].step()[0] for _ in range(5)]
+            merged = []
+            trainers[1].steps(3, lambda it, loss, outputs, rate: merged.append(loss))
+            trainers[1].steps(9, lambda it, loss, outputs, rate: merged.append(loss) or it == 4)
+            assert trainers[1].iter == 5 and merged == single
+            assert np.array_equal(trainers[0].net.params, trainers[1].net.params)
+            for a, b in zip(trainers[0].solver.histories, trainers[1].solver.histories):
+                assert np.array_equal(a, b)
+        finally:
+            for t in trainers:
+                t.close()
