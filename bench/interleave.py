@@ -37,21 +37,22 @@ def import_revision(rev, path, folder, script):
     return module
 
 
-def interleaved_rounds(trainers, rounds, steps, warmup=3):
+def interleaved_rounds(trainers, rounds, steps, warmup=3, runs=None):
     """Times `steps` training steps of each trainer in turn, `rounds` times over, after
     `warmup` untimed steps each, so that a change of the machine's speed hits them all alike.
-    Returns one list of round times (seconds) per trainer."""
+    runs: per trainer, run(n) making n steps (default: step() n times). Returns one list of
+    round times (seconds) per trainer."""
+    if runs is None:
+        runs = [lambda n, t=t: [t.step() for _ in range(n)] for t in trainers]
     times = [[] for _ in trainers]
     with threadpool_limits(limits=1):
-        for t in trainers:
-            for _ in range(warmup):
-                t.step()
+        for t, run in zip(trainers, runs):
+            run(warmup)
             rest(t)
         for _ in range(rounds):
-            for t, row in zip(trainers, times):
+            for t, run, row in zip(trainers, runs, times):
                 started = time.perf_counter()
-                for _ in range(steps):
-                    t.step()
+                run(steps)
                 row.append(time.perf_counter() - started)
                 rest(t)
     return times
@@ -84,12 +85,12 @@ def use_group(args):
         cgp.engine.group_size = lambda net, chunks, threads: args.group
 
 
-def ab_pair(pair, names, args):
+def ab_pair(pair, names, args, runs=None):
     """Interleaved rounds (above) of two trainers A, B that train from one seed, as args
     (add_pair_options) ask. Prints A's and B's median time per step, B's speed relative to A
     as the median of the per-round ratios, and whether their weights came out bitwise equal;
-    closes both. names: what to call A and B."""
-    times = interleaved_rounds(pair, args.rounds, args.steps)
+    closes both. names: what to call A and B; runs: as interleaved_rounds'."""
+    times = interleaved_rounds(pair, args.rounds, args.steps, runs=runs)
     ratio = statistics.median(a / b for a, b in zip(*times))
     same = np.array_equal(pair[0].net.params, pair[1].net.params)
     for t in pair:
