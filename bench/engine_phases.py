@@ -52,7 +52,7 @@ class TimedPool(Pool):
         phase[1] += busy[0]
 
 
-PHASES = {"run": "chunks (forward, backward)", "__call__": "reduction", "step": "solver update"}
+PHASES = {"run": "chunks (forward, backward)", "__call__": "reduction", "flush": "solver update"}
 
 
 def measure(model, threads, steps, data_dir, factor, group, overlap):
