@@ -22,7 +22,7 @@ from interleave import ab_pair, add_pair_options  # bench/, on the path when run
 class ReadAtStart(Trainer):
     """A Trainer that reads every batch when the step needs it."""
 
-    def _read_ahead(self):
+    def _read_ahead(self, it):
         pass
 
 
