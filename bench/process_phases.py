@@ -9,7 +9,11 @@ does it all: busy time that grows at two workers is work that runs slower beside
 worker (shared caches, memory, reading what the other core wrote).
 
     python bench/process_phases.py [mnist|cifar10] [--threads 1,2] [--steps 300]
-                                   [--separate] [--data-dir DIR]
+                                   [--separate] [--merged] [--data-dir DIR]
+
+--merged runs the steps as Trainer.solve does (Trainer.steps: each update in the next
+step's run, on two workers or more); the step time is then from one iteration's end to the
+next, and a run that happens once (the last update) is shown apart, not in the serial part.
 
 Times come from time.perf_counter (CLOCK_MONOTONIC on Linux: one clock for all processes),
 written by each task into shared memory.
@@ -74,7 +78,7 @@ def traced_pool(trace):
     return TracedPool
 
 
-def measure(model, threads, steps, data_dir, overlap=True):
+def measure(model, threads, steps, data_dir, overlap=True, merged=False):
     trace = Trace(runs=3 * steps + 16)
     cgp.procs.ProcessPool = traced_pool(trace)
     path = models.solver_path(model)
@@ -90,7 +94,15 @@ def measure(model, threads, steps, data_dir, overlap=True):
             trainer.step()
         trace.count[0] = 0
         step_times = []
-        for _ in range(steps):
+        if merged:
+            last = [time.perf_counter()]
+
+            def each(it, loss, outputs, rate):
+                now = time.perf_counter()
+                step_times.append(now - last[0])
+                last[0] = now
+            trainer.steps(steps, each)
+        for _ in range(0 if merged else steps):
             started = time.perf_counter()
             trainer.step()
             step_times.append(time.perf_counter() - started)
@@ -123,12 +135,14 @@ def summarise(names, trace, step_times, threads):
     walls = 0.0
     print(f"{threads} worker(s): step {step:.3f} ms (median of {len(step_times)})")
     for program, p in sorted(phases.items()):
-        walls += ms(p["wall"])
+        once = len(p["wall"]) < len(step_times) / 2   # not a run of every step
+        walls += 0.0 if once else ms(p["wall"])
         busy = "  ".join(f"w{w} {ms(b):.3f}" for w, b in enumerate(p["busy"]))
         ends = (f"  late {ms(p['late']):.3f}  ends apart {ms(p['apart']):.3f}"
                 if threads > 1 else "")
+        runs = f" ({len(p['wall'])} run(s), not in every step)" if once else ""
         print(f"  {names.get(program, program):>19}: wall {ms(p['wall']):.3f}  busy {busy}"
-              f"{ends} ms")
+              f"{ends} ms{runs}")
     print(f"  serial (the step outside the runs) {step - walls:.3f} ms")
 
 
@@ -138,11 +152,12 @@ def main():
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--separate", action="store_true")
+    parser.add_argument("--merged", action="store_true")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     for threads in [int(t) for t in args.threads.split(",")]:
-        summarise(*measure(args.model, threads, args.steps, args.data_dir, not args.separate),
-                  threads)
+        summarise(*measure(args.model, threads, args.steps, args.data_dir, not args.separate,
+                           args.merged), threads)
 
 
 if __name__ == "__main__":
