@@ -25,16 +25,37 @@ def import_revision(rev, path, folder, script):
     imported from a copy in `folder` under the name base_<file name>; exits naming `script`
     where git has no such file."""
     try:
-        text = git_show(rev, path)
+        return import_revisions(rev, [path], folder)[Path(path).stem]
     except subprocess.CalledProcessError as err:
         sys.exit(f"{script}: git show {rev}: {err.stderr.strip()}")
-    name = "base_" + Path(path).stem
-    copy = Path(folder) / f"{name}.py"
-    copy.write_text(text)
-    spec = importlib.util.spec_from_file_location(name, copy)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+
+def import_revisions(rev, paths, folder):
+    """The modules in files `paths` (from the repository root, e.g. kernels/tile.py) as of git
+    revision `rev`, imported in that order from copies in `folder` as base_<file name>. A
+    copy's imports of the others (`from cgp.kernels.tile import`) are rewritten to the
+    copies, so the revision's modules use each other, not the working tree's. Returns {file
+    name: module}; raises subprocess.CalledProcessError, with git's message, where git has
+    no such file."""
+    sys.path.insert(0, str(folder))
+    names = {path: Path(path).stem for path in paths}
+    # cgp/x.py is cgp.x; kernels/x.py is installed as cgp.kernels.x.
+    dotted = {path: "cgp." + path[:-len(".py")].replace("/", ".").removeprefix("cgp.")
+              for path in paths}
+    modules = {}
+    for path in paths:
+        text = git_show(rev, path)
+        for other in paths:
+            text = text.replace(f"from {dotted[other]} import", f"from base_{names[other]} import")
+        name = "base_" + names[path]
+        copy = Path(folder) / f"{name}.py"
+        copy.write_text(text)
+        spec = importlib.util.spec_from_file_location(name, copy)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module   # for the copies that import it
+        spec.loader.exec_module(module)
+        modules[names[path]] = module
+    return modules
 
 
 def interleaved_rounds(trainers, rounds, steps, warmup=3, runs=None):

@@ -36,7 +36,7 @@ from threadpoolctl import threadpool_limits
 from cgp.engine import chunk_bounds
 from cgp.kernels import conv, fc, pool, reduce
 from cgp.layers import aligned_zeros
-from interleave import git_show  # bench/, on the path when run as a script
+from interleave import import_revisions  # bench/, on the path when run as a script
 
 # name: (C, H, W, K, R, S, pad): the stride-1 convolutions of the shipped nets.
 LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
@@ -57,17 +57,9 @@ KNOWN = list(LAYERS) + list(POOLS) + list(INNER) + list(REDUCTIONS)
 def base_modules(rev, folder):
     """The revision's kernels/conv.py, pool.py, reduce.py and fc.py, importing its own tile.py,
     as modules base_conv, base_pool, base_reduce and base_fc."""
-    (folder / "base_tile.py").write_text(git_show(rev, "kernels/tile.py"))
-    for name in ("conv", "pool", "reduce", "fc"):
-        source = git_show(rev, f"kernels/{name}.py").replace("from cgp.kernels.tile import",
-                                                             "from base_tile import")
-        (folder / f"base_{name}.py").write_text(source)
-    sys.path.insert(0, str(folder))
-    import base_conv
-    import base_fc
-    import base_pool
-    import base_reduce
-    return base_conv, base_pool, base_reduce, base_fc
+    m = import_revisions(rev, ["kernels/tile.py", "kernels/conv.py", "kernels/pool.py",
+                               "kernels/reduce.py", "kernels/fc.py"], folder)
+    return m["conv"], m["pool"], m["reduce"], m["fc"]
 
 
 def normal(rng, shape):

@@ -12,10 +12,8 @@ the base trainer, which forked worker processes would not see.
                                     [--steps 8] [--data-dir DIR]
 """
 import argparse
-import importlib.util
 import sys
 import tempfile
-from pathlib import Path
 
 import cgp.layers.conv
 import cgp.layers.inner_product
@@ -25,7 +23,7 @@ from cgp import models
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
 # bench/, on the path when run as a script
-from interleave import ab_pair, add_pair_options, git_show
+from interleave import ab_pair, add_pair_options, import_revisions
 
 # The layer modules whose kernels module (K: fc, pool, conv) is swapped. (Their scratch is
 # sized by the working tree's kernels: a revision whose kernels need more does not fit.)
@@ -35,23 +33,9 @@ LAYERS = (cgp.layers.inner_product, cgp.layers.pool, cgp.layers.conv)
 def base_modules(rev, folder):
     """The revision's kernels/fc.py, pool.py and conv.py, and its cgp/comm.py with its
     kernels/reduce.py, importing its own tile.py: (fc, pool, conv, comm) modules."""
-    sys.path.insert(0, str(folder))
-    sources = {"base_tile": git_show(rev, "kernels/tile.py")}
-    for name in ("fc", "pool", "conv", "reduce"):
-        sources[f"base_{name}"] = git_show(rev, f"kernels/{name}.py").replace(
-            "from cgp.kernels.tile import", "from base_tile import")
-    sources["base_comm"] = git_show(rev, "cgp/comm.py").replace(
-        "from cgp.kernels.reduce import", "from base_reduce import")
-    modules = {}
-    for name in ("base_tile", "base_reduce", "base_fc", "base_pool", "base_conv", "base_comm"):
-        path = Path(folder) / f"{name}.py"
-        path.write_text(sources[name])
-        spec = importlib.util.spec_from_file_location(name, path)
-        modules[name] = importlib.util.module_from_spec(spec)
-        sys.modules[name] = modules[name]
-        spec.loader.exec_module(modules[name])
-    return (modules["base_fc"], modules["base_pool"], modules["base_conv"],
-            modules["base_comm"])
+    m = import_revisions(rev, ["kernels/tile.py", "kernels/reduce.py", "kernels/fc.py",
+                               "kernels/pool.py", "kernels/conv.py", "cgp/comm.py"], folder)
+    return m["fc"], m["pool"], m["conv"], m["comm"]
 
 
 class BaseKernels:
