@@ -386,12 +386,9 @@ class Engine:
         net = self.net
         self._apply = apply
         self.update_spans = list(spans)
-        self.needs = []   # per entry: the update blocks that hold its parameters
-        for entry in net.entries:
-            cols = [(net.param_blobs[p].offset, net.param_blobs[p].offset
-                     + net.param_blobs[p].size) for p in entry.params]
-            self.needs.append([b for b, (lo, hi) in enumerate(self.update_spans)
-                               if any(a < hi and lo < z for a, z in cols)])
+        # Per entry: the update blocks that hold its parameters.
+        self.needs = [[b for b, (lo, hi) in enumerate(self.update_spans)
+                       if self._holds(e, lo, hi)] for e in range(len(net.entries))]
         self.updated = aligned_zeros(len(self.update_spans), np.int64, self.pool.shared_memory)
 
     def new_workspace(self):
@@ -460,11 +457,14 @@ class Engine:
     def _first_writer(self, lo, hi):
         """The first entry that writes gradients of columns lo:hi of the flat parameters
         (every column has one)."""
+        return next(e for e in range(len(self.net.entries)) if self._holds(e, lo, hi))
+
+    def _holds(self, e, lo, hi):
+        """Whether any parameter of entry e lies in columns lo:hi of the flat parameters."""
         net = self.net
-        return next(e for e, entry in enumerate(net.entries)
-                    if any(net.param_blobs[p].offset < hi
-                           and lo < net.param_blobs[p].offset + net.param_blobs[p].size
-                           for p in entry.params))
+        return any(net.param_blobs[p].offset < hi
+                   and lo < net.param_blobs[p].offset + net.param_blobs[p].size
+                   for p in net.entries[e].params)
 
     def _task(self, worker, i, iteration, seed, pending):
         """Task i of a run: call i, or after the calls, reduction task reduce_order[i - calls]
@@ -488,20 +488,22 @@ class Engine:
         t = self.reduce_order[i - calls]
         # Every call has been handed out before this task: each runs on a worker that waits
         # for nothing, unless the run has failed (then check_run raises).
-        while spin.wait_for(self.progress, self.awaited[t], calls, self._wait_spins) < calls:
-            self.pool.check_run()
-            if not self._wait_spins:
-                time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by a call
+        self._wait(self.progress, self.awaited[t], calls)
         self.reduction.task(worker, t)
 
     def _ready(self, entry):
         """Waits until the update blocks that hold entry's parameters are done (a call's
         forward, in a run with a pending update)."""
         for b in self.needs[entry]:
-            while spin.wait_for(self.updated, b, 1, self._wait_spins) < 1:
-                self.pool.check_run()
-                if not self._wait_spins:
-                    time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by the update
+            self._wait(self.updated, b, 1)
+
+    def _wait(self, counters, index, target):
+        """Waits, within a run, until counters[index] reaches target, another task's
+        progress; raises RunCancelled (Pool.check_run) once a task of the run has failed."""
+        while spin.wait_for(counters, index, target, self._wait_spins) < target:
+            self.pool.check_run()
+            if not self._wait_spins:
+                time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by the task awaited
 
     def work(self, worker, g, iteration, seed, batch, ready=None):
         """One call: forward (and backward) of group g's samples in the worker's workspace,
