@@ -1,0 +1,48 @@
+"""Interleaved A/B of whole training steps against another git revision's runtime: the
+Python that cuts a step into tasks and hands them to the workers (cgp/train.py, engine.py,
+procs.py, comm.py, solver.py), the layers and kernels the working tree's. Unlike
+engine_ab.py and step_kernels_ab.py, the workers may be processes: the base trainer is built
+from the revision's modules before its workers fork. Two trainers train from one seed in one
+process, their steps run as Trainer.solve runs them (Trainer.steps, so the revision must
+have it) and their rounds interleaved; they must end with bitwise equal weights.
+
+    python bench/runtime_ab.py --base REV [mnist|cifar10] [--threads 2] [--rounds 15]
+                               [--steps 8] [--workers processes] [--data-dir DIR]
+"""
+import argparse
+import sys
+import tempfile
+
+from cgp import models
+from cgp.prototxt import read_solver
+from cgp.train import RunConfig, Trainer
+from interleave import ab_pair, add_pair_options, import_revisions  # bench/, on the path
+
+# In the order they import each other.
+FILES = ["cgp/comm.py", "cgp/engine.py", "cgp/procs.py", "cgp/solver.py", "cgp/train.py"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_pair_options(parser, threads=2)
+    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
+    args = parser.parse_args()
+    path = models.solver_path(args.model)
+
+    def trainer(cls, config_cls):
+        config = config_cls(threads=args.threads, progress=False, data_dir=args.data_dir,
+                            workers=args.workers)
+        return cls(read_solver(path), path, config, log=lambda line: None)
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            base = import_revisions(args.base, FILES, folder)["train"]
+        except Exception as err:  # git's message, or a revision these files do not fit
+            sys.exit(f"runtime_ab: {args.base}: {getattr(err, 'stderr', '') or err}")
+        pair = [trainer(base.Trainer, base.RunConfig), trainer(Trainer, RunConfig)]
+    print(f"workers as {args.workers}")
+    ab_pair(pair, (args.base, "working tree"), args, runs=[t.steps for t in pair])
+
+
+if __name__ == "__main__":
+    main()
