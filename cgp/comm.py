@@ -49,6 +49,17 @@ def uncovered(size, factored):
     return ranges
 
 
+def split(ranges, cuts):
+    """The (lo, hi) ranges, each cut at the columns of cuts that lie strictly inside it."""
+    out = []
+    for lo, hi in ranges:
+        for c in sorted(c for c in set(cuts) if lo < c < hi):
+            out.append((lo, c))
+            lo = c
+        out.append((lo, hi))
+    return out
+
+
 class Reduction:
     """A reduction cut into tasks once (ThreadCommunicator.plan): task(w, i), run by worker w,
     writes the sum over chunks of the columns spans[i] = (lo, hi) of the flat gradient into
@@ -88,13 +99,15 @@ class ThreadCommunicator:
                                   aligned_zeros((threads, outer_stack_size(k)), dtype))
         return self._scratch[key]
 
-    def plan(self, bufs, factored=()):
+    def plan(self, bufs, factored=(), cuts=()):
         """The reduction of bufs and factored (as in reduce), cut into its tasks once, for a
-        caller that reduces the same buffers every iteration (the engine): a Reduction."""
+        caller that reduces the same buffers every iteration (the engine): a Reduction.
+        cuts: columns where a task must end besides every BLOCK columns (the engine's layer
+        boundaries, so that no task waits for a layer whose columns it does not sum)."""
         sums, stacks = self._worker_scratch(bufs.shape[0], bufs.dtype)
         tasks, spans = [], []  # each task a function of the worker that runs it (whose
                                # scratch it uses), and the columns it sums
-        for lo, hi in uncovered(bufs.shape[1], factored):
+        for lo, hi in split(uncovered(bufs.shape[1], factored), cuts):
             for a, b in blocks(hi - lo):
                 tasks.append(lambda w, lo=lo + a, hi=lo + b: tree_sum(bufs, lo, hi, sums[w]))
                 spans.append((lo + a, lo + b))

@@ -60,6 +60,17 @@ def call_chunk(bounds, **fields):
                  **fields)
 
 
+def _ranges(indices):
+    """Sorted indices as [(lo, hi), ...], each run of consecutive ones a range."""
+    out = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
 def group_size(net, chunks, threads):
     """Chunks per call by default: one call per thread, unless that holds more than
     CALL_BYTES, then as many calls as that takes, of even size; 1 where the net cannot
@@ -344,7 +355,7 @@ class Engine:
             if factor:
                 for index in net.factorable:
                     self.factored.append(self._factor(index, shared))
-            self.reduction = comm.plan(self.chunk_grads, self.factored)
+            self.reduction = comm.plan(self.chunk_grads, self.factored, self._owner_cuts())
             # The reduction's tasks run in the same pool run as the calls, after them, each
             # once every call has passed, in its backward, the layers whose gradients it sums
             # (progress[e]: calls past entry e): a worker done with its call sums the last
@@ -376,20 +387,44 @@ class Engine:
     def merge_updates(self, apply, spans):
         """Lets run() take the previous step's solver update along (run's `pending`, a
         solver Step): apply(worker, i, step) updates the flat parameters' columns spans[i].
-        Its tasks then come right after the first call, before the others, and every call's
-        forward waits, before each layer, until the blocks holding that layer's parameters
-        are updated: one worker updates while another starts its call, and a step hands
-        over to the workers once. The same arithmetic on the same values as an update run
-        of its own: every read of a parameter waits for its update, and the run's first
-        write of a gradient (backward, after the whole forward) comes after every update
-        has read it. Before the pool starts (worker processes must see apply)."""
+        Every call's forward then waits, before each layer, until the blocks holding that
+        layer's parameters are updated: one worker updates while another starts its call,
+        and a step hands over to the workers once. The same arithmetic on the same values
+        as an update run of its own: every read of a parameter waits for its update, and
+        the run's first write of a gradient (backward, after the whole forward) comes after
+        every update has read it. Before the pool starts (worker processes must see apply)."""
         net = self.net
         self._apply = apply
         self.update_spans = list(spans)
-        # Per entry: the update blocks that hold its parameters.
-        self.needs = [[b for b, (lo, hi) in enumerate(self.update_spans)
-                       if self._holds(e, lo, hi)] for e in range(len(net.entries))]
+        # Per entry: the update blocks, as ranges, that hold its parameters and that no
+        # earlier entry has waited for (forward runs the entries in order): one wait each.
+        self.needs, seen = [], set()
+        for e in range(len(net.entries)):
+            new = [b for b, (lo, hi) in enumerate(self.update_spans)
+                   if b not in seen and self._holds(e, lo, hi)]
+            seen.update(new)
+            self.needs.append(_ranges(new))
         self.updated = aligned_zeros(len(self.update_spans), np.int64, self.pool.shared_memory)
+        self.merged_order = self._merged_order()
+
+    def _merged_order(self):
+        """The first tasks of a run with a pending update, before the reduction's: update
+        block b as -1 - b, call g as g. On one worker, which cannot wait for anything, the
+        whole update, then the calls. On more, the blocks that the first layer with
+        parameters needs, then call 0, then the other blocks, then the other calls: a
+        worker process takes the first tasks while the caller still reads the next batch
+        (Pool.run's first), then starts call 0 with its first layer's parameters updated,
+        and the caller, arriving, updates the blocks later layers need meanwhile. (Call 0
+        first had its worker wait 0.1 ms for the first block; the whole update first left
+        the two workers' memory-bound updates side by side, no faster: bench/README.)"""
+        blocks = range(len(self.update_spans))
+        calls = range(len(self.groups))
+        if self.pool.threads == 1:
+            return [-1 - b for b in blocks] + list(calls)
+        lead = next(([b for lo, hi in ranges for b in range(lo, hi)]
+                     for ranges in self.needs if ranges), [])
+        rest = [b for b in blocks if b not in lead]
+        return [-1 - b for b in lead] + list(calls[:1]) + [-1 - b for b in rest] + list(calls[1:])
 
     def new_workspace(self):
         """One worker's buffers, sized for this engine's calls and for how the net runs its
@@ -454,6 +489,23 @@ class Engine:
         grad = self.reduction.result if self.backward else None
         return values, loss, grad
 
+    def _owner_cuts(self):
+        """The columns of the flat parameters where the entries that hold them change: the
+        reduction's tasks are cut there too, so that a task awaits the layer whose gradients
+        it sums, not an earlier one whose columns happen to share its block (LeNet's conv2
+        waited for conv1, the last layer of backward: 0.06 ms alone at the end of the run)."""
+        net = self.net
+        owners = {}
+        for e, entry in enumerate(net.entries):
+            for p in entry.params:
+                owners.setdefault(p, set()).add(e)
+        cuts, last = [], None
+        for p in sorted(owners, key=lambda p: net.param_blobs[p].offset):
+            if owners[p] != last:
+                cuts.append(net.param_blobs[p].offset)
+                last = owners[p]
+        return cuts
+
     def _first_writer(self, lo, hi):
         """The first entry that writes gradients of columns lo:hi of the flat parameters
         (every column has one)."""
@@ -468,19 +520,19 @@ class Engine:
 
     def _task(self, worker, i, iteration, seed, pending):
         """Task i of a run: call i, or after the calls, reduction task reduce_order[i - calls]
-        once its columns' gradients are written. With a pending update, its blocks' tasks
-        come after the first call (before it on one worker, which cannot wait for them)."""
+        once its columns' gradients are written. With a pending update, the first tasks are
+        the calls and the update's blocks in merged_order."""
         calls = len(self.groups)
         if pending is not None:
-            updates = len(self.update_spans)
-            first_call = 1 if self.pool.threads > 1 else 0
-            if first_call <= i < first_call + updates:
-                b = i - first_call
+            if i >= len(self.merged_order):
+                i -= len(self.update_spans)   # a reduction task
+            elif self.merged_order[i] < 0:
+                b = -1 - self.merged_order[i]
                 self._apply(worker, b, pending)
                 spin.fetch_add(self.updated, b, 1)
                 return
-            if i >= first_call:
-                i -= updates
+            else:
+                i = self.merged_order[i]
         if i < calls:
             self.work(worker, i, iteration, seed, self._batch,
                       self._ready if pending is not None else None)
@@ -488,19 +540,20 @@ class Engine:
         t = self.reduce_order[i - calls]
         # Every call has been handed out before this task: each runs on a worker that waits
         # for nothing, unless the run has failed (then check_run raises).
-        self._wait(self.progress, self.awaited[t], calls)
+        a = self.awaited[t]
+        self._wait(self.progress, a, a + 1, calls)
         self.reduction.task(worker, t)
 
     def _ready(self, entry):
         """Waits until the update blocks that hold entry's parameters are done (a call's
         forward, in a run with a pending update)."""
-        for b in self.needs[entry]:
-            self._wait(self.updated, b, 1)
+        for lo, hi in self.needs[entry]:
+            self._wait(self.updated, lo, hi, 1)
 
-    def _wait(self, counters, index, target):
-        """Waits, within a run, until counters[index] reaches target, another task's
+    def _wait(self, counters, lo, hi, target):
+        """Waits, within a run, until counters[lo:hi] have each reached target, other tasks'
         progress; raises RunCancelled (Pool.check_run) once a task of the run has failed."""
-        while spin.wait_for(counters, index, target, self._wait_spins) < target:
+        while spin.wait_for_all(counters, lo, hi, target, self._wait_spins) < target:
             self.pool.check_run()
             if not self._wait_spins:
                 time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by the task awaited

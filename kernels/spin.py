@@ -63,6 +63,22 @@ def wait_for(flags, index, target, spins):
     return now
 
 
+@njit(cache=True, nogil=True)
+def wait_for_all(flags, lo, hi, target, spins):
+    """Watches flags[lo:hi] (int64), in index order, until each has reached `target`, at
+    most `spins` reads after the first of each; returns `target` once all have, else the
+    value below it that it read last."""
+    left = spins
+    for i in range(lo, hi):
+        now = _load_acquire(flags, i)
+        while now < target:
+            if left <= 0:
+                return now
+            left -= 1
+            now = _load_acquire(flags, i)
+    return target
+
+
 def _rmw_intrinsic(op):
     """An intrinsic (flags, index, value) -> old value of flags[index] (1-d int64), after an
     atomic sequentially consistent read-modify-write `op` ("add", "xchg") of it with value."""

@@ -15,7 +15,7 @@ import pytest
 from numba import njit
 
 from cgp import models
-from cgp.comm import FactoredGrad, ThreadCommunicator, blocks, reference_reduce, uncovered
+from cgp.comm import FactoredGrad, ThreadCommunicator, blocks, reference_reduce, split, uncovered
 from cgp.engine import Engine, Pool, chunk_bounds, group_size
 from cgp.errors import CgpError, NetError
 from cgp.kernels import fpenv
@@ -63,9 +63,14 @@ def test_tree_reduction_matches_reference_bitwise(threads):
         want = reference_reduce(bufs)
         pool = Pool(threads)
         got = ThreadCommunicator(pool).reduce(bufs.copy())
+        # Tasks cut at given columns too (the engine's layer boundaries): the same sums.
+        cut = ThreadCommunicator(pool).plan(bufs.copy(), (), cuts=(70000, 5, 33000, 0))
         pool.close()
-        assert np.array_equal(got, want)
+        assert np.array_equal(got, want) and np.array_equal(cut(), want)
+        assert [lo for lo, _ in cut.spans] == [0, 5, 5 + 32768, 33000, 33000 + 32768, 70000]
     assert blocks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert split([(0, 10), (12, 20)], (7, 0, 3, 12, 15, 7)) == [(0, 3), (3, 7), (7, 10),
+                                                                (12, 15), (15, 20)]
 
 
 # (J, L) pairs for which kernels.tile.choose picks each tile shape, for 16 and 8 lanes.
@@ -276,6 +281,61 @@ def test_the_reduction_overlaps_backward_and_waits_for_every_call(workers):
         assert took < 2
     finally:
         pool.close()
+
+
+def test_each_reduction_task_awaits_the_layers_of_its_columns_alone(mnist_dir):
+    """The reduction's tasks are cut where the entries holding the parameters change, so
+    that each awaits the layers whose gradients it sums and no earlier one (columns of
+    layers sharing a block waited for the first of them, the last that backward passes);
+    weights shared by two layers form a task of their own, awaited by both."""
+    net, _ = grouped_net_and_batch()
+    pool = Pool(2)
+    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    pool.close()
+    holders = [[e for e in range(len(net.entries)) if engine._holds(e, lo, hi)]
+               for lo, hi in engine.reduction.spans]
+    firsts = [[e for e in range(len(net.entries)) if engine._holds(e, lo, lo + 1)]
+              for lo, _ in engine.reduction.spans]
+    assert holders == firsts
+    assert sum(len(h) > 1 for h in holders) == 1   # the shared weights
+    # LeNet: conv2's columns no longer wait for conv1's backward.
+    trainer = Trainer(solver("mnist"), None, RunConfig(threads=2, workers="threads",
+                                                       data_dir=str(mnist_dir), progress=False),
+                      log=lambda line: None)
+    trainer.close()
+    net, engine = trainer.net, trainer.engine
+    names = [net.entries[e].layer.name for e in engine.awaited]
+    assert names[:2] == ["conv1", "conv2"] and names.count("conv1") == 1
+
+
+def test_merged_update_order_and_waits():
+    """With a pending update on two workers or more, a run's first tasks are the update
+    blocks of the first layer with parameters, call 0, the other blocks, then the other
+    calls; on one worker the whole update, then the calls. Each block is waited for once,
+    by the first entry (in forward's order) that holds it."""
+    net, _ = grouped_net_and_batch()
+    spans = blocks(net.n_params, 7)
+    for threads in (1, 2, 3):
+        pool = Pool(threads)
+        engine = Engine(net, 5, pool, ThreadCommunicator(pool), group=1)
+        engine.merge_updates(lambda w, i, step: None, spans)
+        pool.close()
+        order, calls = engine.merged_order, len(engine.groups)
+        waited = [b for ranges in engine.needs for lo, hi in ranges for b in range(lo, hi)]
+        assert sorted(waited) == list(range(len(spans)))
+        for e in range(len(net.entries)):
+            held = {b for b, (lo, hi) in enumerate(spans) if engine._holds(e, lo, hi)}
+            before = {b for ranges in engine.needs[:e + 1] for lo, hi in ranges
+                      for b in range(lo, hi)}
+            assert held <= before
+        first = next(e for e, entry in enumerate(net.entries) if entry.params)
+        lead = [b for lo, hi in engine.needs[first] for b in range(lo, hi)]
+        rest = [b for b in range(len(spans)) if b not in lead]
+        if threads == 1:
+            assert order == [-1 - b for b in range(len(spans))] + list(range(calls))
+        else:
+            assert lead and order == ([-1 - b for b in lead] + [0] + [-1 - b for b in rest]
+                                      + list(range(1, calls)))
 
 
 def raised_within(seconds, fn, *args):
@@ -656,6 +716,10 @@ def test_spin_waits_see_another_threads_write():
     assert spin.wait_while(flags, 1, 5, 10) == 7    # not the value: at once
     assert spin.wait_while(flags, 1, 7, 10) == 7    # still the value after 10 reads
     assert spin.wait_for(flags, 1, 7, 0) == 7 and spin.wait_for(flags, 1, 9, 10) == 7
+    # Every counter of a range: the first below the target ends the wait once reads run out.
+    many = np.array([3, 5, 2, 9], np.int64)
+    assert spin.wait_for_all(many, 0, 2, 3, 0) == 3 and spin.wait_for_all(many, 1, 4, 2, 0) == 2
+    assert spin.wait_for_all(many, 0, 4, 3, 10) == 2 and spin.wait_for_all(many, 2, 2, 7, 0) == 7
     seen = []
     watcher = threading.Thread(target=lambda: seen.append(
         spin.wait_while(flags, 0, 0, 1 << 62)))     # years of reads, if it never saw it
