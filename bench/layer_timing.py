@@ -51,7 +51,7 @@ def time_layer(layer, shape, chunks, reps, first):
     x = rng.standard_normal(shape).astype(np.float32)
     dy = rng.standard_normal(top_shape).astype(np.float32)
     params = [(rng.standard_normal(s) * 0.1).astype(np.float32) for s in layer.param_shapes()]
-    diffs = [np.zeros_like(p) for p in params]
+    diffs = [np.zeros((1,) + p.shape, np.float32) for p in params]   # one part per chunk
     top = np.zeros(top_shape, np.float32)
     dx = np.zeros(shape, np.float32)
     scratch = alloc_scratch(layer, n_max, np.float32)
