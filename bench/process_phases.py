@@ -87,6 +87,14 @@ def measure(model, threads, steps, data_dir, overlap=True, merged=False):
     cgp.procs.forks = lambda workers, threads: workers == "processes"
     trainer = Trainer(read_solver(path), path, config, log=lambda line: None)
     trainer.engine.overlap = overlap
+    # The caller's own work in a run: reading the next batch ahead.
+    read_ahead, trace.read_ahead = trainer._read_ahead, []
+
+    def timed_read_ahead(it):
+        started = time.perf_counter()
+        read_ahead(it)
+        trace.read_ahead.append(time.perf_counter() - started)
+    trainer._read_ahead = timed_read_ahead
     names = {i: "calls" if name == "_task" and not overlap else NAMES.get(name, name)
              for i, name in enumerate(trace.names)}
     with threadpool_limits(limits=1):
@@ -143,7 +151,8 @@ def summarise(names, trace, step_times, threads):
         runs = f" ({len(p['wall'])} run(s), not in every step)" if once else ""
         print(f"  {names.get(program, program):>19}: wall {ms(p['wall']):.3f}  busy {busy}"
               f"{ends} ms{runs}")
-    print(f"  serial (the step outside the runs) {step - walls:.3f} ms")
+    print(f"  serial (the step outside the runs) {step - walls:.3f} ms; the caller's reading "
+          f"of the next batch, within a run, {ms(trace.read_ahead[-len(step_times):]):.3f} ms")
 
 
 def main():

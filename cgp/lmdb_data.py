@@ -53,7 +53,12 @@ class ArrayRecords:
         return len(self.images)
 
     def read(self, start, count):
-        """Records start, start+1, ... (wrapping): images (count, C, H, W), labels (count,)."""
+        """Records start, start+1, ... (wrapping): images (count, C, H, W), labels (count,).
+        A run that does not wrap is a view of the records (no copy: the caller transforms
+        them into arrays of its own)."""
+        first = start % len(self.images)
+        if first + count <= len(self.images):
+            return self.images[first:first + count], self.labels[first:first + count]
         index = (start + np.arange(count)) % len(self.images)
         return self.images[index], self.labels[index]
 

@@ -230,6 +230,31 @@ def test_scale_and_mean_file(raw_db, tmp_path, legacy):
         data_layer(path, f'mean_file: "{write_mean(tmp_path / "small", mean[:1], legacy)}"')
 
 
+def test_transform_kernel_is_caffes_float32_arithmetic():
+    """kernels.data.transform against NumPy's float32 operations one at a time, bitwise:
+    uint8 and float32 records, with and without a mean, with a scale of 1 and another."""
+    from cgp.kernels.data import transform
+    rng = np.random.default_rng(3)
+    mean = rng.uniform(0, 255, 30).astype(np.float32)
+    for records in (rng.integers(0, 256, (5, 30)).astype(np.uint8),
+                    rng.standard_normal((5, 30)).astype(np.float32) * 100):
+        for scale in (np.float32(1), np.float32(0.00390625), np.float32(0.017)):
+            out = np.empty(records.shape, np.float32)
+            transform(records, np.empty(0, np.float32), scale, out)
+            assert np.array_equal(out, records.astype(np.float32) * scale)
+            transform(records, mean, scale, out)
+            assert np.array_equal(out, (records.astype(np.float32) - mean) * scale)
+
+
+def test_records_in_memory_read_as_views_or_wrapped_copies():
+    from cgp.lmdb_data import ArrayRecords
+    images = np.arange(5 * 2 * 3 * 3, dtype=np.uint8).reshape(5, 2, 3, 3)
+    records = ArrayRecords(images, np.arange(5))
+    for start, want in ((1, [1, 2, 3]), (7, [2, 3, 4]), (4, [4, 0, 1]), (13, [3, 4, 0])):
+        got, labels = records.read(start, 3)
+        assert np.array_equal(got, images[want]) and np.array_equal(labels, want)
+
+
 def test_mean_value(raw_db):
     path, images, _ = raw_db
     layer = data_layer(path, "mean_value: 10 mean_value: 20 mean_value: 30.5")

@@ -13,6 +13,7 @@ import numpy as np
 
 from cgp.datasets import store
 from cgp.errors import DataError
+from cgp.kernels import data as K
 from cgp.layers.base import Layer, register
 from cgp.lmdb_data import ArrayRecords, LmdbRecords
 from cgp.proto import caffe_pb2
@@ -78,6 +79,10 @@ class DataLayer(Layer):
         self.batch = dp.batch_size
         channels, height, width = self.records.shape
         self.mean = self._mean(tp, self.records.shape)
+        # What the transform kernel takes: the mean over a whole record, and the scale.
+        self._mean_row = (np.empty(0, np.float32) if self.mean is None else np.ascontiguousarray(
+            np.broadcast_to(self.mean, self.records.shape), np.float32).reshape(-1))
+        self._scale = np.float32(tp.scale)
         self.crop = tp.crop_size
         if self.crop and (self.crop > height or self.crop > width):
             raise self.error(f"crop_size {self.crop} is larger than the {height}x{width} images")
@@ -118,15 +123,13 @@ class DataLayer(Layer):
         Caffe's reader does), transformed: [data (N, C, H', W') float32, label (N,)].
         Caffe's order of operations per element: (value - mean) * scale, in float32."""
         images, labels = self.records.read(start, self.batch)
-        data = images.astype(np.float32)
-        if self.mean is not None:
-            data -= self.mean
-        if self.lp.transform_param.scale != 1:
-            data *= np.float32(self.lp.transform_param.scale)
+        n = len(images)
+        data = np.empty(images.shape, np.float32)
+        K.transform(images.reshape(n, -1), self._mean_row, self._scale, data.reshape(n, -1))
         data = self._crop_and_mirror(data, iteration, seed)
         tops = [np.ascontiguousarray(data)]
         if len(self.lp.top) == 2:
-            tops.append(np.asarray(labels, np.float32))
+            tops.append(np.array(labels, np.float32))   # a copy: records may be a view
         return tops
 
     def _crop_and_mirror(self, data, iteration, seed):
