@@ -9,11 +9,13 @@ does it all: busy time that grows at two workers is work that runs slower beside
 worker (shared caches, memory, reading what the other core wrote).
 
     python bench/process_phases.py [mnist|cifar10] [--threads 1,2] [--steps 300]
-                                   [--separate] [--merged] [--data-dir DIR]
+                                   [--separate] [--merged] [--tasks] [--data-dir DIR]
 
 --merged runs the steps as Trainer.solve does (Trainer.steps: each update in the next
 step's run, on two workers or more); the step time is then from one iteration's end to the
 next, and a run that happens once (the last update) is shown apart, not in the serial part.
+--tasks adds each kind of task's median time: a call, an update block, a reduction task by
+the layer it awaits (busy time that grows at two workers shows which work pays for sharing).
 
 Times come from time.perf_counter (CLOCK_MONOTONIC on Linux: one clock for all processes),
 written by each task into shared memory.
@@ -115,10 +117,44 @@ def measure(model, threads, steps, data_dir, overlap=True, merged=False):
             trainer.step()
             step_times.append(time.perf_counter() - started)
     trainer.close()
-    return names, trace, step_times
+    return names, trace, step_times, trainer.engine
 
 
-def summarise(names, trace, step_times, threads):
+def task_kind(engine, name, i, tasks):
+    """What task i of a run of `tasks` tasks of the program called `name` did: "call", "update
+    block", or "reduction <layer>" (the layer whose backward it awaited)."""
+    def reduction(t):
+        return "reduction " + engine.net.entries[engine.awaited[t]].layer.name
+    if name == "update":
+        return "update block"
+    if name == "reduction":
+        return reduction(i)
+    calls = len(engine.groups)
+    if engine._apply is not None and tasks == calls + len(engine.update_spans) + len(
+            engine.reduce_order):   # a run with the previous step's update merged in
+        if i < len(engine.merged_order):
+            return "update block" if engine.merged_order[i] < 0 else "call"
+        i -= len(engine.update_spans)
+    return "call" if i < calls else reduction(i - calls)
+
+
+def summarise_tasks(names, trace, step_times, engine):
+    """Per kind of task (task_kind): its median time, how many run per step, and their time
+    per step, over every traced run."""
+    kinds = {}
+    for k in range(int(trace.count[0])):
+        rows = trace.tasks[k]
+        tasks = int((rows[:, 1] > 0).sum())
+        for i in range(tasks):
+            kind = task_kind(engine, names.get(int(trace.runs[k][0])), i, tasks)
+            kinds.setdefault(kind, []).append(rows[i, 2] - rows[i, 1])
+    for kind, times in sorted(kinds.items()):
+        each, per_step = 1e6 * statistics.median(times), len(times) / len(step_times)
+        print(f"    {kind:<22} {each:8.1f} µs x {per_step:4.1f} per step = "
+              f"{each * per_step / 1e3:6.3f} ms")
+
+
+def summarise(names, trace, step_times, engine, threads, tasks=False):
     n = int(trace.count[0])
     phases = {}
     for k in range(n):
@@ -153,6 +189,8 @@ def summarise(names, trace, step_times, threads):
               f"{ends} ms{runs}")
     print(f"  serial (the step outside the runs) {step - walls:.3f} ms; the caller's reading "
           f"of the next batch, within a run, {ms(trace.read_ahead[-len(step_times):]):.3f} ms")
+    if tasks:
+        summarise_tasks(names, trace, step_times, engine)
 
 
 def main():
@@ -162,11 +200,14 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--separate", action="store_true")
     parser.add_argument("--merged", action="store_true")
+    parser.add_argument("--tasks", action="store_true",
+                        help="also each kind of task's time (calls, update blocks, reduction "
+                             "tasks by the layer they await)")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     for threads in [int(t) for t in args.threads.split(",")]:
         summarise(*measure(args.model, threads, args.steps, args.data_dir, not args.separate,
-                           args.merged), threads)
+                           args.merged), threads, args.tasks)
 
 
 if __name__ == "__main__":
