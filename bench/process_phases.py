@@ -130,8 +130,9 @@ def task_kind(engine, name, i, tasks):
     if name == "reduction":
         return reduction(i)
     calls = len(engine.groups)
-    if engine._apply is not None and tasks == calls + len(engine.update_spans) + len(
-            engine.reduce_order):   # a run with the previous step's update merged in
+    reductions = len(engine.reduce_order) if engine.overlap else 0   # in the calls' run
+    if engine._apply is not None and tasks == calls + len(engine.update_spans) + reductions:
+        # a run with the previous step's update merged in
         if i < len(engine.merged_order):
             return "update block" if engine.merged_order[i] < 0 else "call"
         i -= len(engine.update_spans)
