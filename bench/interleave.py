@@ -10,6 +10,10 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from cgp import models
+from cgp.prototxt import read_solver
+from cgp.train import RunConfig, Trainer
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -84,6 +88,19 @@ def rest(trainer):
     must not spin on the CPUs while the next trainer is timed."""
     if hasattr(trainer.pool, "rest"):
         trainer.pool.rest()
+
+
+def pair_trainer(args, workers=None, cls=Trainer, config=RunConfig, **fields):
+    """A trainer of the model, thread count and data folder that add_pair_options parsed,
+    silent and without a progress bar. workers: RunConfig's (None: its default); cls and
+    config: a subclass of Trainer, or another revision's Trainer and RunConfig; fields: more
+    RunConfig fields."""
+    path = models.solver_path(args.model)
+    if workers is not None:
+        fields["workers"] = workers
+    return cls(read_solver(path), path,
+               config(threads=args.threads, progress=False, data_dir=args.data_dir, **fields),
+               log=lambda line: None)
 
 
 def add_pair_options(parser, threads, group=False):

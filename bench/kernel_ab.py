@@ -1,11 +1,12 @@
 """Interleaved A/B of the kernels against another git revision: the stride-1 convolutions of
-LeNet and cifar10_quick (forward, backward without and with the input gradient), the
-pooling of both (forward, backward), their first InnerProduct (forward, input gradient) and
-the reduction of the InnerProduct weight gradients that the engine sums from factors (LeNet's ip1, cifar10_quick's ip1: 16 chunks of
-the whole batch), one thread. Each round times the base revision's kernel and then the
-working tree's on the same data, so a change of the machine's speed hits both alike; prints
-milliseconds per 100 samples (medians; per batch for the reductions), the working tree's
-speed as the median of the per-round ratios, and whether the two gave the same bits.
+LeNet and cifar10_quick (forward, backward without and with the input gradient), the pooling
+of both (forward, backward), their first InnerProduct (forward, input gradient) and the
+reduction of the InnerProduct weight gradients that the engine sums from factors (LeNet's ip1,
+cifar10_quick's ip1: 16 chunks of the whole batch), one thread. Each round times the base
+revision's kernel and then the working tree's on the same data, so a change of the machine's
+speed hits both alike; prints milliseconds per 100 samples (medians; per batch for the
+reductions), the working tree's speed as the median of the per-round ratios, and whether the
+two gave the same bits.
 
     python bench/kernel_ab.py --base REV [--layers cifar2,cifar3,pool2,ip1sum] [--samples 12]
                               [--rounds 60]

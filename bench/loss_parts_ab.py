@@ -13,11 +13,9 @@ import argparse
 import sys
 import tempfile
 
-from cgp import models
 from cgp.layers.base import REGISTRY
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options, import_revision  # bench/, on the path
+# bench/, on the path
+from interleave import ab_pair, add_pair_options, import_revision, pair_trainer
 
 
 def base_loss_layer(rev, folder):
@@ -50,16 +48,10 @@ def main():
     add_pair_options(parser, threads=2)
     parser.add_argument("--base", required=True, help="git revision to compare against")
     args = parser.parse_args()
-    path = models.solver_path(args.model)
-
-    def trainer():
-        return Trainer(read_solver(path), path,
-                       RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
-                                 workers="threads"),
-                       log=lambda line: None)
     with tempfile.TemporaryDirectory() as folder:
         old = base_loss_layer(args.base, folder)
-    ab_pair([per_part(trainer(), old), trainer()], (f"{args.base}'s loss", "working tree"), args)
+    ab_pair([per_part(pair_trainer(args, "threads"), old), pair_trainer(args, "threads")],
+            (f"{args.base}'s loss", "working tree"), args)
 
 
 if __name__ == "__main__":

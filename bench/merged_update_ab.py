@@ -8,10 +8,7 @@ one seed in one process, their rounds interleaved; they must end with bitwise eq
 """
 import argparse
 
-from cgp import models
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options  # bench/, on the path
+from interleave import ab_pair, add_pair_options, pair_trainer  # bench/, on the path
 
 
 def main():
@@ -19,11 +16,7 @@ def main():
     add_pair_options(parser, threads=2)
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
     args = parser.parse_args()
-    path = models.solver_path(args.model)
-    pair = [Trainer(read_solver(path), path,
-                    RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
-                              workers=args.workers), log=lambda line: None)
-            for _ in range(2)]
+    pair = [pair_trainer(args, args.workers) for _ in range(2)]
     separate, merged = pair
     print(f"workers as {args.workers}")
     ab_pair(pair, ("update runs of their own", "merged"), args,

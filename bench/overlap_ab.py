@@ -15,10 +15,7 @@ is what each of 16 workers runs per LeNet step).
 """
 import argparse
 
-from cgp import models
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options, use_group  # bench/, on the path
+from interleave import ab_pair, add_pair_options, pair_trainer, use_group  # bench/, on the path
 
 
 def main():
@@ -27,11 +24,7 @@ def main():
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
     args = parser.parse_args()
     use_group(args)
-    path = models.solver_path(args.model)
-    pair = [Trainer(read_solver(path), path,
-                    RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
-                              workers=args.workers), log=lambda line: None)
-            for _ in range(2)]
+    pair = [pair_trainer(args, args.workers) for _ in range(2)]
     pair[0].engine.overlap = False
     ab_pair(pair, ("separate", "overlapped"), args)
 

@@ -13,10 +13,9 @@ worker count divides.
 import argparse
 import time
 
-from cgp import models
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options  # bench/, on the path when run as a script
+from cgp.train import Trainer
+# bench/, on the path when run as a script
+from interleave import ab_pair, add_pair_options, pair_trainer
 
 
 class ReadAtStart(Trainer):
@@ -56,11 +55,7 @@ def main():
     parser.add_argument("--workers", default=None, choices=("threads", "processes"),
                         help="how the workers run (default: the trainer's default)")
     args = parser.parse_args()
-    path = models.solver_path(args.model)
-    config = RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
-                       **({"workers": args.workers} if args.workers else {}))
-    pair = [kind(read_solver(path), path, config, log=lambda line: None)
-            for kind in (ReadAtStart, Trainer)]
+    pair = [pair_trainer(args, args.workers, kind) for kind in (ReadAtStart, Trainer)]
     counters = [time_outside_runs(t) for t in pair]
     ab_pair(pair, ("read at the start", "read ahead"), args)
     for name, (inside, steps, total) in zip(("read at the start", "read ahead"), counters):

@@ -13,10 +13,8 @@ import argparse
 import sys
 import tempfile
 
-from cgp import models
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options, import_revisions  # bench/, on the path
+# bench/, on the path
+from interleave import ab_pair, add_pair_options, import_revisions, pair_trainer
 
 # In the order they import each other.
 FILES = ["cgp/comm.py", "cgp/engine.py", "cgp/procs.py", "cgp/solver.py", "cgp/train.py"]
@@ -28,18 +26,13 @@ def main():
     parser.add_argument("--base", required=True, help="git revision to compare against")
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
     args = parser.parse_args()
-    path = models.solver_path(args.model)
-
-    def trainer(cls, config_cls):
-        config = config_cls(threads=args.threads, progress=False, data_dir=args.data_dir,
-                            workers=args.workers)
-        return cls(read_solver(path), path, config, log=lambda line: None)
     with tempfile.TemporaryDirectory() as folder:
         try:
             base = import_revisions(args.base, FILES, folder)["train"]
         except Exception as err:  # git's message, or a revision these files do not fit
             sys.exit(f"runtime_ab: {args.base}: {getattr(err, 'stderr', '') or err}")
-        pair = [trainer(base.Trainer, base.RunConfig), trainer(Trainer, RunConfig)]
+        pair = [pair_trainer(args, args.workers, base.Trainer, base.RunConfig),
+                pair_trainer(args, args.workers)]
     print(f"workers as {args.workers}")
     ab_pair(pair, (args.base, "working tree"), args, runs=[t.steps for t in pair])
 

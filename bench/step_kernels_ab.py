@@ -1,12 +1,12 @@
 """Interleaved A/B of whole training steps with another git revision's layer kernels
-(kernels/fc.py for InnerProduct, kernels/pool.py for Pooling, kernels/conv.py for
-Convolution, each with that revision's tile.py) and its reduction (cgp/comm.py with its kernels/reduce.py), against the working
-tree's; the rest of the package is the working tree's. Two trainers train from one seed in
-one process, their steps interleaved round by round; prints the median time of a step for
-each, the working tree's speed as the median of the per-round ratios, and whether their
-weights came out bitwise equal (a revision whose kernels round otherwise gives other
-weights). Worker threads only: the kernels are swapped in this process around each step of
-the base trainer, which forked worker processes would not see.
+(kernels/fc.py for InnerProduct, kernels/pool.py for Pooling, kernels/conv.py for Convolution,
+each with that revision's tile.py) and its reduction (cgp/comm.py with its kernels/reduce.py),
+against the working tree's; the rest of the package is the working tree's. Two trainers train
+from one seed in one process, their steps interleaved round by round; prints the median time
+of a step for each, the working tree's speed as the median of the per-round ratios, and
+whether their weights came out bitwise equal (a revision whose kernels round otherwise gives
+other weights). Worker threads only: the kernels are swapped in this process around each step
+of the base trainer, which forked worker processes would not see.
 
     python bench/step_kernels_ab.py --base REV [mnist|cifar10] [--threads 1] [--rounds 15]
                                     [--steps 8] [--data-dir DIR]
@@ -19,11 +19,8 @@ import cgp.layers.conv
 import cgp.layers.inner_product
 import cgp.layers.pool
 import cgp.train
-from cgp import models
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
 # bench/, on the path when run as a script
-from interleave import ab_pair, add_pair_options, import_revisions
+from interleave import ab_pair, add_pair_options, import_revisions, pair_trainer
 
 # The layer modules whose kernels module (K: fc, pool, conv) is swapped. (Their scratch is
 # sized by the working tree's kernels: a revision whose kernels need more does not fit.)
@@ -64,13 +61,6 @@ def main():
     add_pair_options(parser, threads=1)
     parser.add_argument("--base", required=True, help="git revision to compare against")
     args = parser.parse_args()
-    path = models.solver_path(args.model)
-
-    def trainer():
-        config = RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
-                           workers="threads")
-        return Trainer(read_solver(path), path, config, log=lambda line: None)
-
     with tempfile.TemporaryDirectory() as folder:
         try:
             fc, pool, conv, comm = base_modules(args.base, folder)
@@ -79,10 +69,10 @@ def main():
         own = cgp.train.ThreadCommunicator
         cgp.train.ThreadCommunicator = comm.ThreadCommunicator
         try:
-            base = BaseKernels(trainer(), (fc, pool, conv))
+            base = BaseKernels(pair_trainer(args, "threads"), (fc, pool, conv))
         finally:
             cgp.train.ThreadCommunicator = own
-        ab_pair([base, trainer()], (args.base, "working tree"), args)
+        ab_pair([base, pair_trainer(args, "threads")], (args.base, "working tree"), args)
 
 
 if __name__ == "__main__":

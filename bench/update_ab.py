@@ -12,10 +12,8 @@ import statistics
 import tempfile
 import time
 
-from cgp import models
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options, import_revision  # bench/, on the path
+# bench/, on the path
+from interleave import ab_pair, add_pair_options, import_revision, pair_trainer
 
 
 def old_apply(solver, base):
@@ -50,13 +48,9 @@ def main():
     add_pair_options(parser, threads=1)
     parser.add_argument("--base", default="8c8dd84")
     args = parser.parse_args()
-    path = models.solver_path(args.model)
     with tempfile.TemporaryDirectory() as folder:
         base = import_revision(args.base, "kernels/update.py", folder, "update_ab.py")
-        pair = [Trainer(read_solver(path), path,
-                        RunConfig(threads=args.threads, progress=False, data_dir=args.data_dir,
-                                  workers="threads"), log=lambda line: None)
-                for _ in range(2)]
+        pair = [pair_trainer(args, "threads") for _ in range(2)]
         pair[0].solver.apply = old_apply(pair[0].solver, base)
         for _ in range(2):   # compiled first
             pair[0].step(), pair[1].step()

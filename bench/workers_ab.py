@@ -13,10 +13,7 @@ small calls, whose share of Python is large, show what the interpreter lock cost
 """
 import argparse
 
-from cgp import models
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import ab_pair, add_pair_options, use_group  # bench/, on the path
+from interleave import ab_pair, add_pair_options, pair_trainer, use_group  # bench/, on the path
 
 
 def main():
@@ -25,10 +22,7 @@ def main():
     parser.add_argument("--chunks", type=int, default=16)
     args = parser.parse_args()
     use_group(args)
-    path = models.solver_path(args.model)
-    pair = [Trainer(read_solver(path), path,
-                    RunConfig(threads=args.threads, chunks=args.chunks, progress=False,
-                              data_dir=args.data_dir, workers=workers), log=lambda line: None)
+    pair = [pair_trainer(args, workers, chunks=args.chunks)
             for workers in ("threads", "processes")]
     ab_pair(pair, ("threads", "processes"), args)
 
