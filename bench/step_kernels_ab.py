@@ -12,6 +12,7 @@ of the base trainer, which forked worker processes would not see.
                                     [--steps 8] [--data-dir DIR]
 """
 import argparse
+import inspect
 import sys
 import tempfile
 
@@ -33,6 +34,19 @@ def base_modules(rev, folder):
     m = import_revisions(rev, ["kernels/tile.py", "kernels/reduce.py", "kernels/fc.py",
                                "kernels/pool.py", "kernels/conv.py", "cgp/comm.py"], folder)
     return m["fc"], m["pool"], m["conv"], m["comm"]
+
+
+def base_communicator(comm):
+    """The revision's ThreadCommunicator, taking the working tree engine's plan() arguments:
+    a revision before 533975f cuts the reduction's tasks without the engine's layer
+    boundaries (the same sums; only which task awaits which layer differs)."""
+    if "cuts" in inspect.signature(comm.ThreadCommunicator.plan).parameters:
+        return comm.ThreadCommunicator
+
+    class Communicator(comm.ThreadCommunicator):
+        def plan(self, bufs, factored=(), cuts=()):
+            return super().plan(bufs, factored)
+    return Communicator
 
 
 class BaseKernels:
@@ -67,7 +81,7 @@ def main():
         except Exception as err:  # git's message, or a revision these files do not fit
             sys.exit(f"step_kernels_ab: {args.base}: {getattr(err, 'stderr', '') or err}")
         own = cgp.train.ThreadCommunicator
-        cgp.train.ThreadCommunicator = comm.ThreadCommunicator
+        cgp.train.ThreadCommunicator = base_communicator(comm)
         try:
             base = BaseKernels(pair_trainer(args, "threads"), (fc, pool, conv))
         finally:
