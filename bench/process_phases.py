@@ -9,13 +9,18 @@ does it all: busy time that grows at two workers is work that runs slower beside
 worker (shared caches, memory, reading what the other core wrote).
 
     python bench/process_phases.py [mnist|cifar10] [--threads 1,2] [--steps 300]
-                                   [--separate] [--merged] [--tasks] [--data-dir DIR]
+                                   [--separate] [--merged] [--tasks] [--timeline]
+                                   [--data-dir DIR]
 
 --merged runs the steps as Trainer.solve does (Trainer.steps: each update in the next
 step's run, on two workers or more); the step time is then from one iteration's end to the
 next, and a run that happens once (the last update) is shown apart, not in the serial part.
 --tasks adds each kind of task's median time: a call, an update block, a reduction task by
 the layer it awaits (busy time that grows at two workers shows which work pays for sharing).
+--timeline adds the calls' run as a path in time, medians over the steps: when the first and
+the last call start, the mean and the longest call, when the last call ends and the run's
+last task; then each worker's tasks in the run of the median wall time (what holds a step of
+many workers back: a late start, one slow call, or the reduction's tail).
 
 Times come from time.perf_counter (CLOCK_MONOTONIC on Linux: one clock for all processes),
 written by each task into shared memory.
@@ -136,7 +141,8 @@ def task_kind(engine, name, i, tasks):
         if i < len(engine.merged_order):
             return "update block" if engine.merged_order[i] < 0 else "call"
         i -= len(engine.update_spans)
-    return "call" if i < calls else reduction(i - calls)
+    # The calls' run hands its reduction tasks out in reduce_order (Engine._task).
+    return "call" if i < calls else reduction(engine.reduce_order[i - calls])
 
 
 def summarise_tasks(names, trace, step_times, engine):
@@ -155,7 +161,38 @@ def summarise_tasks(names, trace, step_times, engine):
               f"{each * per_step / 1e3:6.3f} ms")
 
 
-def summarise(names, trace, step_times, engine, threads, tasks=False):
+def summarise_timeline(names, trace, engine):
+    """The calls' runs (those holding calls) as a path in time from the caller's entry, in ms:
+    medians over the runs, then the median-wall run's tasks, worker by worker."""
+    runs = []
+    for k in range(int(trace.count[0])):
+        program, posted, returned = trace.runs[k]
+        rows = trace.tasks[k]
+        tasks = int((rows[:, 1] > 0).sum())
+        kinds = [task_kind(engine, names.get(int(program)), i, tasks) for i in range(tasks)]
+        calls = rows[[i for i, kind in enumerate(kinds) if kind == "call"]]
+        if len(calls):
+            runs.append((returned - posted, posted, rows[:tasks], kinds, calls))
+    if not runs:
+        return
+    def ms(f):
+        return 1e3 * statistics.median(f(*run) for run in runs)
+    print(f"    timeline of the calls' run (ms from the caller's entry, medians of {len(runs)}): "
+          f"calls start {ms(lambda w, p, r, k, c: c[:, 1].min() - p):.3f} to "
+          f"{ms(lambda w, p, r, k, c: c[:, 1].max() - p):.3f}; a call takes "
+          f"{ms(lambda w, p, r, k, c: (c[:, 2] - c[:, 1]).mean()):.3f} on average, the "
+          f"longest {ms(lambda w, p, r, k, c: (c[:, 2] - c[:, 1]).max()):.3f}; the last call "
+          f"ends at {ms(lambda w, p, r, k, c: c[:, 2].max() - p):.3f}, the last task at "
+          f"{ms(lambda w, p, r, k, c: r[:, 2].max() - p):.3f}, the run returns at "
+          f"{ms(lambda w, p, r, k, c: w):.3f}")
+    wall, posted, rows, kinds, _ = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+    for w in sorted({int(x) for x in rows[:, 0]}):
+        mine = sorted((row[1], row[2], kind) for row, kind in zip(rows, kinds) if row[0] == w)
+        print(f"      w{w:<3}" + "; ".join(f"{kind} {1e3 * (a - posted):.2f}-{1e3 * (b - posted):.2f}"
+                                         for a, b, kind in mine))
+
+
+def summarise(names, trace, step_times, engine, threads, tasks=False, timeline=False):
     n = int(trace.count[0])
     phases = {}
     for k in range(n):
@@ -192,6 +229,8 @@ def summarise(names, trace, step_times, engine, threads, tasks=False):
           f"of the next batch, within a run, {ms(trace.read_ahead[-len(step_times):]):.3f} ms")
     if tasks:
         summarise_tasks(names, trace, step_times, engine)
+    if timeline:
+        summarise_timeline(names, trace, engine)
 
 
 def main():
@@ -204,11 +243,14 @@ def main():
     parser.add_argument("--tasks", action="store_true",
                         help="also each kind of task's time (calls, update blocks, reduction "
                              "tasks by the layer they await)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also the calls' run as a path in time, and the tasks of its "
+                             "median run worker by worker")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     for threads in [int(t) for t in args.threads.split(",")]:
         summarise(*measure(args.model, threads, args.steps, args.data_dir, not args.separate,
-                           args.merged), threads, args.tasks)
+                           args.merged), threads, args.tasks, args.timeline)
 
 
 if __name__ == "__main__":
