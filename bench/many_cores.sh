@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The 1 - 16 thread runs of issue 4, for a machine with 16 cores: the machine's description,
+# then `cgp bench speedup` for LeNet (threads and processes) and cifar10_quick (processes, on
+# generated CIFAR-10 files), each with the ceiling of N one-thread copies and PyTorch at the same
+# thread counts, then where a 16-worker step's time goes. One command, so that a borrowed
+# machine's minutes go to measuring; the results (JSON, CSV, PNG) and the log land in OUTDIR.
+#
+#     bash bench/many_cores.sh OUTDIR [THREADS]        # THREADS default 1,2,4,8,16
+set -u -o pipefail
+out=${1:?usage: bash bench/many_cores.sh OUTDIR [THREADS]}
+threads=${2:-1,2,4,8,16}
+top=${threads##*,}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+here=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONUNBUFFERED=1
+
+{
+    date -u
+    nproc
+    lscpu
+    $py - <<'EOF'
+import platform, numpy, numba, psutil
+print("python", platform.python_version(), "numpy", numpy.__version__, "numba", numba.__version__)
+print("physical cores", psutil.cpu_count(logical=False), "logical", psutil.cpu_count())
+EOF
+} >"$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+step() {   # a time limit per part, so that one hung part still leaves the others' results
+    echo "== $*"
+    timeout 300 "$@" || echo "== exit $? from: $*"
+}
+
+step $py -m cgp bench speedup mnist --threads "$threads" --workers threads,processes \
+    --iters 20 --repeats 11 --ceiling --compare torch --out "$out"
+cifar=$(mktemp -d)
+$py "$here/bench/fake_cifar10.py" "$cifar" >/dev/null
+step $py -m cgp bench speedup cifar10_quick --threads "$threads" --iters 10 --repeats 7 \
+    --ceiling --compare torch --data-dir "$cifar" --out "$out"
+step $py "$here/bench/process_phases.py" mnist --threads "1,$top" --merged --tasks --steps 300
+step $py "$here/bench/process_phases.py" cifar10_quick --threads "1,$top" --merged --tasks \
+    --steps 40 --data-dir "$cifar"
+rm -rf "$cifar"
