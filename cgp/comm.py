@@ -15,6 +15,10 @@ from cgp.kernels.reduce import TILE, outer_stack_size, outer_tree_sum, tree_sum
 from cgp.layers import aligned_zeros
 
 BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enough to balance
+# Chunk-gradient elements a tree-sum task reads, about: LeNet's 16 chunks of conv2 (25,050
+# columns) in one task took 67 µs at the end of a 2-worker run while the other worker had
+# nothing left to take; in tasks of 8,192 columns they split between the workers that are free.
+SUM_ELEMENTS = 1 << 17
 # Rows of a factored gradient per task: a multiple of every register tile's height.
 ROW_GRAIN = 24
 
@@ -35,6 +39,11 @@ class FactoredGrad(NamedTuple):
 def blocks(size, block=BLOCK):
     """A fixed cut of range(size) into (lo, hi) blocks; independent of the thread count."""
     return [(lo, min(lo + block, size)) for lo in range(0, size, block)]
+
+
+def sum_block(chunks):
+    """Columns per tree-sum task over `chunks` rows: about SUM_ELEMENTS elements, whole TILEs."""
+    return max(TILE, SUM_ELEMENTS // chunks // TILE * TILE)
 
 
 def uncovered(size, factored):
@@ -102,13 +111,13 @@ class ThreadCommunicator:
     def plan(self, bufs, factored=(), cuts=()):
         """The reduction of bufs and factored (as in reduce), cut into its tasks once, for a
         caller that reduces the same buffers every iteration (the engine): a Reduction.
-        cuts: columns where a task must end besides every BLOCK columns (the engine's layer
-        boundaries, so that no task waits for a layer whose columns it does not sum)."""
+        cuts: columns where a task must end besides every sum_block columns (the engine's
+        layer boundaries, so that no task waits for a layer whose columns it does not sum)."""
         sums, stacks = self._worker_scratch(bufs.shape[0], bufs.dtype)
         tasks, spans = [], []  # each task a function of the worker that runs it (whose
                                # scratch it uses), and the columns it sums
         for lo, hi in split(uncovered(bufs.shape[1], factored), cuts):
-            for a, b in blocks(hi - lo):
+            for a, b in blocks(hi - lo, sum_block(bufs.shape[0])):
                 tasks.append(lambda w, lo=lo + a, hi=lo + b: tree_sum(bufs, lo, hi, sums[w]))
                 spans.append((lo + a, lo + b))
         for f in factored:
