@@ -665,7 +665,7 @@ def cmd_speedup(args, log=print):
     torch_ref = None
     if args.compare == "torch":
         from cgp import torch_ref
-    check_threads(max(threads), log)
+    check_threads(max(threads), log, "threads" if "threads" in workers else None)
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     started = time.gmtime()
     sp = read_solver(path)

@@ -105,11 +105,24 @@ def physical_cores():
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
-def check_threads(threads, log):
+# Thread workers beyond which more ran slower on the 16-core machine measured (README, "On 16
+# cores": LeNet 2.21x one thread at 4 threads, 2.08x at 8, 0.78x at 16): they share one
+# interpreter lock, which each call's Python takes.
+THREAD_WORKERS_SCALE = 4
+
+
+def check_threads(threads, log, workers=None):
+    """Warns of a --threads that cannot be faster: more than the physical cores, or, with
+    workers "threads", more than THREAD_WORKERS_SCALE."""
     cores = physical_cores()
     if threads > cores:
         log(f"Warning: --threads {threads} exceeds the {cores} physical cores of this "
             "machine; results stay identical, speed will not improve")
+    if workers == "threads" and threads > THREAD_WORKERS_SCALE:
+        log(f"Warning: --threads {threads} with --workers threads: past "
+            f"{THREAD_WORKERS_SCALE} threads, workers that share the interpreter lock ran "
+            "slower, not faster, on 16 cores; --workers processes scales further, with "
+            "identical results")
 
 
 def cmd_train(args, log=print):
@@ -131,7 +144,7 @@ def cmd_train(args, log=print):
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
                        sighup_effect=args.sighup_effect, denormals=args.denormals,
                        workers=worker_kind(args.workers))
-    check_threads(args.threads, log)
+    check_threads(args.threads, log, config.workers)
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
     try:
@@ -223,7 +236,7 @@ def add_test(sub):
 
 def cmd_test(args, log=print):
     from cgp.caffe_test import run_test
-    check_threads(args.threads, log)
+    check_threads(args.threads, log, worker_kind(args.workers))
     run_test(args.model, args.weights, args.iterations, threads=args.threads, chunks=args.chunks,
              data_dir=args.data_dir, download=not args.no_download, log=log,
              flush_denormals=args.denormals == "flush", workers=worker_kind(args.workers),

@@ -130,3 +130,15 @@ def test_unwritable_outputs_are_found_before_the_work(tmp_path, mnist_dir):
         out = cgp("convert", "mnist", *args, "--limit", "5", "--data-dir", str(mnist_dir))
         assert_user_error(out, f"cannot write {blocker}")
         assert not (tmp_path / "db").exists()
+
+
+def test_thread_workers_past_their_scale_are_warned_of():
+    from cgp.cli import THREAD_WORKERS_SCALE, check_threads
+    lines = []
+    check_threads(THREAD_WORKERS_SCALE + 1, lines.append, "threads")
+    assert any("--workers processes scales further" in line for line in lines)
+    for threads, workers in ((THREAD_WORKERS_SCALE, "threads"),
+                             (THREAD_WORKERS_SCALE + 1, "processes")):
+        lines = []
+        check_threads(threads, lines.append, workers)
+        assert not any("interpreter lock" in line for line in lines), lines
