@@ -1,7 +1,9 @@
 """Interleaved A/B of whole training steps: each update in a pool run of its own
 (Trainer.step, step after step) against each update merged into the next iteration's run
-(Trainer.steps, as Trainer.solve and `cgp bench speedup` run them). Two trainers train from
-one seed in one process, their rounds interleaved; they must end with bitwise equal weights.
+(Trainer.steps, as Trainer.solve and `cgp bench speedup` ran them before the update was fused
+into the reduction: both trainers with Trainer.fuse off; bench/fused_update_ab.py compares the
+merged and the fused). Two trainers train from one seed in one process, their rounds
+interleaved; they must end with bitwise equal weights.
 
     python bench/merged_update_ab.py [mnist|cifar10] [--threads 2] [--rounds 15] [--steps 8]
                                      [--workers processes] [--data-dir DIR]
@@ -18,6 +20,7 @@ def main():
     args = parser.parse_args()
     pair = [pair_trainer(args, args.workers) for _ in range(2)]
     separate, merged = pair
+    separate.fuse = merged.fuse = False
     print(f"workers as {args.workers}")
     ab_pair(pair, ("update runs of their own", "merged"), args,
             runs=[lambda n: [separate.step() for _ in range(n)], merged.steps])

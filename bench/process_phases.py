@@ -12,9 +12,11 @@ worker (shared caches, memory, reading what the other core wrote).
                                    [--separate] [--merged] [--tasks] [--timeline]
                                    [--data-dir DIR]
 
---merged runs the steps as Trainer.solve does (Trainer.steps: each update in the next
-step's run, on two workers or more); the step time is then from one iteration's end to the
-next, and a run that happens once (the last update) is shown apart, not in the serial part.
+--merged runs the steps as Trainer.solve does (Trainer.steps: each update in its own run's
+reduction tasks, where the solver allows, else in the next step's run on two workers or
+more); the step time is then from one iteration's end to the next, and a run that happens
+once (the last merged update) is shown apart, not in the serial part. A fused update's time
+is in its reduction tasks'.
 --tasks adds each kind of task's median time: a call, an update block, a reduction task by
 the layer it awaits (busy time that grows at two workers shows which work pays for sharing).
 --timeline adds the calls' run as a path in time, medians over the steps: when the first and

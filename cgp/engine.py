@@ -382,6 +382,7 @@ class Engine:
                        for t in self.source_names} if shared else None
         self._batch = self.inputs   # what the calls of the run in progress read
         self._apply = None           # the solver update merged into runs (merge_updates)
+        self._apply_columns = None   # the solver update fused into the reduction (fuse_updates)
         self._tasks = pool.program(self._task)
 
     def merge_updates(self, apply, spans):
@@ -406,6 +407,18 @@ class Engine:
             self.needs.append(_ranges(new))
         self.updated = aligned_zeros(len(self.update_spans), np.int64, self.pool.shared_memory)
         self.merged_order = self._merged_order()
+
+    def fuse_updates(self, apply_columns):
+        """Lets run() apply this step's own solver update (run's `update`, a solver Step) in
+        the reduction's tasks: apply_columns(worker, lo, hi, step) updates the flat
+        parameters' columns lo:hi, which a task calls on its columns right after summing
+        them. A task runs once every call has passed, in its backward, every layer that
+        holds those columns, and no call reads a layer's parameters after its backward: the
+        same arithmetic on the same values as an update after the run. It uses the time that
+        workers done with their calls would spend waiting for the slowest, with the summed
+        gradient still in the cache of the core that wrote it. Before the pool starts
+        (worker processes must see apply_columns)."""
+        self._apply_columns = apply_columns
 
     def _merged_order(self):
         """The first tasks of a run with a pending update, before the reduction's: update
@@ -457,11 +470,13 @@ class Engine:
         starts = np.array([first * rows for first, _ in self.bounds] + [M], np.int64)
         return FactoredGrad(blob.offset, J, L, a, b, starts)
 
-    def run(self, batch, iteration, seed, pending=None, first=None):
+    def run(self, batch, iteration, seed, pending=None, first=None, update=None):
         """batch: source blob id -> whole-batch array. Returns ({output name: value},
         loss, gradient or None). The gradient is the fixed-order sum over chunks.
         pending: a solver Step to apply first, in this run (merge_updates). first: the
-        caller's own work at the start of the run (Pool.run)."""
+        caller's own work at the start of the run (Pool.run). update: a solver Step to
+        apply to the sum as the reduction's tasks make it (fuse_updates); the gradient
+        returned then holds the step taken, as the update leaves it."""
         net = self.net
         if self.inputs is not None:
             for b, a in batch.items():
@@ -474,10 +489,13 @@ class Engine:
                 raise ValueError("Engine.run: a pending update needs merge_updates first")
             self.updated[:] = 0
             tasks += len(self.update_spans)
+        if update is not None and not (self._apply_columns and self.backward and self.overlap):
+            raise ValueError("Engine.run: an update in the reduction needs fuse_updates first, "
+                             "and the reduction's tasks in the calls' run")
         if self.backward and self.overlap:
             self.progress[:] = 0
             tasks += len(self.reduce_order)
-        self.pool.run(self._tasks, tasks, iteration, seed, pending, first=first)
+        self.pool.run(self._tasks, tasks, iteration, seed, pending, update, first=first)
         if self.backward and not self.overlap:
             self.reduction()
         # Shares add up in chunk order, in the dtype of the blobs they came from.
@@ -518,10 +536,11 @@ class Engine:
                    and lo < net.param_blobs[p].offset + net.param_blobs[p].size
                    for p in net.entries[e].params)
 
-    def _task(self, worker, i, iteration, seed, pending):
+    def _task(self, worker, i, iteration, seed, pending, update):
         """Task i of a run: call i, or after the calls, reduction task reduce_order[i - calls]
-        once its columns' gradients are written. With a pending update, the first tasks are
-        the calls and the update's blocks in merged_order."""
+        once its columns' gradients are written, then with `update` its columns' update. With
+        a pending update, the first tasks are the calls and the update's blocks in
+        merged_order."""
         calls = len(self.groups)
         if pending is not None:
             if i >= len(self.merged_order):
@@ -543,6 +562,8 @@ class Engine:
         a = self.awaited[t]
         self._wait(self.progress, a, a + 1, calls)
         self.reduction.task(worker, t)
+        if update is not None:
+            self._apply_columns(worker, *self.reduction.spans[t], update)
 
     def _ready(self, entry):
         """Waits until the update blocks that hold entry's parameters are done (a call's

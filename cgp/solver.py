@@ -202,7 +202,8 @@ class Solver:
         return float(rate)
 
     def prepare(self, it, grads, slices):
-        """The Step for iteration it. grads: (n,) float32, the reduced gradients.
+        """The Step for iteration it. grads: (n,) float32, the reduced gradients, read only
+        with clip_gradients >= 0 (None will do otherwise).
 
         slices: the engine's fixed list of (lo, hi) covering [0, n). With clip_gradients >= 0, the
         gradient norm sums each slice in float64 and adds the sums in list order, so it is the

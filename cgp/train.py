@@ -207,8 +207,14 @@ class Trainer:
         def apply(w, i, step):
             self.solver.apply(step, self.net.params, gradient, *self.slices[i])
         self._update = self.pool.program(apply)
-        # Within steps(), a step's update runs in the next step's run (Engine.merge_updates).
+        # Within steps(), a step's update runs in its own run's reduction tasks
+        # (Engine.fuse_updates), where the Step can be made before the gradient exists: no
+        # clipping by the gradient's norm, one pass per iteration. Otherwise it runs in the
+        # next step's run (Engine.merge_updates). The same bits every way.
+        self.engine.fuse_updates(lambda w, lo, hi, step: self.solver.apply(
+            step, self.net.params, gradient, lo, hi))
         self.engine.merge_updates(apply, self.slices)
+        self.fuse = sp.clip_gradients < 0 and sp.iter_size == 1 and self.engine.overlap
         self._pending = None      # the Step whose update has not run yet (steps())
         self.pool.start()   # workers forked once everything they run exists
         self.iter = 0
@@ -285,18 +291,22 @@ class Trainer:
         return done
 
     # -- one iteration -------------------------------------------------------------
-    def forward_backward(self, pending=None, first=None):
+    def forward_backward(self, pending=None, first=None, update=None):
         """Gradients of the current iteration (summed over iter_size passes): returns
         (loss, outputs of the last pass, gradient). pending: the previous step's update
-        (a Step), applied in the first pass's run; first: the caller's work in that run."""
+        (a Step), applied in the first pass's run; first: the caller's work in the last
+        pass's run; update: this step's update, applied in the reduction of the last pass
+        (Engine.fuse_updates; iter_size 1)."""
         size = self.sp.iter_size
         loss = 0.0
         for k in range(size):
             position, iteration = self._pass(self.iter, k)
             batch = self._batch(self.net, position, iteration)
+            last = k == size - 1
             outputs, pass_loss, grad = self.engine.run(batch, iteration, self.seed,
                                                        pending if k == 0 else None,
-                                                       first if k == size - 1 else None)
+                                                       first if last else None,
+                                                       update if last else None)
             loss += pass_loss
             if self._accum is not None:
                 if k == 0:
@@ -312,17 +322,30 @@ class Trainer:
     def steps(self, n, each=None):
         """Up to n training iterations, each as step(); returns the last one's (loss,
         outputs, rate). each(it, loss, outputs, rate), if given, is called after iteration
-        `it` and ends the run early by returning True. On two workers or more, each update
-        but the last runs in the next iteration's pool run, alongside its first layers
-        (Engine.merge_updates): the same bits as step() after step(), with one hand-over to
-        the workers per iteration instead of two. The weights are up to date when it
-        returns."""
+        `it` and ends the run early by returning True. Each update runs in its iteration's
+        own pool run, in the reduction's tasks (`fuse`, Engine.fuse_updates); where the Step
+        needs the gradient first, on two workers or more, each update but the last runs in
+        the next iteration's run, alongside its first layers (Engine.merge_updates). Either
+        way the same bits as an update run of its own after each iteration, with one
+        hand-over to the workers per iteration instead of two. The weights are up to date
+        when it returns."""
         merge = self.pool.threads > 1   # one worker has nothing to run an update beside
         result = None
         for k in range(n):
+            it = self.iter
+            if self.fuse:
+                step = self.solver.prepare(it, None, self.slices)   # needs no gradient
+                # The next batch is read during the run, also after the last iteration
+                # (as the merged update's last run does): a step() at a time gains from it.
+                loss, outputs, _ = self.forward_backward(
+                    first=lambda: self._read_ahead(it + 1), update=step)
+                result = loss, outputs, step.rate
+                self.iter += 1
+                if each is not None and each(it, *result):
+                    break
+                continue
             pending, self._pending = self._pending, None
             more = merge and k + 1 < n
-            it = self.iter
             loss, outputs, grad = self.forward_backward(
                 pending, (lambda: self._read_ahead(it + 1)) if more else None)
             self._pending = self.solver.prepare(it, grad, self.slices)

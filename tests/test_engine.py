@@ -666,15 +666,19 @@ def test_the_callers_first_work_overlaps_the_tasks():
         pool.close()
 
 
-def test_next_batch_is_read_during_the_update_and_only_once(mnist_dir):
-    """Trainer._read_ahead: step k reads step k + 1's batch while the workers update; every
-    batch is read once, and one read ahead for a position the trainer then leaves (a jump
-    back) is not used: the jump gives the bits of a fresh run."""
+@pytest.mark.parametrize("fuse", [True, False])
+def test_next_batch_is_read_during_the_update_and_only_once(fuse, mnist_dir):
+    """Trainer._read_ahead: step k reads step k + 1's batch during a pool run (its own, where
+    the update is fused into its reduction; else the update's); every batch is read once, and
+    one read ahead for a position the trainer then leaves (a jump back) is not used: the jump
+    gives the bits of a fresh run."""
     sp = solver("mnist")
     runs = []
     for jump in (False, True):
         trainer = Trainer(sp, None, RunConfig(threads=2, data_dir=str(mnist_dir)),
                           log=lambda line: None)
+        assert trainer.fuse   # the bundled solver's update can be fused
+        trainer.fuse = fuse
         layer = trainer.net.sources[0].layer
         reads, load = [], layer.load
         in_update = []
