@@ -26,6 +26,9 @@ def main():
     use_group(args)
     pair = [pair_trainer(args, args.workers) for _ in range(2)]
     pair[0].engine.overlap = False
+    # Both with the update merged into the next run: a reduction in a run of its own cannot
+    # take the update along (Trainer.fuse), and the A/B is of the overlap alone.
+    pair[1].fuse = False
     ab_pair(pair, ("separate", "overlapped"), args)
 
 

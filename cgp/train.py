@@ -214,7 +214,7 @@ class Trainer:
         self.engine.fuse_updates(lambda w, lo, hi, step: self.solver.apply(
             step, self.net.params, gradient, lo, hi))
         self.engine.merge_updates(apply, self.slices)
-        self.fuse = sp.clip_gradients < 0 and sp.iter_size == 1 and self.engine.overlap
+        self.fuse = sp.clip_gradients < 0 and sp.iter_size == 1
         self._pending = None      # the Step whose update has not run yet (steps())
         self.pool.start()   # workers forked once everything they run exists
         self.iter = 0
@@ -331,9 +331,12 @@ class Trainer:
         when it returns."""
         merge = self.pool.threads > 1   # one worker has nothing to run an update beside
         result = None
+        # A reduction in a run of its own (Engine.overlap off, a bench's A/B) has no tasks
+        # in the calls' run to take the update.
+        fuse = self.fuse and self.engine.overlap
         for k in range(n):
             it = self.iter
-            if self.fuse:
+            if fuse:
                 step = self.solver.prepare(it, None, self.slices)   # needs no gradient
                 # The next batch is read during the run, also after the last iteration
                 # (as the merged update's last run does): a step() at a time gains from it.

@@ -60,7 +60,8 @@ def test_steps_with_merged_updates_match_step_after_step(threads, workers, fuse,
     losses of n step() calls, each with its update in a run of its own; a run that each()
     ends early leaves the weights up to date too. Adam and momentum SGD with weight decay.
     (Without the waits the merged runs on several workers fail this; updating a task's
-    columns before they are summed, or other columns, fails the fused ones.)"""
+    columns before summing them, or before every call has passed their layers, fails the
+    fused ones.)"""
     from cgp.train import Trainer
     for solver in ("SGD", "Adam"):
         sp = lenet_solver(32, type=solver)
