@@ -45,6 +45,19 @@ class _Programs:
         self.pool.run(lambda w, i: fn(w, i, *args), tasks)
 
 
+def merging(engine_class):
+    """An Engine class of a revision before Engine.fuse_updates, with the interface that the
+    working tree's trainer uses; the trainer must then merge each update into the next run
+    (Trainer.fuse off)."""
+    class Merging(engine_class):
+        def fuse_updates(self, apply_columns):
+            pass
+
+        def run(self, batch, iteration, seed, pending=None, first=None, update=None):
+            return super().run(batch, iteration, seed, pending, first)
+    return Merging
+
+
 def trainer(model, threads, data_dir, engine=None):
     """A Trainer whose Engine and Pool come from `engine` (a module; default the working
     tree's)."""
@@ -52,16 +65,21 @@ def trainer(model, threads, data_dir, engine=None):
     # cgp.procs (make_pool).
     places = [(cgp.train, "Engine"), (cgp.train, "group_size"), (cgp.procs, "Pool")]
     own = [(module, name, getattr(module, name)) for module, name in places]
+    fuses = engine is None or hasattr(engine.Engine, "fuse_updates")
     if engine is not None:
         for module, name in places:
             setattr(module, name, getattr(engine, name))
+        if not fuses:
+            cgp.train.Engine = merging(engine.Engine)
         if not hasattr(engine.Pool, "program"):
             cgp.procs.Pool = lambda *args, **kw: _Programs(engine.Pool(*args, **kw))
     try:
         path = models.solver_path(model)
         # Threads: a revision's Pool is what is compared.
         config = RunConfig(threads=threads, progress=False, data_dir=data_dir, workers="threads")
-        return Trainer(read_solver(path), path, config, log=lambda line: None)
+        t = Trainer(read_solver(path), path, config, log=lambda line: None)
+        t.fuse = t.fuse and fuses
+        return t
     finally:
         for module, name, value in own:
             setattr(module, name, value)

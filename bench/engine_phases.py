@@ -65,6 +65,7 @@ def measure(model, threads, steps, data_dir, factor, group, overlap):
     trainer.pool = trainer.engine.comm.pool = pool
     trainer.engine = Engine(trainer.net, trainer.config.chunks, pool, trainer.engine.comm,
                             factor=factor, group=group, overlap=overlap)
+    trainer.fuse = False   # the solver update as a phase of its own (the rebuilt engine has none)
     with threadpool_limits(limits=1):
         for _ in range(10):
             trainer.step()

@@ -15,26 +15,7 @@ A setting is THREADS:CHUNKS:GROUP, GROUP chunks per call or "auto" (cgp.engine.g
 import argparse
 import statistics
 
-import cgp.engine
-from cgp import models
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import interleaved_rounds  # bench/, on the path when run as a script
-
-
-def trainer(model, threads, chunks, group, data_dir):
-    """A silent trainer on worker processes whose engine makes calls of `group` chunks
-    (None: the default); the engine is built, and the workers forked, in the constructor."""
-    path = models.solver_path(model)
-    config = RunConfig(threads=threads, chunks=chunks, progress=False, data_dir=data_dir,
-                       workers="processes")
-    default = cgp.engine.group_size
-    if group is not None:
-        cgp.engine.group_size = lambda net, chunks, threads: group
-    try:
-        return Trainer(read_solver(path), path, config, log=lambda line: None)
-    finally:
-        cgp.engine.group_size = default
+from interleave import grouped_trainer, interleaved_rounds  # bench/, on the path
 
 
 def main():
@@ -49,7 +30,8 @@ def main():
     for text in args.configs.split(","):
         threads, chunks, group = text.split(":")
         configs.append((int(threads), int(chunks), None if group == "auto" else int(group)))
-    trainers = [trainer(args.model, t, c, g, args.data_dir) for t, c, g in configs]
+    trainers = [grouped_trainer(args.model, t, g, args.data_dir, chunks=c)
+                for t, c, g in configs]
     times = interleaved_rounds(trainers, args.rounds, args.steps)
     images = trainers[0].net.batch_size * args.steps
     print(f"{args.model}: {args.rounds} rounds of {args.steps} steps, worker processes")

@@ -11,21 +11,7 @@ its speed relative to the first setting, as the median of the per-round ratios.
 import argparse
 import statistics
 
-from cgp import models
-from cgp.engine import Engine
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
-from interleave import interleaved_rounds  # bench/, on the path when run as a script
-
-
-def trainer(model, threads, group, data_dir):
-    # Trainer resolves the solver's net relative to the solver file.
-    path = models.solver_path(model)
-    # Threads: the engine is rebuilt on the trainer's pool, after any fork would have been.
-    config = RunConfig(threads=threads, progress=False, data_dir=data_dir, workers="threads")
-    t = Trainer(read_solver(path), path, config, log=lambda line: None)
-    t.engine = Engine(t.net, t.config.chunks, t.pool, t.engine.comm, group=group)
-    return t
+from interleave import grouped_trainer, interleaved_rounds  # bench/, on the path
 
 
 def main():
@@ -38,7 +24,8 @@ def main():
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     groups = [None if g == "auto" else int(g) for g in args.groups.split(",")]
-    trainers = [trainer(args.model, args.threads, g, args.data_dir) for g in groups]
+    trainers = [grouped_trainer(args.model, args.threads, g, args.data_dir, workers="threads")
+                for g in groups]
     times = [[seconds / args.steps for seconds in row]
              for row in interleaved_rounds(trainers, args.rounds, args.steps)]
     print(f"{args.model}, {args.threads} thread(s), {len(trainers[0].engine.bounds)} chunks, "

@@ -103,6 +103,23 @@ def pair_trainer(args, workers=None, cls=Trainer, config=RunConfig, **fields):
                log=lambda line: None)
 
 
+def grouped_trainer(model, threads, group, data_dir, workers="processes", chunks=16):
+    """A silent trainer whose engine makes calls of `group` chunks (None: the default,
+    cgp.engine.group_size); the engine is built, and any workers forked, in the constructor,
+    so that the trainer wires its update into it as training does."""
+    import cgp.engine
+    path = models.solver_path(model)
+    config = RunConfig(threads=threads, chunks=chunks, progress=False, data_dir=data_dir,
+                       workers=workers)
+    default = cgp.engine.group_size
+    if group is not None:
+        cgp.engine.group_size = lambda net, chunks, threads: group
+    try:
+        return Trainer(read_solver(path), path, config, log=lambda line: None)
+    finally:
+        cgp.engine.group_size = default
+
+
 def add_pair_options(parser, threads, group=False):
     """The options of a bench script that compares two trainers (ab_pair); with group,
     --group N too (see use_group)."""
