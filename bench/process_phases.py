@@ -18,7 +18,10 @@ more); the step time is then from one iteration's end to the next, and a run tha
 once (the last merged update) is shown apart, not in the serial part. A fused update's time
 is in its reduction tasks'.
 --tasks adds each kind of task's median time: a call, an update block, a reduction task by
-the layer it awaits (busy time that grows at two workers shows which work pays for sharing).
+the layer it awaits (busy time that grows at two workers shows which work pays for sharing);
+of a reduction task that applies the update to its columns (fused), also the update's part,
+and on two workers or more the update's time by whether its worker had updated the same
+columns the step before (whether a fixed block-to-worker assignment could keep them cached).
 --timeline adds the calls' run as a path in time, medians over the steps: when the first and
 the last call start, the mean and the longest call, when the last call ends and the run's
 last task; then each worker's tasks in the run of the median wall time (what holds a step of
@@ -52,6 +55,9 @@ class Trace:
 
     def __init__(self, runs):
         self.tasks = aligned_zeros((runs, TASKS, 3), np.float64, shared=True)
+        # (start, end) of the update within a reduction task that fuses one (run, task)
+        self.updates = aligned_zeros((runs, TASKS, 2), np.float64, shared=True)
+        self.engines = []
         self.runs = np.zeros((runs, 3))
         self.count = aligned_zeros(1, np.int64, shared=True)   # runs started so far
         self.names = []
@@ -68,6 +74,20 @@ class Trace:
             row[0] = w
         return traced
 
+    def wrap_update(self, engine):
+        """engine's fused update (Engine.fuse_updates), writing its times into updates at
+        the index of the task that calls it in the calls' run (reduce_order, after the calls)."""
+        count, updates, apply = self.count, self.updates, engine._apply_columns
+        calls = len(engine.groups)
+        index = {engine.reduction.spans[t]: calls + k for k, t in enumerate(engine.reduce_order)}
+
+        def traced(w, lo, hi, step):
+            row = updates[(count[0] - 1) % len(updates), index[lo, hi]]
+            row[0] = time.perf_counter()
+            apply(w, lo, hi, step)
+            row[1] = time.perf_counter()
+        return traced
+
 
 def traced_pool(trace):
     """A ProcessPool class whose programs and runs write into `trace`."""
@@ -75,11 +95,22 @@ def traced_pool(trace):
 
     class TracedPool(base):
         def program(self, fn):
+            owner = getattr(fn, "__self__", None)   # an Engine's task program
+            if hasattr(owner, "fuse_updates"):
+                trace.engines.append(owner)
             return super().program(trace.wrap(fn, getattr(fn, "__name__", "?")))
+
+        def start(self):
+            # Once the trainer has wired its engines, before the workers fork.
+            for engine in trace.engines:
+                if engine._apply_columns is not None:
+                    engine._apply_columns = trace.wrap_update(engine)
+            super().start()
 
         def run(self, program, tasks, *args, first=None):
             k = int(trace.count[0]) % len(trace.runs)
             trace.tasks[k] = 0
+            trace.updates[k] = 0
             trace.count[0] += 1
             started = time.perf_counter()
             super().run(program, tasks, *args, first=first)
@@ -149,18 +180,33 @@ def task_kind(engine, name, i, tasks):
 
 def summarise_tasks(names, trace, step_times, engine):
     """Per kind of task (task_kind): its median time, how many run per step, and their time
-    per step, over every traced run."""
-    kinds = {}
+    per step, over every traced run; of the tasks that fuse an update, the update's part,
+    and its time by whether the task's worker had updated the same columns in the previous
+    run that updated them."""
+    kinds, parts, last, same, other = {}, {}, {}, [], []
     for k in range(int(trace.count[0])):
-        rows = trace.tasks[k]
+        rows, updates = trace.tasks[k], trace.updates[k]
         tasks = int((rows[:, 1] > 0).sum())
         for i in range(tasks):
             kind = task_kind(engine, names.get(int(trace.runs[k][0])), i, tasks)
             kinds.setdefault(kind, []).append(rows[i, 2] - rows[i, 1])
+            if updates[i, 0] > 0:
+                took = updates[i, 1] - updates[i, 0]
+                parts.setdefault(kind, []).append(took)
+                if i in last:
+                    (same if last[i] == rows[i, 0] else other).append(took)
+                last[i] = rows[i, 0]
     for kind, times in sorted(kinds.items()):
         each, per_step = 1e6 * statistics.median(times), len(times) / len(step_times)
+        update = (f" (the update in it {1e6 * statistics.median(parts[kind]):6.1f} µs)"
+                  if kind in parts else "")
         print(f"    {kind:<22} {each:8.1f} µs x {per_step:4.1f} per step = "
-              f"{each * per_step / 1e3:6.3f} ms")
+              f"{each * per_step / 1e3:6.3f} ms{update}")
+    if same and other:
+        print(f"    a fused update whose worker updated the same columns the step before: "
+              f"{1e6 * statistics.median(same):.1f} µs (median of {len(same)}); whose "
+              f"columns another worker updated: {1e6 * statistics.median(other):.1f} µs "
+              f"({len(other)})")
 
 
 def summarise_timeline(names, trace, engine):
