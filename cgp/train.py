@@ -204,15 +204,17 @@ class Trainer:
         # The gradient that the update reads: the reduction's sum (comm.plan writes it into
         # the first chunk's row), or its sum over iter_size passes.
         gradient = self._accum if self._accum is not None else self.engine.chunk_grads[0]
+        def apply_columns(w, lo, hi, step):
+            self.solver.apply(step, self.net.params, gradient, lo, hi)
+
         def apply(w, i, step):
-            self.solver.apply(step, self.net.params, gradient, *self.slices[i])
+            apply_columns(w, *self.slices[i], step)
         self._update = self.pool.program(apply)
         # Within steps(), a step's update runs in its own run's reduction tasks
         # (Engine.fuse_updates), where the Step can be made before the gradient exists: no
         # clipping by the gradient's norm, one pass per iteration. Otherwise it runs in the
         # next step's run (Engine.merge_updates). The same bits every way.
-        self.engine.fuse_updates(lambda w, lo, hi, step: self.solver.apply(
-            step, self.net.params, gradient, lo, hi))
+        self.engine.fuse_updates(apply_columns)
         self.engine.merge_updates(apply, self.slices)
         self.fuse = sp.clip_gradients < 0 and sp.iter_size == 1
         self._pending = None      # the Step whose update has not run yet (steps())
