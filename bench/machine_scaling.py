@@ -1,6 +1,15 @@
-"""The machine's own ceiling for 2-core speedup: one single-threaded loop alone, then two
-such loops at once. The loop is a cache-resident SGEMM (--workload sgemm), or cgp's own
-single-threaded LeNet training step (--workload lenet), each copy with its own data.
+"""The machine's own ceiling for N-core speedup: one single-threaded loop alone, then N
+such loops at once. The loop is a cache-resident SGEMM (--workload sgemm, AVX-512 where the
+CPU has it), cgp's own single-threaded LeNet training step (lenet), a scalar Python loop
+that touches almost no memory (scalar: what a vCPU's share of a core and its clock give), or
+copies of a 64 MiB array (stream: memory bandwidth), each copy with its own data. Several
+workloads and copy counts are timed in --rounds interleaved rounds, each against the one copy
+alone of its own round; a workload whose N copies all keep their speed (scalar near N) and
+another that loses it tell apart a host that shares the vCPUs' cores from one whose caches,
+memory or vector units run short. Each copy counts what it finishes in the same --seconds, so
+a slow copy holds no other up: the machine's throughput. (`cgp bench speedup --ceiling` times
+the same iterations in every copy, to the last copy's end, as a step of many workers waits
+for the slowest.)
 
 With --in processes (the default) the copies share nothing but the machine, so on a VM whose
 vCPUs share physical cores, caches or memory bandwidth, no parallel trainer can beat the
@@ -8,10 +17,12 @@ ratio printed here for that workload. With --in threads they run in threads of o
 as cgp's workers do, and also share its interpreter lock and allocator: the gap between the
 two is what running inside one process costs, before any engine design.
 
-    python bench/machine_scaling.py [--workload sgemm|lenet] [--in processes|threads]
-                                    [--seconds 8] [--copies 2]
+    python bench/machine_scaling.py [--workload sgemm,lenet,scalar,stream]
+                                    [--in processes|threads] [--seconds 8] [--copies 2,16]
+                                    [--rounds 1]
 """
 import argparse
+import statistics
 import subprocess
 import sys
 
@@ -39,6 +50,25 @@ def step(trainer):
     trainer.step()
 """
 
+SCALAR = """
+def setup():
+    return [1]
+def step(state):
+    x = state[0]
+    for _ in range(20000):
+        x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+    state[0] = x
+"""
+
+STREAM = """
+import numpy as np
+def setup():
+    # Both written first, so that no copy pays the destination's page faults.
+    return np.ones(1 << 24, dtype=np.float32), np.ones(1 << 24, dtype=np.float32)
+def step(arrays):
+    np.copyto(arrays[1], arrays[0])
+"""
+
 # Runs `copies` copies of the workload in threads of this process; prints each one's count.
 DRIVER = """
 import threading, time
@@ -59,7 +89,9 @@ with threadpool_limits(limits=1):
         t.join()
 print(" ".join(map(str, counts)))
 """
-LOOPS = {"sgemm": (SGEMM, "products"), "lenet": (LENET, "LeNet iterations")}
+LOOPS = {"sgemm": (SGEMM, "products"), "lenet": (LENET, "LeNet iterations"),
+         "scalar": (SCALAR, "loops of 20,000 multiply-adds"),
+         "stream": (STREAM, "copies of 64 MiB")}
 
 
 def run(workload, processes, copies_each, seconds):
@@ -73,21 +105,38 @@ def run(workload, processes, copies_each, seconds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8)
-    parser.add_argument("--copies", type=int, default=2)
-    parser.add_argument("--workload", choices=sorted(LOOPS), default="sgemm")
+    parser.add_argument("--copies", default="2", help="comma-separated copy counts")
+    parser.add_argument("--workload", default="sgemm",
+                        help=f"comma-separated, of {', '.join(sorted(LOOPS))}")
     parser.add_argument("--in", dest="within", choices=("processes", "threads"),
                         default="processes")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
-    workload, unit = LOOPS[args.workload]
-    alone = run(workload, 1, 1, args.seconds)[0]
-    if args.within == "processes":
-        together = run(workload, args.copies, 1, args.seconds)
-    else:
-        together = run(workload, 1, args.copies, args.seconds)
-    print(f"one copy: {alone} {unit}; {args.copies} at once in {args.within}: "
-          f"{' + '.join(map(str, together))}")
-    print(f"throughput ratio (the machine's ceiling for {args.copies} cores, copies in "
-          f"{args.within}): {sum(together) / alone:.2f}")
+    names = args.workload.split(",")
+    unknown = sorted(set(names) - set(LOOPS))
+    if unknown:
+        parser.error(f"unknown workload {', '.join(unknown)}; known: {', '.join(sorted(LOOPS))}")
+    copies = [int(n) for n in args.copies.split(",")]
+    ratios = {(name, n): [] for name in names for n in copies}
+    for r in range(args.rounds):
+        for name in names:
+            workload, unit = LOOPS[name]
+            alone = run(workload, 1, 1, args.seconds)[0]
+            for n in copies:
+                if args.within == "processes":
+                    together = run(workload, n, 1, args.seconds)
+                else:
+                    together = run(workload, 1, n, args.seconds)
+                ratios[name, n].append(sum(together) / alone)
+                print(f"round {r + 1}, {name}: one copy {alone} {unit}; {n} at once in "
+                      f"{args.within}: {' + '.join(map(str, together))}: "
+                      f"{sum(together) / alone:.2f}x", flush=True)
+    print(f"throughput of N copies against one alone (the machine's ceiling for N cores, "
+          f"copies in {args.within}), the median of {args.rounds} round(s), and per copy:")
+    for (name, n), values in ratios.items():
+        ratio = statistics.median(values)
+        print(f"  {name:7s} {n:3d} copies: {ratio:6.2f}x  ({ratio / n:.2f} per copy; "
+              f"rounds {min(values):.2f} - {max(values):.2f})")
 
 
 if __name__ == "__main__":

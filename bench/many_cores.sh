@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The 1 - 16 thread runs of issue 4, for a machine with 16 cores: the machine's description,
-# then `cgp bench speedup` for LeNet (threads and processes) and cifar10_quick (processes, on
-# generated CIFAR-10 files), each with the ceiling of N one-thread copies and PyTorch at the same
-# thread counts, then where a 16-worker step's time goes. One command, so that a borrowed
-# machine's minutes go to measuring; the results (JSON, CSV, PNG) and the log land in OUTDIR.
+# then `cgp bench speedup` for LeNet and cifar10_quick (on generated CIFAR-10 files), each with
+# the ceiling of N one-thread copies and PyTorch at the same thread counts, then how even the
+# steps of 1 and 16 workers are (bench/step_tail.py) and the bitwise check. One command, so
+# that a borrowed machine's minutes go to measuring; the results (JSON, CSV, PNG) and the log
+# land in OUTDIR.
 #
 #     bash bench/many_cores.sh OUTDIR [THREADS]        # THREADS default 1,2,4,8,16
 set -u -o pipefail
@@ -32,13 +33,17 @@ step() {   # a time limit per part, so that one hung part still leaves the other
     timeout 300 "$@" || echo "== exit $? from: $*"
 }
 
-step $py -m cgp bench speedup mnist --threads "$threads" --workers threads,processes \
-    --iters 20 --repeats 11 --ceiling --compare torch --out "$out"
+# Timings of 100 (LeNet) and 20 (cifar10_quick) iterations, about 0.2 s at 16 workers: on a
+# machine whose speed moves from one 50 ms to the next, 20-iteration timings (45 ms) spread
+# widely (bench/results/16cores/second/README.md).
+step $py -m cgp bench speedup mnist --threads "$threads" --iters 100 --lead-in 20 --repeats 5 \
+    --ceiling --compare torch --out "$out"
 cifar=$(mktemp -d)
 $py "$here/bench/fake_cifar10.py" "$cifar" >/dev/null
-step $py -m cgp bench speedup cifar10_quick --threads "$threads" --iters 10 --repeats 7 \
-    --ceiling --compare torch --data-dir "$cifar" --out "$out"
-step $py "$here/bench/process_phases.py" mnist --threads "1,$top" --merged --tasks --steps 300
-step $py "$here/bench/process_phases.py" cifar10_quick --threads "1,$top" --merged --tasks \
-    --steps 40 --data-dir "$cifar"
+step $py -m cgp bench speedup cifar10_quick --threads "$threads" --iters 20 --lead-in 5 \
+    --repeats 5 --ceiling --compare torch --data-dir "$cifar" --out "$out"
+step $py "$here/bench/step_tail.py" mnist --threads "1,$top" --steps 500
+step $py "$here/bench/step_tail.py" cifar10_quick --threads "1,$top" --steps 100 \
+    --data-dir "$cifar"
+step $py -m cgp equivalence mnist --threads "$threads" --iters 100 --workers threads,processes
 rm -rf "$cifar"
