@@ -383,6 +383,7 @@ class Engine:
         self._batch = self.inputs   # what the calls of the run in progress read
         self._apply = None           # the solver update merged into runs (merge_updates)
         self._apply_columns = None   # the solver update fused into the reduction (fuse_updates)
+        self._claim_columns = None   # asks for the lines the fused update writes (fuse_updates)
         self._tasks = pool.program(self._task)
 
     def merge_updates(self, apply, spans):
@@ -408,7 +409,7 @@ class Engine:
         self.updated = aligned_zeros(len(self.update_spans), np.int64, self.pool.shared_memory)
         self.merged_order = self._merged_order()
 
-    def fuse_updates(self, apply_columns):
+    def fuse_updates(self, apply_columns, claim_columns=None):
         """Lets run() apply this step's own solver update (run's `update`, a solver Step) in
         the reduction's tasks: apply_columns(worker, lo, hi, step) updates the flat
         parameters' columns lo:hi, which a task calls on its columns right after summing
@@ -416,9 +417,14 @@ class Engine:
         holds those columns, and no call reads a layer's parameters after its backward: the
         same arithmetic on the same values as an update after the run. It uses the time that
         workers done with their calls would spend waiting for the slowest, with the summed
-        gradient still in the cache of the core that wrote it. Before the pool starts
-        (worker processes must see apply_columns)."""
+        gradient still in the cache of the core that wrote it. claim_columns(lo, hi), if
+        given, runs first in such a task, before the sum: it asks for the cache lines that
+        the update will write (Trainer: cgp.kernels.update.claim), which every worker's
+        calls have just read, so that taking them from the other cores overlaps the sum
+        instead of stalling the update's stores. Before the pool starts (worker processes
+        must see apply_columns)."""
         self._apply_columns = apply_columns
+        self._claim_columns = claim_columns
 
     def _merged_order(self):
         """The first tasks of a run with a pending update, before the reduction's: update
@@ -561,6 +567,9 @@ class Engine:
         # for nothing, unless the run has failed (then check_run raises).
         a = self.awaited[t]
         self._wait(self.progress, a, a + 1, calls)
+        if update is not None and self._claim_columns is not None:
+            # Only now: a call still reading these parameters would lose its lines to it.
+            self._claim_columns(*self.reduction.spans[t])
         self.reduction.task(worker, t)
         if update is not None:
             self._apply_columns(worker, *self.reduction.spans[t], update)

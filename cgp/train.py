@@ -21,6 +21,7 @@ from threadpoolctl import threadpool_limits
 from cgp.comm import ThreadCommunicator, blocks
 from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
+from cgp.kernels.update import claim
 from cgp.layers import aligned_zeros
 from cgp.net import Net, RunOptions
 from cgp.procs import default_workers, make_pool
@@ -209,12 +210,18 @@ class Trainer:
 
         def apply(w, i, step):
             apply_columns(w, *self.slices[i], step)
+
+        def claim_columns(lo, hi):
+            for a in (self.net.params, *self.solver.histories):
+                claim(a, lo, hi)
         self._update = self.pool.program(apply)
+        # One worker has no other core to take the update's cache lines from.
+        claims = claim_columns if self.pool.threads > 1 else None
         # Within steps(), a step's update runs in its own run's reduction tasks
         # (Engine.fuse_updates), where the Step can be made before the gradient exists: no
         # clipping by the gradient's norm, one pass per iteration. Otherwise it runs in the
         # next step's run (Engine.merge_updates). The same bits every way.
-        self.engine.fuse_updates(apply_columns)
+        self.engine.fuse_updates(apply_columns, claims)
         self.engine.merge_updates(apply, self.slices)
         self.fuse = sp.clip_gradients < 0 and sp.iter_size == 1
         self._pending = None      # the Step whose update has not run yet (steps())

@@ -17,12 +17,17 @@ Numba compute in float64 and the result would no longer be Caffe's float32 arith
                its slices where they change; cgp.solver.Solver.apply): as scalars, the kernel
                reads two arrays fewer and its regularization test is the same for every
                element; local_rate and local_decay are the products Caffe forms per blob.
-Elementwise only, so results are bitwise identical however [0, n) is cut into slices. The
+Elementwise only, so results are bitwise identical however [0, n) is cut into slices.
+Also `claim`, a hint that asks for a slice's cache lines for writing before an update writes
+them (cgp.engine.Engine.fuse_updates); it changes no value. The
 loops index views of the slice from 0: an index that may be negative (lo + i) costs Numba a
 wrap-around test per element, which keeps the loop from being vectorised.
 """
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 
 @njit(cache=True, nogil=True)
@@ -158,3 +163,35 @@ def sum_of_squares(x, lo, hi):
         xi = np.float64(x[i])
         total += xi * xi
     return total
+
+
+@intrinsic
+def _prefetch_write(typingctx, a, index):
+    """Asks for the cache line of a[index] (a 1-d array) for writing (x86's PREFETCHW): the
+    core takes the line over from other cores' caches now, while it does other work, instead
+    of when it stores to it. A hint: no value changes."""
+    if not (isinstance(a, types.Array) and a.ndim == 1):
+        return None
+    sig = types.void(a, types.intp)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        pointer = builder.gep(array.data, [args[1]])
+        i32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]),
+            "llvm.prefetch.p0")
+        # (address, write, keep in all cache levels, data)
+        builder.call(prefetch, [pointer, i32(1), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def claim(a, lo, hi):
+    """Prefetches a[lo:hi] (1-d float32) for writing, one request per 16 elements (a 64-byte
+    line). With two workers, LeNet's ip1 update blocks took 1.7 times as long as with one:
+    each store waited for the other core to give up its copy of a line that its calls had
+    read. Claimed before the reduction's sum, they take about as long as with one worker."""
+    for i in range(lo, hi, 16):
+        _prefetch_write(a, i)

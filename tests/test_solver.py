@@ -2,12 +2,16 @@
 twin in Caffe's order of operations (bitwise), every lr policy against its hand formula, slicing
 invariance, and the error messages for what Caffe rejects."""
 import math
+import platform
+import re
 
 import numpy as np
 import pytest
 from google.protobuf import text_format
+from numba import njit
 
 from cgp.errors import PrototxtError
+from cgp.kernels import update
 from cgp.proto import caffe_pb2
 from cgp.solver import Solver, multistep_count
 
@@ -245,6 +249,22 @@ def test_apply_touches_only_its_slice():
     np.testing.assert_array_equal(w[outside], w0[outside])
     np.testing.assert_array_equal(g[outside], grads[0][outside])
     assert not np.any(solver.histories[0][outside]) and np.all(solver.histories[0][10:20] != 0)
+
+
+def test_claim_changes_nothing_and_compiles_to_a_prefetch():
+    """kernels.update.claim, which a fused update on two workers or more runs first: every
+    value stays, at any bounds (mid-line, empty, the last element), and the compiled loop
+    holds a prefetch (PREFETCHW where the CPU has it), so it is not compiled away."""
+    a = np.arange(3 * N, dtype=np.float32)
+    before = a.copy()
+    for lo, hi in [(0, a.size), (5, 37), (20, 20), (a.size - 1, a.size)]:
+        update.claim(a, lo, hi)
+    np.testing.assert_array_equal(a, before)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        fresh = njit(update.claim.py_func)   # Numba shows no code loaded from its cache
+        fresh(a, 0, a.size)
+        asm = "".join(fresh.inspect_asm().values())
+        assert re.search(r"^\s+prefetch", asm, re.MULTILINE)
 
 
 def test_grads_hold_the_step_taken():
