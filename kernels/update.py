@@ -17,11 +17,11 @@ Numba compute in float64 and the result would no longer be Caffe's float32 arith
                its slices where they change; cgp.solver.Solver.apply): as scalars, the kernel
                reads two arrays fewer and its regularization test is the same for every
                element; local_rate and local_decay are the products Caffe forms per blob.
-Elementwise only, so results are bitwise identical however [0, n) is cut into slices.
-Also `claim`, a hint that asks for a slice's cache lines for writing before an update writes
-them (cgp.engine.Engine.fuse_updates); it changes no value. The
+Elementwise only, so results are bitwise identical however [0, n) is cut into slices. The
 loops index views of the slice from 0: an index that may be negative (lo + i) costs Numba a
 wrap-around test per element, which keeps the loop from being vectorised.
+Also `claim`, a hint that asks for a slice's cache lines for writing before an update writes
+them (cgp.engine.Engine.fuse_updates); it changes no value.
 """
 import numpy as np
 from llvmlite import ir
@@ -189,9 +189,12 @@ def _prefetch_write(typingctx, a, index):
 
 @njit(cache=True, nogil=True)
 def claim(a, lo, hi):
-    """Prefetches a[lo:hi] (1-d float32) for writing, one request per 16 elements (a 64-byte
-    line). With two workers, LeNet's ip1 update blocks took 1.7 times as long as with one:
-    each store waited for the other core to give up its copy of a line that its calls had
-    read. Claimed before the reduction's sum, they take about as long as with one worker."""
+    """Prefetches a[lo:hi] (1-d float32) for writing: one request per 16 elements (a 64-byte
+    line), and one for the last, whose line a slice that starts mid-line would miss. With two
+    workers, LeNet's ip1 update blocks took 1.7 times as long as with one: each store waited
+    for the other core to give up its copy of a line that its calls had read. Claimed before
+    the reduction's sum, they take about as long as with one worker."""
     for i in range(lo, hi, 16):
         _prefetch_write(a, i)
+    if hi > lo:
+        _prefetch_write(a, hi - 1)
