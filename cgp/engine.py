@@ -567,12 +567,13 @@ class Engine:
         # for nothing, unless the run has failed (then check_run raises).
         a = self.awaited[t]
         self._wait(self.progress, a, a + 1, calls)
+        lo, hi = self.reduction.spans[t]
         if update is not None and self._claim_columns is not None:
             # Only now: a call still reading these parameters would lose its lines to it.
-            self._claim_columns(*self.reduction.spans[t])
+            self._claim_columns(lo, hi)
         self.reduction.task(worker, t)
         if update is not None:
-            self._apply_columns(worker, *self.reduction.spans[t], update)
+            self._apply_columns(worker, lo, hi, update)
 
     def _ready(self, entry):
         """Waits until the update blocks that hold entry's parameters are done (a call's

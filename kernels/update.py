@@ -167,9 +167,9 @@ def sum_of_squares(x, lo, hi):
 
 @intrinsic
 def _prefetch_write(typingctx, a, index):
-    """Asks for the cache line of a[index] (a contiguous 1-d array) for writing (x86's PREFETCHW): the
-    core takes the line over from other cores' caches now, while it does other work, instead
-    of when it stores to it. A hint: no value changes."""
+    """Asks for the cache line of a[index] (a contiguous 1-d array) for writing (x86's
+    PREFETCHW): the core takes the line over from other cores' caches now, while it does
+    other work, instead of when it stores to it. A hint: no value changes."""
     if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"):
         return None   # the address below is data + index: contiguous arrays only
     sig = types.void(a, types.intp)
