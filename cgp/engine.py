@@ -377,22 +377,33 @@ class Engine:
         self.tracked = list(tracked.items())
         self.shares = aligned_zeros((len(self.bounds), len(self.tracked)), np.float64, shared)
         self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
-        # The batch as worker processes read it; None: calls read the caller's arrays.
-        self.inputs = {t: aligned_zeros(net.blob_shapes[t], self.dtype, True)
-                       for t in self.source_names} if shared else None
-        self._batch = self.inputs   # what the calls of the run in progress read
+        # What run() adds up after its calls, made once: the shares in the run's dtype, their
+        # totals, and (index into tracked, loss weight) of each loss.
+        self._shares = np.empty(self.shares.shape, self.dtype)
+        self._totals = np.empty(len(self.tracked), self.dtype)
+        self._losses = [(j, self.dtype.type(net.loss_weights[blob]))
+                        for j, (blob, _) in enumerate(self.tracked)
+                        if blob in net.loss_weights]
+        # The batch as worker processes read it, in two sets: while a run's calls read one,
+        # the caller may copy the next batch into the other (stage()). None: calls read the
+        # caller's arrays.
+        self.inputs = [{t: aligned_zeros(net.blob_shapes[t], self.dtype, True)
+                        for t in self.source_names} for _ in range(2)] if shared else None
+        self._slot = 0          # the set of inputs that the latest run read
+        self._staged = None     # (batch, its set) copied by stage() for the next run
+        self._batch = None      # what the calls of the run in progress read, without inputs
         self._apply = None           # the solver update merged into runs (merge_updates)
         self._apply_columns = None   # the solver update fused into the reduction (fuse_updates)
         self._claim_columns = None   # asks for the lines the fused update writes (fuse_updates)
         self._tasks = pool.program(self._task)
 
     def merge_updates(self, apply, spans):
-        """Lets run() take the previous step's solver update along (run's `pending`, a
-        solver Step): apply(worker, i, step) updates the flat parameters' columns spans[i].
-        Every call's forward then waits, before each layer, until the blocks holding that
-        layer's parameters are updated: one worker updates while another starts its call,
-        and a step hands over to the workers once. The same arithmetic on the same values
-        as an update run of its own: every read of a parameter waits for its update, and
+        """Lets run() take the previous step's solver update along (run's `pending`, a solver
+        Step in the form that apply takes): apply(worker, i, step) updates the flat parameters'
+        columns spans[i]. Every call's forward then waits, before each layer, until the blocks
+        holding that layer's parameters are updated: one worker updates while another starts
+        its call, and a step hands over to the workers once. The same arithmetic on the same
+        values as an update run of its own: every read of a parameter waits for its update, and
         the run's first write of a gradient (backward, after the whole forward) comes after
         every update has read it. Before the pool starts (worker processes must see apply)."""
         net = self.net
@@ -410,19 +421,19 @@ class Engine:
         self.merged_order = self._merged_order()
 
     def fuse_updates(self, apply_columns, claim_columns=None):
-        """Lets run() apply this step's own solver update (run's `update`, a solver Step) in
-        the reduction's tasks: apply_columns(worker, lo, hi, step) updates the flat
-        parameters' columns lo:hi, which a task calls on its columns right after summing
-        them. A task runs once every call has passed, in its backward, every layer that
-        holds those columns, and no call reads a layer's parameters after its backward: the
-        same arithmetic on the same values as an update after the run. It uses the time that
-        workers done with their calls would spend waiting for the slowest, with the summed
-        gradient still in the cache of the core that wrote it. claim_columns(lo, hi), if
-        given, runs first in such a task, before the sum: it asks for the cache lines that
-        the update will write (Trainer: cgp.kernels.update.claim), which every worker's
-        calls have just read, so that taking them from the other cores overlaps the sum
-        instead of stalling the update's stores. Before the pool starts (worker processes
-        must see apply_columns)."""
+        """Lets run() apply this step's own solver update (run's `update`, a solver Step in the
+        form that apply_columns takes) in the reduction's tasks: apply_columns(worker, lo, hi,
+        step) updates the flat parameters' columns lo:hi, which a task calls on its columns
+        right after summing them. A task runs once every call has passed, in its backward,
+        every layer that holds those columns, and no call reads a layer's parameters after its
+        backward: the same arithmetic on the same values as an update after the run. It uses
+        the time that workers done with their calls would spend waiting for the slowest, with
+        the summed gradient still in the cache of the core that wrote it. claim_columns(lo,
+        hi), if given, runs first in such a task, before the sum: it asks for the cache lines
+        that the update will write (Trainer: cgp.kernels.update.claim), which every worker's
+        calls have just read, so that taking them from the other cores overlaps the sum instead
+        of stalling the update's stores. Before the pool starts (worker processes must see
+        apply_columns)."""
         self._apply_columns = apply_columns
         self._claim_columns = claim_columns
 
@@ -482,11 +493,18 @@ class Engine:
         pending: a solver Step to apply first, in this run (merge_updates). first: the
         caller's own work at the start of the run (Pool.run). update: a solver Step to
         apply to the sum as the reduction's tasks make it (fuse_updates); the gradient
-        returned then holds the step taken, as the update leaves it."""
+        returned then holds the step taken, as the update leaves it. Both in the form that
+        the functions given there take. A batch given to stage() during the run before is
+        read where stage() copied it."""
         net = self.net
+        slot = 0
         if self.inputs is not None:
-            for b, a in batch.items():
-                self.inputs[b][...] = a   # cast to the run's dtype as it is copied
+            staged, self._staged = self._staged, None
+            if staged is not None and staged[0] is batch:
+                slot = staged[1]
+            else:
+                slot = self._copy_in(batch)
+            self._slot = slot
         else:
             self._batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
         tasks = len(self.groups)
@@ -501,17 +519,32 @@ class Engine:
         if self.backward and self.overlap:
             self.progress[:] = 0
             tasks += len(self.reduce_order)
-        self.pool.run(self._tasks, tasks, iteration, seed, pending, update, first=first)
+        self.pool.run(self._tasks, tasks, iteration, seed, pending, update, slot, first=first)
         if self.backward and not self.overlap:
             self.reduction()
         # Shares add up in chunk order, in the dtype of the blobs they came from.
-        totals = np.empty(len(self.tracked), self.dtype)
-        sum_rows(self.shares.astype(self.dtype), totals)
+        totals = self._totals
+        self._shares[...] = self.shares
+        sum_rows(self._shares, totals)
         values = {name: float(v) for (_, name), v in zip(self.tracked, totals)}
-        loss = float(sum(self.dtype.type(net.loss_weights[blob]) * totals[j]
-                         for j, (blob, _) in enumerate(self.tracked) if blob in net.loss_weights))
+        loss = float(sum(weight * totals[j] for j, weight in self._losses))
         grad = self.reduction.result if self.backward else None
         return values, loss, grad
+
+    def stage(self, batch):
+        """Copies the batch of the next run() into the inputs that the run in progress, if
+        any, does not read: the caller's work during a run (Pool.run's `first`), where it
+        costs the step nothing, instead of at the start of the next run, where every worker
+        waits for it. run(batch) then reads them. Only worker processes need a copy."""
+        if self.inputs is not None:
+            self._staged = (batch, self._copy_in(batch))
+
+    def _copy_in(self, batch):
+        """Copies batch into the set of inputs that the latest run did not read; returns it."""
+        slot = 1 - self._slot
+        for b, a in batch.items():
+            self.inputs[slot][b][...] = a   # cast to the run's dtype as it is copied
+        return slot
 
     def _owner_cuts(self):
         """The columns of the flat parameters where the entries that hold them change: the
@@ -542,11 +575,11 @@ class Engine:
                    and lo < net.param_blobs[p].offset + net.param_blobs[p].size
                    for p in net.entries[e].params)
 
-    def _task(self, worker, i, iteration, seed, pending, update):
+    def _task(self, worker, i, iteration, seed, pending, update, slot):
         """Task i of a run: call i, or after the calls, reduction task reduce_order[i - calls]
         once its columns' gradients are written, then with `update` its columns' update. With
         a pending update, the first tasks are the calls and the update's blocks in
-        merged_order."""
+        merged_order. slot: the set of inputs the calls read (worker processes)."""
         calls = len(self.groups)
         if pending is not None:
             if i >= len(self.merged_order):
@@ -559,7 +592,8 @@ class Engine:
             else:
                 i = self.merged_order[i]
         if i < calls:
-            self.work(worker, i, iteration, seed, self._batch,
+            self.work(worker, i, iteration, seed,
+                      self._batch if self.inputs is None else self.inputs[slot],
                       self._ready if pending is not None else None)
             return
         t = self.reduce_order[i - calls]

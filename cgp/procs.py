@@ -133,7 +133,7 @@ class ProcessPool:
         self._caller_cpus = None
         self._flags = aligned_zeros(_SLEEP + 8 * threads, np.int64, shared=True)
         self._args = aligned_zeros(ARGS_BYTES, np.uint8, shared=True)
-        self._woken = np.zeros(threads, np.int64)
+        self._woken = np.zeros(threads - 1, np.int64)   # the workers a post wakes
         self._failures = []  # (task, exception) of the latest run's failed tasks, read so far
         self._spins = spin_count(threads)
 
@@ -167,7 +167,6 @@ class ProcessPool:
         cpus = sorted(os.sched_getaffinity(0)) if self.affinity else []
         # Compiled (or loaded) here, so that no child starts by compiling.
         spin.take_ticket(self._flags, _TICKET, -1, 0)
-        spin.wake_sleepers(self._flags, _SLEEP, 8, 0, self._woken)
         with warnings.catch_warnings():
             # Python 3.12+ warns that forking a process with threads may deadlock the child if
             # another thread holds a lock the child then takes. The only other threads here are
@@ -199,19 +198,17 @@ class ProcessPool:
             raise RuntimeError("ProcessPool.run before start()")
         if self.broken:
             raise CgpError(self.broken)
-        self._check_alive()
         data = pickle.dumps(args) if args else b""
         if len(data) > ARGS_BYTES:
             raise RuntimeError(f"a run's arguments take {len(data)} bytes pickled; the pool "
                                f"has room for {ARGS_BYTES}")
         flags = self._flags
         run = int(flags[_POSTED]) + 1
-        # The ticket first: a worker still leaving the last run can no longer take one.
-        spin.exchange(flags, _TICKET, run << 32)
-        flags[_DONE] = flags[_FAILED] = 0
-        flags[_TASKS], flags[_PROGRAM], flags[_ARG_BYTES] = tasks, program, len(data)
-        self._args[:len(data)] = np.frombuffer(data, np.uint8)
-        self._post(run)
+        self._post(run, program, tasks, data)
+        # Whether a worker has ended since the last run, asked while the workers start rather
+        # than before, where every worker would wait for the answer: the run goes on without
+        # it (the others take its tasks) and raises its error once done, as every later run.
+        lost = self.procs and self._ended.poll(0)
         own = run_first(first)
         state = fpenv.set_flush(self.flush)
         try:
@@ -221,14 +218,18 @@ class ProcessPool:
             if self.procs:   # before the next run resets the counts, even after an interrupt
                 self._wait(tasks)
         failure = self._first_failure() if flags[_FAILED] else None   # read: none left over
+        if lost:
+            raise self._lost()
         if own is not None or failure is not None:
             raise own or failure
 
-    def _post(self, run):
-        """Publishes run number `run` (everything written before is seen with it) and wakes
-        the workers that sleep."""
-        spin.exchange(self._flags, _POSTED, run)
-        woken = spin.wake_sleepers(self._flags, _SLEEP + 8, 8, self.threads - 1, self._woken)
+    def _post(self, run, program, tasks=0, data=b""):
+        """Publishes run number `run` of `tasks` tasks of a program (or _STOP, _REST) with its
+        pickled arguments, and wakes the workers that sleep."""
+        woken = spin.post(self._flags, _POSTED, run, _TICKET,
+                          (_DONE, _FAILED, _TASKS, _PROGRAM, _ARG_BYTES),
+                          (0, 0, tasks, program, len(data)), self._args, data, _SLEEP + 8, 8,
+                          self._woken)
         for k in self._woken[:woken]:
             self._wakes[k + 1].release()
 
@@ -298,14 +299,12 @@ class ProcessPool:
     def rest(self):
         """Sends the workers to sleep now, not SPIN_SECONDS after the last run (see Pool)."""
         if self.procs:
-            self._flags[_PROGRAM] = _REST
-            self._post(int(self._flags[_POSTED]) + 1)
+            self._post(int(self._flags[_POSTED]) + 1, _REST)
 
     def close(self):
         """Ends the workers."""
         if self.procs:
-            self._flags[_PROGRAM] = _STOP
-            self._post(int(self._flags[_POSTED]) + 1)
+            self._post(int(self._flags[_POSTED]) + 1, _STOP)
             for proc in self.procs:
                 proc.join(timeout=10)
                 if proc.is_alive():

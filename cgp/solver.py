@@ -30,17 +30,20 @@ class Step(NamedTuple):
     correction: np.float32       # Adam's bias correction for this iteration; 1 for other rules
     grad_norm: Optional[float]   # global L2 norm of the gradients, when clip_gradients >= 0
 
-    def __reduce__(self):
-        # Worker processes receive a Step pickled with every update (cgp.procs): as Python
-        # floats, which hold float32 values exactly, it pickles and loads about 10 times as
-        # fast as with NumPy scalars, whose pickling rebuilds their dtype.
-        return _step, (self.it, float(self.rate), float(self.clip_scale),
-                       float(self.correction), self.grad_norm)
+    def plain(self):
+        """The Step as a tuple of Python numbers (floats hold float32 values exactly), as it
+        travels to worker processes with every run (cgp.procs): a tuple of built-in types
+        pickles and loads about three times as fast as a Step, which names its type and
+        rebuilds its float32 fields, and far faster than NumPy scalars. Step.of makes the
+        Step again."""
+        return (self.it, float(self.rate), float(self.clip_scale), float(self.correction),
+                self.grad_norm)
 
-
-def _step(it, rate, clip_scale, correction, grad_norm):
-    """A pickled Step, with its float32 fields float32 again."""
-    return Step(it, f32(rate), f32(clip_scale), f32(correction), grad_norm)
+    @classmethod
+    def of(cls, plain):
+        """The Step of its plain() tuple, with its float32 fields float32 again."""
+        it, rate, clip_scale, correction, grad_norm = plain
+        return cls(it, f32(rate), f32(clip_scale), f32(correction), grad_norm)
 
 
 def _c_pow(base, exponent):
@@ -168,6 +171,8 @@ class Solver:
         }
         self._kernel, count, self._hyper = kernels[self.type]
         self._cuts = {}   # (lo, hi) -> _pieces
+        # (it, its Step, the current_step its prepare() sets or None) made by prepare_ahead
+        self._ahead = None
         self.histories = [aligned_zeros(n, np.float32, shared) for _ in range(count)]
 
     def learning_rate(self, it):
@@ -209,6 +214,11 @@ class Solver:
         gradient norm sums each slice in float64 and adds the sums in list order, so it is the
         same for any thread count as long as the list is the same.
         """
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == it:
+            if ahead[2] is not None:
+                self.current_step = ahead[2]
+            return ahead[1]
         rate = f32(self.learning_rate(it))
         clip_scale, grad_norm = f32(1.0), None
         clip = f32(self.param.clip_gradients)
@@ -227,6 +237,20 @@ class Solver:
             beta1, beta2 = float(f32(self.param.momentum)), float(f32(self.param.momentum2))
             correction = f32(math.sqrt(1.0 - math.pow(beta2, t)) / (1.0 - math.pow(beta1, t)))
         return Step(it, rate, clip_scale, correction, grad_norm)
+
+    def prepare_ahead(self, it):
+        """Makes the Step of iteration it before its turn, for the prepare(it) that follows
+        next: while the workers compute the iteration before, instead of between two runs,
+        where they all wait for it. Only without clip_gradients, where a Step depends on `it`
+        alone. current_step stays as the last prepare() left it until then."""
+        if self.param.clip_gradients >= 0:
+            return
+        kept = self.current_step
+        step = self.prepare(it, None, ())
+        # Only these policies set current_step, to a function of `it` (learning_rate).
+        sets = self.param.lr_policy in ("step", "multistep")
+        self._ahead = (it, step, self.current_step if sets else None)
+        self.current_step = kept
 
     def apply(self, step, params, grads, lo, hi):
         """Update params[lo:hi] and the histories there; grads[lo:hi] is overwritten with the step

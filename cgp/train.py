@@ -29,7 +29,7 @@ from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, writable_folder,
                           write_caffemodel, write_solverstate)
-from cgp.solver import Solver
+from cgp.solver import Solver, Step
 
 DEFAULT_SEED = 1701  # used when neither --seed nor the solver's random_seed is set
 
@@ -205,11 +205,21 @@ class Trainer:
         # The gradient that the update reads: the reduction's sum (comm.plan writes it into
         # the first chunk's row), or its sum over iter_size passes.
         gradient = self._accum if self._accum is not None else self.engine.chunk_grads[0]
-        def apply_columns(w, lo, hi, step):
-            self.solver.apply(step, self.net.params, gradient, lo, hi)
+        # Runs take a Step in its plain form (Step.plain), made a Step again once per run
+        # in each process: the latest (plain, Step), which holds its plain tuple alive.
+        made = [((), None)]
 
-        def apply(w, i, step):
-            apply_columns(w, *self.slices[i], step)
+        def step_of(plain):
+            last = made[0]
+            if last[0] is not plain:
+                last = made[0] = (plain, Step.of(plain))
+            return last[1]
+
+        def apply_columns(w, lo, hi, plain):
+            self.solver.apply(step_of(plain), self.net.params, gradient, lo, hi)
+
+        def apply(w, i, plain):
+            apply_columns(w, *self.slices[i], plain)
 
         def claim_columns(lo, hi):
             for a in (self.net.params, *self.solver.histories):
@@ -284,6 +294,13 @@ class Trainer:
         except Exception:   # noqa: BLE001  (raised again where the batch is needed)
             return
         self._ahead = ((self.net, position, iteration, self.seed), batch)   # as _batch asks
+        self.engine.stage(batch)
+
+    def _work_ahead(self, it):
+        """The caller's work for iteration `it` done during the run of the one before (a fused
+        step's `first`): its batch (_read_ahead) and its Step (Solver.prepare_ahead)."""
+        self._read_ahead(it)
+        self.solver.prepare_ahead(it)
 
     def tests_before(self, it):
         """How many test passes Caffe runs from the data origin up to iteration `it`: the
@@ -305,9 +322,11 @@ class Trainer:
         (loss, outputs of the last pass, gradient). pending: the previous step's update
         (a Step), applied in the first pass's run; first: the caller's work in the last
         pass's run; update: this step's update, applied in the reduction of the last pass
-        (Engine.fuse_updates; iter_size 1)."""
+        (Engine.fuse_updates; iter_size 1). Both travel to the workers as Step.plain()."""
         size = self.sp.iter_size
         loss = 0.0
+        pending = pending.plain() if pending is not None else None
+        update = update.plain() if update is not None else None
         for k in range(size):
             position, iteration = self._pass(self.iter, k)
             batch = self._batch(self.net, position, iteration)
@@ -349,8 +368,9 @@ class Trainer:
                 step = self.solver.prepare(it, None, self.slices)   # needs no gradient
                 # The next batch is read during the run, also after the last iteration
                 # (as the merged update's last run does): a step() at a time gains from it.
+                # So is the next Step: both would otherwise keep every worker waiting.
                 loss, outputs, _ = self.forward_backward(
-                    first=lambda: self._read_ahead(it + 1), update=step)
+                    first=lambda: self._work_ahead(it + 1), update=step)
                 result = loss, outputs, step.rate
                 self.iter += 1
                 if each is not None and each(it, *result):
@@ -376,7 +396,7 @@ class Trainer:
         if self._pending is not None:
             update, self._pending = self._pending, None
             it = self.iter
-            self.pool.run(self._update, len(self.slices), update,
+            self.pool.run(self._update, len(self.slices), update.plain(),
                           first=(lambda: self._read_ahead(it)) if ahead else None)
 
     def test(self, index=0):

@@ -9,7 +9,7 @@ before they sleep for the same reason (KMP_BLOCKTIME). The spin runs in compiled
 that releases the lock, so the thread it waits for is never held up by it.
 
 Also the atomic operations on shared counters by which cgp.procs.ProcessPool posts runs and
-hands out tasks across processes (fetch_add, exchange, take_ticket, wake_sleepers).
+hands out tasks across processes (fetch_add, exchange, take_ticket, post).
 """
 from numba import njit, types
 from numba.extending import intrinsic
@@ -159,3 +159,21 @@ def wake_sleepers(flags, first, stride, n, woken):
             woken[count] = k
             count += 1
     return count
+
+
+@njit(cache=True, nogil=True)
+def post(flags, posted, run, ticket, fields, values, args, data, marks, stride, woken):
+    """Posts run number `run` to workers that watch flags[posted] (1-d int64), in one call
+    rather than the interpreter's several, which every worker waits for: sets the ticket
+    counter flags[ticket] to the run's first task (run << 32, atomically: a worker late to
+    leave the last run takes no task of this one), flags[fields[k]] = values[k], and the
+    bytes `data` into args (uint8); then flags[posted] = run, atomically, which publishes
+    all of it. Then wakes: as wake_sleepers over the len(woken) sleep marks
+    flags[marks + k * stride]; returns how many of them were set."""
+    _exchange(flags, ticket, run << 32)
+    for k in range(len(fields)):
+        flags[fields[k]] = values[k]
+    for i in range(len(data)):
+        args[i] = data[i]
+    _exchange(flags, posted, run)
+    return wake_sleepers(flags, marks, stride, len(woken), woken)

@@ -289,6 +289,45 @@ def test_the_reduction_overlaps_backward_and_waits_for_every_call(workers):
         pool.close()
 
 
+def test_a_batch_staged_during_a_run_is_what_the_next_run_reads():
+    """Engine.stage on worker processes: the next batch, copied into the inputs during a run
+    (its `first`), leaves that run's inputs alone, and the next run of that batch reads it
+    without a copy; a run of another batch copies its own. The bits of unstaged runs."""
+    net, batch = grouped_net_and_batch()
+    rng = np.random.default_rng(9)
+    batches = [batch] + [{b: rng.permutation(a) for b, a in batch.items()} for _ in range(2)]
+    pool = Pool(1)
+    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    want = []
+    for b in batches:
+        values, loss, grad = engine.run(b, 2, 7)
+        want.append((values, loss, grad.copy()))   # the engine's buffer, the next run's
+    pool.close()
+
+    def same(got, k):
+        assert got[:2] == want[k][:2] and np.array_equal(got[2], want[k][2])
+
+    def holds(slot, b):
+        return all(np.array_equal(engine.inputs[slot][t], a) for t, a in b.items())
+    pool = make_pool("processes", 2, [net])
+    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    pool.start()
+    try:
+        same(engine.run(batches[0], 2, 7, first=lambda: engine.stage(batches[1])), 0)
+        read = engine._slot
+        assert holds(read, batches[0]) and holds(1 - read, batches[1])
+        copies = []
+        copy_in = engine._copy_in
+        engine._copy_in = lambda b: copies.append(b) or copy_in(b)
+        same(engine.run(batches[1], 2, 7), 1)
+        assert engine._slot == 1 - read and not copies   # read where it was staged
+        engine.stage(batches[2])
+        same(engine.run(batches[0], 2, 7), 0)   # not the batch staged: copied
+        assert copies == [batches[2], batches[0]] and holds(engine._slot, batches[0])
+    finally:
+        pool.close()
+
+
 def test_each_reduction_task_awaits_the_layers_of_its_columns_alone(mnist_dir):
     """The reduction's tasks are cut where the entries holding the parameters change, so
     that each awaits the layers whose gradients it sums and no earlier one (columns of

@@ -164,6 +164,23 @@ def test_a_worker_late_to_leave_a_run_takes_no_task_of_the_next():
     assert spin.take_ticket(flags, 0, 5, 100) == 0
 
 
+def test_a_post_writes_the_run_and_wakes_the_sleepers_only():
+    """kernels.spin.post, all of a run's posting in one call: the ticket at the run's first
+    task, the run's fields, its argument bytes, the run number; the sleep marks of the
+    sleeping workers cleared and those workers named, the others left alone."""
+    from cgp.kernels import spin
+    flags = np.full(40, 9, np.int64)
+    flags[20:40:8] = 0, 1, 0    # of three workers, the second sleeps
+    args = np.zeros(8, np.uint8)
+    woken = np.full(3, -1, np.int64)
+    assert spin.post(flags, 0, 6, 8, (16, 17), (0, -2), args, b"\x01\x02\xff", 20, 8,
+                     woken) == 1
+    assert flags[0] == 6 and flags[8] == 6 << 32 and list(flags[16:18]) == [0, -2]
+    assert list(args) == [1, 2, 255, 0, 0, 0, 0, 0] and woken[0] == 1
+    assert list(flags[20:40:8]) == [0, 0, 0]
+    assert (np.delete(flags, [0, 8, 16, 17, 20, 28, 36]) == 9).all()   # nothing else written
+
+
 def _meet(arrived, threads):
     """A program whose task i waits (up to 10 s) until `threads` tasks have started: it
     ends only if every worker takes one of them, and records who did."""

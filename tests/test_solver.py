@@ -409,15 +409,50 @@ def test_momentum_is_allowed_where_caffe_allows_it():
 
 
 def test_a_step_crosses_to_worker_processes_unchanged():
-    """A Step pickled (as worker processes receive it) loads with the same values and types:
-    float32 learning rate, clip scale and correction, whose every bit survives."""
+    """A Step's plain form pickled (as worker processes receive it) makes the same Step again,
+    of the same types: float32 learning rate, clip scale and correction, whose every bit
+    survives; the plain form holds built-in types only, which pickle without naming a type."""
     import pickle
 
     from cgp.solver import Step
-    step = Step(7, np.float32(1) / np.float32(3), np.float32(0.1), np.float32(np.pi), 2.5)
-    back = pickle.loads(pickle.dumps(step))
-    assert back == step and [type(v) for v in back] == [type(v) for v in step]
-    assert [type(v) for v in back[1:4]] == [np.float32] * 3
+    for norm in (2.5, None):
+        step = Step(7, np.float32(1) / np.float32(3), np.float32(0.1), np.float32(np.pi), norm)
+        plain = step.plain()
+        assert {type(v) for v in plain} <= {int, float, type(None)}
+        back = Step.of(pickle.loads(pickle.dumps(plain)))
+        assert back == step and [type(v) for v in back] == [type(v) for v in step]
+        assert [type(v) for v in back[1:4]] == [np.float32] * 3
+        assert b"cgp" not in pickle.dumps(plain)
+
+
+def test_a_step_made_ahead_is_the_step_and_keeps_current_step_until_its_turn():
+    """Solver.prepare_ahead(it): the Step that prepare(it) gives, made early; current_step
+    (written into .solverstate files) stays the last prepare's until prepare(it) takes it,
+    and a prepare of another iteration ignores it. With clip_gradients, whose Step needs
+    the gradient, nothing is made ahead."""
+    n = 4
+    param = solver_param("type: 'SGD' base_lr: 0.1 momentum: 0.9 lr_policy: 'step' "
+                         "gamma: 0.5 stepsize: 3")
+    ones = np.ones(n, np.float32)
+    plain, ahead = Solver(param, ones, ones), Solver(param, ones, ones)
+    for it in range(7):
+        ahead.prepare_ahead(it + 1)
+        assert ahead.current_step == plain.current_step
+        assert ahead.prepare(it + 1, None, [(0, n)]) == plain.prepare(it + 1, None, [(0, n)])
+        assert ahead.current_step == plain.current_step == (it + 1) // 3
+    ahead.prepare_ahead(5)
+    assert ahead.prepare(2, None, [(0, n)]) == plain.prepare(2, None, [(0, n)])
+    assert ahead.current_step == 0 and ahead.prepare(5, None, [(0, n)]).it == 5
+    # A policy that never sets current_step: one restored meanwhile (a .solverstate) stays.
+    fixed = Solver(solver_param("type: 'SGD' base_lr: 0.1 lr_policy: 'fixed'"), ones, ones)
+    fixed.prepare_ahead(4)
+    fixed.current_step = 3
+    assert fixed.prepare(4, None, [(0, n)]).it == 4 and fixed.current_step == 3
+    clipped = Solver(solver_param("type: 'SGD' base_lr: 0.1 clip_gradients: 1 "
+                                  "lr_policy: 'fixed'"), ones, ones)
+    clipped.prepare_ahead(1)
+    grads = np.full(n, 2, np.float32)
+    assert clipped.prepare(1, grads, [(0, n)]).clip_scale == np.float32(0.25)
 
 
 def test_a_slice_is_cut_where_the_multipliers_change():
