@@ -496,7 +496,6 @@ class Engine:
         returned then holds the step taken, as the update leaves it. Both in the form that
         the functions given there take. A batch given to stage() during the run before is
         read where stage() copied it."""
-        net = self.net
         slot = 0
         if self.inputs is not None:
             staged, self._staged = self._staged, None
