@@ -7,7 +7,10 @@ process, their steps run as Trainer.solve runs them (Trainer.steps, so the revis
 have it) and their rounds interleaved; they must end with bitwise equal weights.
 
     python bench/runtime_ab.py --base REV [mnist|cifar10] [--threads 2] [--rounds 15]
-                               [--steps 8] [--workers processes] [--data-dir DIR]
+                               [--steps 8] [--workers processes] [--merged] [--data-dir DIR]
+
+--merged runs both with each update merged into the next step's run (Trainer.fuse off), as
+a solver whose Step needs the gradient does (clip_gradients, iter_size > 1).
 """
 import argparse
 import sys
@@ -25,6 +28,8 @@ def main():
     add_pair_options(parser, threads=2)
     parser.add_argument("--base", required=True, help="git revision to compare against")
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
+    parser.add_argument("--merged", action="store_true",
+                        help="each update in the next step's run (Trainer.fuse off)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         try:
@@ -33,7 +38,11 @@ def main():
             sys.exit(f"runtime_ab: {args.base}: {getattr(err, 'stderr', '') or err}")
         pair = [pair_trainer(args, args.workers, base.Trainer, base.RunConfig),
                 pair_trainer(args, args.workers)]
-    print(f"workers as {args.workers}")
+    if args.merged:
+        for trainer in pair:
+            trainer.fuse = False
+    print(f"workers as {args.workers}" + (", each update merged into the next run"
+                                           if args.merged else ""))
     ab_pair(pair, (args.base, "working tree"), args, runs=[t.steps for t in pair])
 
 

@@ -100,12 +100,14 @@ class _Run:
         self.lock = threading.Lock()
         self.finished = threading.Event()
 
-    def work(self, w):
+    def work(self, w, then=None):
+        """Worker w's tasks until none is left. then: called once, after w's first task or when
+        w finds none left (the caller's own work, Pool.run's first)."""
         while True:
             with self.lock:
                 i = self.next
                 if i >= self.tasks:
-                    return
+                    break
                 self.next = i + 1
             try:
                 self.fn(w, i, *self.args)
@@ -119,6 +121,11 @@ class _Run:
                 self.flags[1] = self.done
                 if self.done == self.tasks:
                     self.finished.set()
+            if then is not None:
+                then, now = None, then
+                now()
+        if then is not None:
+            then()
 
 
 # How long a waiting worker watches memory before it sleeps (kernels.spin): longer than the
@@ -164,6 +171,27 @@ def run_first(first):
     except BaseException as error:   # raised once the run's tasks are done
         return error
     return None
+
+
+class CallersWork:
+    """A pool run's `first`, the caller's own work, done once the caller has run its first
+    task, or found none left for it: with as many calls as workers (16 one-chunk calls on 16
+    workers) every call then starts at once, and the caller's work overlaps the other
+    workers' next tasks instead of delaying its own call, which every reduction task waits
+    for. It runs in the caller's own floating-point mode (state, what fpenv.set_flush
+    returned as the run's tasks began), not the tasks'; call() does it the first time only,
+    and error is its exception, raised once the run's tasks are done."""
+
+    def __init__(self, first, state, flush):
+        self.first, self.state, self.flush = first, state, flush
+        self.error = None
+
+    def __call__(self):
+        first, self.first = self.first, None
+        if first is not None:
+            fpenv.restore(self.state)
+            self.error = run_first(first)
+            fpenv.set_flush(self.flush)
 
 
 class Pool:
@@ -256,24 +284,25 @@ class Pool:
         its workers here)."""
 
     def run(self, fn, tasks, *args, first=None):
-        """first: a function the caller runs once the tasks are posted, before it takes any
-        (work of its own that the other workers' tasks overlap); its exception is raised
-        after the run, in place of a task's. With no tasks nothing runs, first neither."""
+        """first: a function the caller runs once it has run its first task (or found none
+        left): work of its own that the other workers' tasks overlap (CallersWork); its
+        exception is raised after the run, in place of a task's. With no tasks nothing runs,
+        first neither."""
         if tasks < 1:
             return
         run = self._current = _Run(fn, tasks, self._flags, args)
         if self._workers:
             self._post(run)
-        own = run_first(first)
         state = fpenv.set_flush(self.flush)
+        own = CallersWork(first, state, self.flush)
         try:
-            run.work(0)
+            run.work(0, own if first is not None else None)
         finally:
             fpenv.restore(state)
         spin.wait_for(self._flags, 1, tasks, self._spins)
         run.finished.wait()
-        if own is not None or run.error is not None:
-            raise own or run.error
+        if own.error is not None or run.error is not None:
+            raise own.error or run.error
 
     def check_run(self):
         """For a task that waits for another task's progress: raises RunCancelled if a task
@@ -441,12 +470,12 @@ class Engine:
         """The first tasks of a run with a pending update, before the reduction's: update
         block b as -1 - b, call g as g. On one worker, which cannot wait for anything, the
         whole update, then the calls. On more, the blocks that the first layer with
-        parameters needs, then call 0, then the other blocks, then the other calls: a
-        worker process takes the first tasks while the caller still reads the next batch
-        (Pool.run's first), then starts call 0 with its first layer's parameters updated,
-        and the caller, arriving, updates the blocks later layers need meanwhile. (Call 0
-        first had its worker wait 0.1 ms for the first block; the whole update first left
-        the two workers' memory-bound updates side by side, no faster: bench/README.)"""
+        parameters needs, then call 0, then the other blocks, then the other calls: one
+        worker updates the first layer's blocks and another starts call 0 with them done,
+        while the first (the caller, which reads the next batch after its first task:
+        Pool.run's first) goes on to the blocks later layers need. (Call 0 first had its
+        worker wait 0.1 ms for the first block; the whole update first left the two
+        workers' memory-bound updates side by side, no faster: bench/README.)"""
         blocks = range(len(self.update_spans))
         calls = range(len(self.groups))
         if self.pool.threads == 1:

@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 
-from cgp.engine import Pool, RunCancelled, run_first, spin_count
+from cgp.engine import CallersWork, Pool, RunCancelled, spin_count
 from cgp.errors import CgpError
 from cgp.kernels import fpenv, spin
 from cgp.layers import aligned_zeros
@@ -191,7 +191,7 @@ class ProcessPool:
 
     # -- the caller -----------------------------------------------------------------
     def run(self, program, tasks, *args, first=None):
-        """first: as Pool.run's, in the caller, while the workers take tasks."""
+        """first: as Pool.run's: the caller's work after its first task."""
         if tasks < 1:
             return
         if not self._started:
@@ -209,10 +209,10 @@ class ProcessPool:
         # than before, where every worker would wait for the answer: the run goes on without
         # it (the others take its tasks) and raises its error once done, as every later run.
         lost = self.procs and self._ended.poll(0)
-        own = run_first(first)
         state = fpenv.set_flush(self.flush)
+        own = CallersWork(first, state, self.flush)
         try:
-            self._take(0, run)
+            self._take(0, run, own if first is not None else None)
         finally:
             fpenv.restore(state)
             if self.procs:   # before the next run resets the counts, even after an interrupt
@@ -220,8 +220,8 @@ class ProcessPool:
         failure = self._first_failure() if flags[_FAILED] else None   # read: none left over
         if lost:
             raise self._lost()
-        if own is not None or failure is not None:
-            raise own or failure
+        if own.error is not None or failure is not None:
+            raise own.error or failure
 
     def _post(self, run, program, tasks=0, data=b""):
         """Publishes run number `run` of `tasks` tasks of a program (or _STOP, _REST) with its
@@ -318,16 +318,16 @@ class ProcessPool:
             self._caller_cpus = None
 
     # -- every worker, the caller too ---------------------------------------------------
-    def _take(self, w, run):
+    def _take(self, w, run, then=None):
         """Runs tasks of run number `run` until none is left; after a failure the tasks left
-        are counted done without running."""
+        are counted done without running. then: as _Run.work's."""
         flags = self._flags
         tasks = int(flags[_TASKS])   # a later run's count if this run has gone: then no ticket
         fn = args = None
         while True:
             i = spin.take_ticket(flags, _TICKET, run, tasks)
             if i < 0:
-                return
+                break
             if fn is None:   # with a ticket, the run's program and arguments are this run's
                 fn = self.programs[int(flags[_PROGRAM])]
                 size = int(flags[_ARG_BYTES])
@@ -341,6 +341,11 @@ class ProcessPool:
                 if (spin.fetch_add(flags, _DONE, 1) == tasks - 1
                         and spin.exchange(flags, _SLEEP, 0)):
                     self._wakes[0].release()
+            if then is not None:
+                then, now = None, then
+                now()
+        if then is not None:
+            then()
 
     def _fail(self, w, i, error):
         spin.exchange(self._flags, _FAILED, 1)

@@ -20,6 +20,7 @@ from cgp.comm import (FactoredGrad, ThreadCommunicator, blocks, reference_reduce
 from cgp.engine import Engine, Pool, chunk_bounds, group_size
 from cgp.errors import CgpError, NetError
 from cgp.kernels import fpenv
+from cgp.layers import aligned_zeros
 from cgp.kernels.fc import add_outer_rows
 from cgp.kernels.reduce import OUTER_PAD, sum_rows
 from cgp.kernels.tile import SHAPES, choose
@@ -676,33 +677,54 @@ def test_pool_runs_every_task_once_with_the_caller_as_worker_zero():
         pool.close()
 
 
-def test_the_callers_first_work_overlaps_the_tasks():
-    """run(..., first=f): the caller runs f once the tasks are posted and before it takes
-    any, so a pool thread runs tasks meanwhile; f's exception comes after every task."""
-    import threading
-    pool = Pool(2)
-    try:
-        ran, started = [], threading.Event()
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_the_callers_first_work_runs_after_its_first_task(workers):
+    """run(..., first=f): the caller runs f once, after the first task it takes (so that a
+    run of as many calls as workers starts every call at once), while the other worker
+    takes tasks; f in the caller's own floating-point mode, the tasks with subnormals
+    flushed; f's exception comes after every task. A caller that finds no task left runs f
+    all the same."""
+    from cgp.engine import CallersWork, _Run
+    seen = aligned_zeros((40, 3), np.int64, shared=True)   # per task: done, worker, flushing
 
-        def task(w, i):
-            ran.append((i, w))
-            started.set()
+    def task(w, i):
+        if w:   # the other worker slow, so that the caller surely gets a task of its own
+            time.sleep(0.02)
+        seen[i] = 1, w, fpenv.flushing()
+    pool = make_pool(workers, 2)
+    program = pool.program(task)
+    pool.start()
+    try:
+        calls = []
 
         def first():
-            assert threading.current_thread() is threading.main_thread()
-            assert started.wait(timeout=10)   # a pool thread took a task meanwhile
+            done = seen[:, 0] == 1
+            calls.append((int((done & (seen[:, 1] == 0)).sum()), fpenv.flushing()))
+            deadline = time.monotonic() + 10
+            while not ((seen[:, 0] == 1) & (seen[:, 1] == 1)).any():   # the other worker's
+                assert time.monotonic() < deadline
 
-        pool.run(task, 4, first=first)
-        assert sorted(i for i, _ in ran) == [0, 1, 2, 3] and {w for _, w in ran} >= {1}
+        pool.run(program, 4, first=first)
+        assert calls == [(1, False)] and (seen[:4, 0] == 1).all() and not seen[4:].any()
+        assert (seen[:4, 2] == fpenv.SUPPORTED).all()   # every task flushed, first did not
 
         def failing():
             raise ValueError("first's own")
-        ran.clear()
+        seen[:] = 0
         with pytest.raises(ValueError, match="first's own"):
-            pool.run(task, 40, first=failing)
-        assert sorted(i for i, _ in ran) == list(range(40))
+            pool.run(program, 40, first=failing)
+        assert (seen[:, 0] == 1).all()
     finally:
         pool.close()
+    ran = []
+    run = _Run(lambda w, i: ran.append(i), 2, np.zeros(2, np.int64), ())
+    run.next = 2   # the other workers took both
+    state = fpenv.set_flush(True)   # as the pool does around its tasks
+    try:
+        run.work(0, CallersWork(lambda: ran.append("first"), state, True))
+    finally:
+        fpenv.restore(state)
+    assert ran == ["first"]
 
 
 @pytest.mark.parametrize("fuse", [True, False])
