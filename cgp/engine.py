@@ -520,7 +520,7 @@ class Engine:
         """batch: source blob id -> whole-batch array. Returns ({output name: value},
         loss, gradient or None). The gradient is the fixed-order sum over chunks.
         pending: a solver Step to apply first, in this run (merge_updates). first: the
-        caller's own work at the start of the run (Pool.run). update: a solver Step to
+        caller's own work during the run (Pool.run's). update: a solver Step to
         apply to the sum as the reduction's tasks make it (fuse_updates); the gradient
         returned then holds the step taken, as the update leaves it. Both in the form that
         the functions given there take. A batch given to stage() during the run before is

@@ -281,11 +281,13 @@ class Trainer:
 
     def _read_ahead(self, it):
         """Loads the first batch of iteration `it` while the workers work: the caller's own
-        work in a pool run (Pool.run's `first`: the step before `it`, or the update run), which would otherwise be a serial part of
-        the next step. A batch is a function of its position, iteration and seed alone, so
-        reading it early changes nothing; _batch uses it only if the next request is for
-        that very batch (not after a restore or a jump back). A data error is left to the
-        step that needs the batch, which then reads it again and raises it."""
+        work in a pool run (Pool.run's `first`: the step before `it`, or the update run),
+        which would otherwise be a serial part of the next step, and copies it where the
+        workers will read it (Engine.stage). A batch is a function of its position,
+        iteration and seed alone, so reading it early changes nothing; _batch uses it only
+        if the next request is for that very batch (not after a restore or a jump back). A
+        data error is left to the step that needs the batch, which then reads it again and
+        raises it."""
         self._ahead = None
         position, iteration = self._pass(it, 0)
         try:

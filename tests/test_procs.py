@@ -273,7 +273,8 @@ def test_the_callers_first_work_overlaps_the_workers_tasks():
             while (not ((done[1:] != 0) & (done[1:] != os.getpid())).any()
                    and time.monotonic() < deadline):
                 pass
-            assert ((done[1:] != 0) & (done[1:] != os.getpid())).any()   # a worker's, meanwhile
+            # A worker process's task, meanwhile.
+            assert ((done[1:] != 0) & (done[1:] != os.getpid())).any()
 
         def failing():
             first()
