@@ -230,8 +230,9 @@ class ProcessPool:
                           (_DONE, _FAILED, _TASKS, _PROGRAM, _ARG_BYTES),
                           (0, 0, tasks, program, len(data)), self._args, data, _SLEEP + 8, 8,
                           self._woken)
-        for k in self._woken[:woken]:
-            self._wakes[k + 1].release()
+        if woken:   # in a step, rarely: the workers watch memory between runs
+            for k in self._woken[:woken]:
+                self._wakes[k + 1].release()
 
     def _wait(self, tasks):
         """Returns when `tasks` tasks of the latest run are done: watches the count, then
