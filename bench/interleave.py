@@ -38,9 +38,11 @@ def import_revisions(rev, paths, folder):
     """The modules in files `paths` (from the repository root, e.g. kernels/tile.py) as of git
     revision `rev`, imported in that order from copies in `folder` as base_<file name>. A
     copy's imports of the others (`from cgp.kernels.tile import`) are rewritten to the
-    copies, so the revision's modules use each other, not the working tree's. Returns {file
-    name: module}; raises subprocess.CalledProcessError, with git's message, where git has
-    no such file."""
+    copies, so the revision's modules use each other, not the working tree's. `rev` may
+    also be a folder that holds the revision's files at their paths (`git archive REV | tar
+    -x -C DIR`), for a copy of the working tree without git's history (a lent machine).
+    Returns {file name: module}; raises subprocess.CalledProcessError, with git's message,
+    where git has no such file (OSError where the folder has none)."""
     sys.path.insert(0, str(folder))
     names = {path: Path(path).stem for path in paths}
     # cgp/x.py is cgp.x; kernels/x.py is installed as cgp.kernels.x.
@@ -48,7 +50,7 @@ def import_revisions(rev, paths, folder):
               for path in paths}
     modules = {}
     for path in paths:
-        text = git_show(rev, path)
+        text = (Path(rev) / path).read_text() if Path(rev).is_dir() else git_show(rev, path)
         for other in paths:
             text = text.replace(f"from {dotted[other]} import", f"from base_{names[other]} import")
         name = "base_" + names[path]

@@ -26,7 +26,9 @@ FILES = ["cgp/comm.py", "cgp/engine.py", "cgp/procs.py", "cgp/solver.py", "cgp/t
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_pair_options(parser, threads=2)
-    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--base", required=True,
+                        help="git revision to compare against, or a folder of its files "
+                             "(git archive REV | tar -x -C DIR)")
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
     parser.add_argument("--merged", action="store_true",
                         help="each update in the next step's run (Trainer.fuse off)")
