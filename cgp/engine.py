@@ -122,8 +122,8 @@ class _Run:
                 if self.done == self.tasks:
                     self.finished.set()
             if then is not None:
-                then, now = None, then
-                now()
+                then()
+                then = None
         if then is not None:
             then()
 
@@ -162,17 +162,6 @@ def spin_count(workers):
     return int(SPIN_SECONDS * spins_per_second()) if 1 < workers <= (usable or 1) else 0
 
 
-def run_first(first):
-    """Runs a pool run's `first` function (None: nothing); returns its exception, or None."""
-    if first is None:
-        return None
-    try:
-        first()
-    except BaseException as error:   # raised once the run's tasks are done
-        return error
-    return None
-
-
 class CallersWork:
     """A pool run's `first`, the caller's own work, done once the caller has run its first
     task, or found none left for it: with as many calls as workers (16 one-chunk calls on 16
@@ -190,7 +179,10 @@ class CallersWork:
         first, self.first = self.first, None
         if first is not None:
             fpenv.restore(self.state)
-            self.error = run_first(first)
+            try:
+                first()
+            except BaseException as error:   # raised once the run's tasks are done
+                self.error = error
             fpenv.set_flush(self.flush)
 
 

@@ -343,8 +343,8 @@ class ProcessPool:
                         and spin.exchange(flags, _SLEEP, 0)):
                     self._wakes[0].release()
             if then is not None:
-                then, now = None, then
-                now()
+                then()
+                then = None
         if then is not None:
             then()
 
