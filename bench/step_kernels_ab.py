@@ -9,7 +9,11 @@ other weights). Worker threads only: the kernels are swapped in this process aro
 of the base trainer, which forked worker processes would not see.
 
     python bench/step_kernels_ab.py --base REV [mnist|cifar10] [--threads 1] [--rounds 15]
-                                    [--steps 8] [--data-dir DIR]
+                                    [--steps 8] [--group N] [--data-dir DIR]
+
+--group N makes calls of N chunks: `--threads 1 --group 1` runs a 16-worker step's 16
+one-chunk calls (LeNet's 4 samples each) one after another, their kernels' whole work
+without 16 cores.
 """
 import argparse
 import inspect
@@ -21,7 +25,7 @@ import cgp.layers.inner_product
 import cgp.layers.pool
 import cgp.train
 # bench/, on the path when run as a script
-from interleave import ab_pair, add_pair_options, import_revisions, pair_trainer
+from interleave import ab_pair, add_pair_options, import_revisions, pair_trainer, use_group
 
 # The layer modules whose kernels module (K: fc, pool, conv) is swapped. (Their scratch is
 # sized by the working tree's kernels: a revision whose kernels need more does not fit.)
@@ -72,9 +76,10 @@ class BaseKernels:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_pair_options(parser, threads=1)
+    add_pair_options(parser, threads=1, group=True)
     parser.add_argument("--base", required=True, help="git revision to compare against")
     args = parser.parse_args()
+    use_group(args)
     with tempfile.TemporaryDirectory() as folder:
         try:
             fc, pool, conv, comm = base_modules(args.base, folder)

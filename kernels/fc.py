@@ -25,12 +25,24 @@ K outputs per row.
 """
 from numba import njit
 
-from cgp.kernels.tile import (DOT_K, DOT_M, SHAPES, T_MAX, choose, dot_tile, lanes, tile,
-                              transpose_block)
+from cgp.kernels.tile import (DOT_K, DOT_M, SHAPES, SPEEDS_UNIT, T_MAX, choose_from, dot_tile,
+                              lanes, tile, transpose_block)
+
+# rows_axpy's tile shapes: tile.SHAPES, and (4, 4) of its own for calls of 4 rows (LeNet's
+# ip1 on 16 workers), which (6, 4) covers with half again as many. Its speed, a little under
+# (8, 2)'s when each shape was forced on LeNet's ip1, also gives it 19 and 20 rows, which
+# (8, 2) pads to 24 and where it ran faster too.
+AXPY_SHAPES = SHAPES + ((4, 4),)
+AXPY_SPEEDS = SPEEDS_UNIT + (0.9,)
 
 # rows_axpy's scratch, per row of w: the rows of a tile may reach T_MAX - 1 past the last
 # row of out, and its vectors EDGE_MAX elements along w's rows.
-EDGE_MAX = max(KV for _, KV in SHAPES) * lanes(4)
+EDGE_MAX = max(KV for _, KV in AXPY_SHAPES) * lanes(4)
+
+# rows_axpy runs its tiles over blocks of w's rows of about this many bytes, one block after
+# another: a tile's column strip of one block then stays in the caches for the tiles of
+# every row of out, and a strip of all of w's rows would cross a page per row.
+AXPY_BLOCK_BYTES = 256 << 10
 
 
 @njit(cache=True, nogil=True)
@@ -59,11 +71,16 @@ def scratch_size(M, R):
 
 
 @njit(cache=True, nogil=True)
-def _tile_rows(T, KV, out, out_off, out_ts, t_valid, v_valid, a, a_off, a_step, b, b_off,
-               b_step, steps):
-    """`tile` over one segment, unit-stride a (compiled once for rows_axpy's two calls)."""
-    tile(T, KV, out, out_off, out_ts, t_valid, v_valid, False, a, a_off, 1, 0, a_step,
-         b, b_off, 0, b_step, 1, steps)
+def _tile_rows(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_step, b,
+               b_off, b_step, steps):
+    """`tile` over one segment, unit-stride a (compiled once for rows_axpy's calls); (4, 4),
+    not in tile.SHAPES, as constants."""
+    if T == 4 and KV == 4:
+        tile(4, 4, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, 1, 0, a_step,
+             b, b_off, 0, b_step, 1, steps)
+    else:
+        tile(T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, 1, 0, a_step,
+             b, b_off, 0, b_step, 1, steps)
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
@@ -91,16 +108,18 @@ def rows_axpy(a, w, out, scratch):
     """a: (M, R); w: (R, L); out: (M, L), OVERWRITTEN: out[m] = sum over r = 0, 1, ... of
     a[m, r] * w[r], each element one fused multiply-add chain over r in order, from 0.
     scratch: scratch_size(M, R) elements: a transposed (tiles broadcast T rows' a[m, r] side
-    by side), and a zero-padded copy of w's last columns when L is not a whole number of tile
-    widths (a tile reads whole vectors; past w's end there may be nothing to read).
-    Tiles run across w's columns in blocks, all rows of out for each block while its columns
-    of w sit in cache."""
+    by side), and a zero-padded copy of w's last columns in its last block of rows when L is
+    not a whole number of tile widths (a tile reads whole vectors; past w's end there may be
+    nothing to read, while past the end of any other row lies the next).
+    Tiles run over blocks of w's rows (AXPY_BLOCK_BYTES), each block across w's columns, all
+    rows of out for each strip of columns; each block's tiles continue the chains where the
+    block before left them in out, so the blocks change no bit."""
     M, R = a.shape
     L = w.shape[1]
     if M == 0:
         return
     V = lanes(a.itemsize)
-    T, KV = choose(M, L, V, True)
+    T, KV = choose_from(M, L, V, AXPY_SHAPES, AXPY_SPEEDS)
     KVV = KV * V
     Mp = (M + T - 1) // T * T
     if scratch.size < scratch_size(M, R) or not (a.flags.c_contiguous and w.flags.c_contiguous
@@ -115,16 +134,27 @@ def rows_axpy(a, w, out, scratch):
     wf = w.reshape(R * L)
     of = out.reshape(M * L)
     whole = L // KVV * KVV
-    for l0 in range(0, whole, KVV):
-        for m0 in range(0, M, T):
-            _tile_rows(T, KV, of, m0 * L + l0, L, M - m0, KVV, at, m0, Mp, wf, l0, L, R)
-    if whole < L:
-        for r in range(R):
-            edge[r * KVV:r * KVV + L - whole] = w[r, whole:]
-            edge[r * KVV + L - whole:(r + 1) * KVV] = 0
-        for m0 in range(0, M, T):
-            _tile_rows(T, KV, of, m0 * L + whole, L, M - m0, L - whole, at, m0, Mp, edge, 0,
-                       KVV, R)
+    rows = max(1, AXPY_BLOCK_BYTES // (L * a.itemsize))
+    for r0 in range(0, R, rows):
+        rn = min(rows, R - r0)
+        more = r0 > 0
+        for l0 in range(0, whole, KVV):
+            for m0 in range(0, M, T):
+                _tile_rows(T, KV, of, m0 * L + l0, L, M - m0, KVV, more, at, r0 * Mp + m0, Mp,
+                           wf, r0 * L + l0, L, rn)
+        if whole == L:
+            continue
+        if r0 + rn < R:
+            for m0 in range(0, M, T):
+                _tile_rows(T, KV, of, m0 * L + whole, L, M - m0, L - whole, more, at,
+                           r0 * Mp + m0, Mp, wf, r0 * L + whole, L, rn)
+        else:
+            for r in range(rn):
+                edge[r * KVV:r * KVV + L - whole] = w[r0 + r, whole:]
+                edge[r * KVV + L - whole:(r + 1) * KVV] = 0
+            for m0 in range(0, M, T):
+                _tile_rows(T, KV, of, m0 * L + whole, L, M - m0, L - whole, more, at,
+                           r0 * Mp + m0, Mp, edge, 0, KVV, rn)
 
 
 @njit(cache=True, nogil=True)

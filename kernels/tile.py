@@ -30,11 +30,12 @@ storing only rows t < t_valid and, along the vectors, elements v*V + lane < v_va
 tile may hang over the end of its output (its operands must still be readable there). With
 `accumulate`, acc starts from those elements of out instead of 0: a reduction cut into pieces
 (to keep each piece's operands in cache) continues the same chain, with the same result.
-(T, KV) is one of SHAPES, chosen at run time (`choose`; any other pair stores nothing). a, b
-and out are 1-d arrays of one float dtype. Nothing is bounds-checked: the caller guarantees
-every index lies in its array. Pass a_ts as the constant 1 where the T operands lie side by
-side: they are then constant displacements from one address. Every call site compiles every
-shape: wrap `tile` in an @njit function where several sites share it.
+(T, KV) is one of SHAPES, chosen at run time (`choose`; any other pair stores nothing), or
+any shape given as two constants, which compiles that loop alone. a, b and out are 1-d arrays
+of one float dtype. Nothing is bounds-checked: the caller guarantees every index lies in its
+array. Pass a_ts as the constant 1 where the T operands lie side by side: they are then
+constant displacements from one address. Every call site compiles every shape of SHAPES: wrap
+`tile` in an @njit function where several sites share it.
 
 Numba caches compiled kernels per source file and does not notice when a function they call
 from another file changes: after editing this module, delete the callers' cache files
@@ -78,10 +79,17 @@ def choose(nt, nv, V, unit):
     """The tile shape (T, KV) of SHAPES that covers nt outputs along T and nv along the vectors
     (V lanes each) in the least estimated time: the multiply-adds of the padded tiles over the
     shape's speed (SPEEDS_UNIT where a_ts will be 1, SPEEDS_STRIDED otherwise)."""
+    return choose_from(nt, nv, V, SHAPES, SPEEDS_UNIT if unit else SPEEDS_STRIDED)
+
+
+@njit(cache=True, nogil=True)
+def choose_from(nt, nv, V, shapes, speeds):
+    """choose among `shapes`, of relative speeds `speeds`: for a kernel that also compiles
+    shapes of its own (given to tile as constants)."""
     best_t, best_kv, best = 0, 0, -1.0
-    for i in range(len(SHAPES)):
-        T, KV = SHAPES[i]
-        speed = SPEEDS_UNIT[i] if unit else SPEEDS_STRIDED[i]
+    for i in range(len(shapes)):
+        T, KV = shapes[i]
+        speed = speeds[i]
         work = ((nt + T - 1) // T * T) * ((nv + KV * V - 1) // (KV * V) * KV * V)
         cost = work / speed
         if best < 0 or cost < best:
@@ -153,7 +161,7 @@ def _lanes_below(builder, count, width):
     return builder.icmp_signed("<", lanes_, _splat32(builder, count, width))
 
 
-@intrinsic
+@intrinsic(prefer_literal=True)   # constants arrive as such: a shape outside SHAPES
 def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
          a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep):
     dtype = _float_dtype(out, a, b)
@@ -278,6 +286,10 @@ def _tile_codegen(dtype, fold):
                         builder.call(masked_store, [builder.load(acc[t][v]), target(t, v),
                                                     ir.Constant(i32, 1), masks[v]])
 
+        if isinstance(tys[0], types.IntegerLiteral) and isinstance(tys[1], types.IntegerLiteral):
+            # A shape given as constants: that one loop alone, which need not be in SHAPES.
+            emit(tys[0].literal_value, tys[1].literal_value)
+            return context.get_dummy_value()
         # One case per shape, on T * 8 + KV; an unknown shape does nothing (`choose` never
         # returns one).
         key = builder.add(builder.mul(n_t, ir.Constant(intp, 8)), n_kv)

@@ -201,6 +201,30 @@ def test_rows_axpy_kernel(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_axpy_runs_each_chain_in_row_order_across_its_blocks_of_rows(dtype):
+    """rows_axpy's tiles go over w in blocks of rows (AXPY_BLOCK_BYTES), each continuing the
+    chains the block before left in out: with a = 1 the multiply-adds are plain adds, so each
+    element must be exactly w's column added up in row order, in the dtype, whatever the row
+    count (which picks the tile shape, (4, 4) at 4 rows); on values whose sums round
+    differently in another order, over several blocks and a last column strip narrower than
+    a tile."""
+    from cgp.kernels.fc import AXPY_BLOCK_BYTES, rows_axpy, scratch_size
+
+    rng = np.random.default_rng(9)
+    L = 2 * 64 + 5
+    R = 2 * AXPY_BLOCK_BYTES // (L * np.dtype(dtype).itemsize) + 7   # three blocks
+    w = (rng.standard_normal((R, L)) * 10.0 ** rng.integers(-8, 9, (R, L))).astype(dtype)
+    expected = np.zeros(L, dtype)
+    for r in range(R):
+        expected = expected + w[r]
+    assert not np.array_equal(expected, w[::-1].sum(axis=0, dtype=dtype))  # order shows
+    for M in (1, 4, 5, 13):
+        out = np.full((M, L), np.nan, dtype)
+        rows_axpy(np.ones((M, R), dtype), w, out, np.full(scratch_size(M, R), np.nan, dtype))
+        assert np.array_equal(out, np.broadcast_to(expected, (M, L))), M
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rows_dot_kernel(dtype):
     """rows_dot (the forward pass, and the input gradient of a transposed weight) against
     float64 at lengths around its vectors and row counts around its 4 x 6 tiles; each element
