@@ -1,0 +1,80 @@
+"""What small calls cost, layer by layer: a call of one chunk (LeNet's 4 samples, a 16-worker
+call) against its share of a call of --group chunks (8: LeNet's 32 samples, a 2-worker call),
+the same samples' worth, forward and backward per layer, one thread. The two sizes alternate
+round by round, so a change of the machine's speed hits both alike; prints medians in
+microseconds per one-chunk call, and the difference: the fixed cost of a layer call
+(Python, dispatch, work that does not depend on the samples, such as a convolution's weight
+repacking) and the weights a small call reads for fewer samples.
+
+    python bench/call_size.py [mnist|cifar10] [--group 8] [--rounds 15] [--data-dir DIR]
+"""
+import argparse
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from cgp import models
+from cgp.engine import call_chunk
+from cgp.layers import Factors
+from cgp.prototxt import read_solver
+from cgp.train import RunConfig, Trainer
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="mnist")
+    parser.add_argument("--group", type=int, default=8, help="chunks in the large call")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--data-dir", default=None)
+    args = parser.parse_args()
+    path = models.solver_path(args.model)
+    # One worker thread whose workspace fits the large call.
+    import cgp.engine
+    cgp.engine.group_size = lambda net, chunks, threads: args.group
+    trainer = Trainer(read_solver(path), path,
+                      RunConfig(chunks=16, threads=1, workers="threads", data_dir=args.data_dir),
+                      log=lambda line: None)
+    net, engine = trainer.net, trainer.engine
+    c0, c1 = engine.groups[0]
+    bounds = engine.bounds[c0:c1]
+    samples = engine.samples(engine.groups[0])[1]
+
+    def grad_views(size):
+        # The first call's; factored weight gradients take the call's rows of their factors.
+        return [[Factors(v.a[:size * len(v.a) // samples], v.b[:size * len(v.b) // samples])
+                 if isinstance(v, Factors) else v for v in layer]
+                for layer in engine.group_grad_views[0]]
+
+    entries = len(net.entries)
+    small = bounds[0][1]
+    with threadpool_limits(limits=1):
+        trainer.step()
+        batch = trainer._batch(net, 0, 0)
+        ws = engine.workspaces[0]
+        # (chunks, samples, calls per round): about as many samples each way.
+        sizes = [(bounds[:1], small, 4 * len(bounds)), (bounds, samples, 4)]
+        times = [[], []]
+        for _ in range(args.rounds):
+            for (part, size, reps), out in zip(sizes, times):
+                views = grad_views(size)
+                clock = np.zeros(2 * entries)
+                for _ in range(reps):
+                    chunk = call_chunk(part, batch=net.batch_size, batch_tops={})
+                    data = net.forward(ws, chunk, batch, engine.params, clock=clock[:entries])
+                    net.backward(ws, chunk, data, engine.params, views, clock=clock[entries:])
+                out.append(clock / reps * small / size)   # per one-chunk call's samples
+    alone, share = (np.median(t, axis=0) * 1e6 for t in times)
+    print(f"{args.model}: a {small}-sample call alone, and its share of a {samples}-sample call "
+          f"(us, medians of {args.rounds} rounds): alone / share / difference")
+    for i, entry in enumerate(net.entries):
+        f, b = i, entries + i
+        print(f"  {entry.layer.name:10s} forward {alone[f]:7.1f} {share[f]:7.1f} "
+              f"{alone[f] - share[f]:+7.1f}   backward {alone[b]:7.1f} {share[b]:7.1f} "
+              f"{alone[b] - share[b]:+7.1f}")
+    print(f"  whole call {alone.sum():.1f} against {share.sum():.1f}: "
+          f"{alone.sum() / share.sum():.2f}x the time per sample")
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
