@@ -119,30 +119,37 @@ def softmax_loss_backward(prob, label, has_ignore, ignore, scale, dx):
 
 
 @njit(cache=True, nogil=True)
-def softmax_loss_forward_parts(prob, label, has_ignore, ignore, starts, per, losses):
-    """softmax_loss_forward for each part of a call at once. prob: (O, C, I); label: (O, I);
-    starts: (parts + 1,) the parts' first samples, then the call's samples; per: outer
-    positions per sample; losses: (parts,) float64, overwritten with each part's sum, as
-    softmax_loss_forward gives it for that part alone. Returns the flat (o * I + i) index of
-    the first label that is not a class (no part after it is summed), or -1."""
+def softmax_loss_forward_parts(x, prob, work, label, has_ignore, ignore, starts, per, norm, out):
+    """softmax_forward(x, prob, work), then softmax_loss_forward for each part of a call at
+    once: x, prob: (O, C, I); label: (O, I); starts: (parts + 1,) the parts' first samples,
+    then the call's samples; per: outer positions per sample; out: (parts,), overwritten with
+    each part's sum, as softmax_loss_forward gives it for that part alone, over norm (divided
+    in float64, then rounded to out's dtype). One call for the layer's whole forward pass:
+    each call from Python costs microseconds, which 16 workers' small calls feel. Returns the
+    flat (o * I + i) index of the first label that is not a class (no part after it is
+    summed), or -1."""
+    softmax_forward(x, prob, work)
     I = prob.shape[2]
     for k in range(len(starts) - 1):
         lo, hi = starts[k] * per, starts[k + 1] * per
         loss, bad = softmax_loss_forward(prob[lo:hi], label[lo:hi], has_ignore, ignore)
-        losses[k] = loss
+        out[k] = loss / norm
         if bad >= 0:
             return lo * I + bad
     return -1
 
 
 @njit(cache=True, nogil=True)
-def softmax_loss_backward_parts(prob, label, has_ignore, ignore, scales, starts, per, dx):
-    """softmax_loss_backward for each part of a call at once, part k with scale scales[k]
+def softmax_loss_backward_parts(prob, label, has_ignore, ignore, top_diff, norm, scales, starts,
+                                per, dx):
+    """softmax_loss_backward for each part of a call at once, part k with the scale
+    top_diff[k] / norm, divided in float64 and rounded to dx's dtype in scales[k] (parts,)
     (starts, per as in softmax_loss_forward_parts). Returns the flat index of the first label
     that is not a class, or -1."""
     I = prob.shape[2]
     first_bad = -1
     for k in range(len(starts) - 1):
+        scales[k] = float(top_diff[k]) / norm
         lo, hi = starts[k] * per, starts[k + 1] * per
         bad = softmax_loss_backward(prob[lo:hi], label[lo:hi], has_ignore, ignore, scales[k],
                                     dx[lo:hi])

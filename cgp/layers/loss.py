@@ -142,8 +142,8 @@ class SoftmaxWithLoss(_ClassAxis):
     top, that one has the whole batch's rows: each chunk writes its own rows and zeros elsewhere,
     so a sum of the shares is the whole batch's array. A buffer of just the chunk's rows (if
     the engine ever gives per-sample tops to such a layer) is filled as is.
-    Scratch: "prob" (the probabilities, for backward), "work" (one (I,) plane) and "losses"
-    (one float64 sum per part).
+    Scratch: "prob" (the probabilities, for backward), "work" (one (I,) plane) and "scales"
+    (each part's gradient scale, in the run's dtype).
     """
     bottoms = (2, 2)
     tops = (1, 2)
@@ -173,8 +173,7 @@ class SoftmaxWithLoss(_ClassAxis):
         return [()] + ([scores] if len(self.lp.top) > 1 else [])
 
     def scratch_shapes(self, n):
-        return {"prob": (n,) + self.score_shape[1:], "work": (self.inner,),
-                "losses": ((n,), np.float64)}
+        return {"prob": (n,) + self.score_shape[1:], "work": (self.inner,), "scales": (n,)}
 
     def normaliser(self, chunk):
         """Caffe's get_normalizer for the whole batch, as a float."""
@@ -206,16 +205,14 @@ class SoftmaxWithLoss(_ClassAxis):
         """Every part of a call at once (Layer.takes_parts): top[j][k] is part k's top j."""
         n = chunk.n
         prob = scratch["prob"][:n]
-        probs = self._scores(prob, n)
         labels = self._labels(bottom[1], n)
-        K.softmax_forward(self._scores(bottom[0], n), probs, scratch["work"])
         starts = chunk.starts
-        losses = scratch["losses"][:len(starts) - 1]
-        bad = K.softmax_loss_forward_parts(probs, labels, self.has_ignore, self.ignore, starts,
-                                           self.per_sample, losses)
+        bad = K.softmax_loss_forward_parts(self._scores(bottom[0], n), self._scores(prob, n),
+                                           scratch["work"], labels, self.has_ignore,
+                                           self.ignore, starts, self.per_sample,
+                                           self.normaliser(chunk), top[0])
         if bad >= 0:
             raise self._bad_label(labels, bad, chunk.first)
-        top[0][...] = losses / self.normaliser(chunk)
         if len(top) > 1:
             for out, a, b in zip(top[1], starts[:-1], starts[1:]):
                 if out.shape[0] == b - a:   # a per-sample buffer (or the part is the batch)
@@ -231,13 +228,12 @@ class SoftmaxWithLoss(_ClassAxis):
         if bottom_diff[0] is None:
             return
         n = chunk.n
-        dx = bottom_diff[0]
-        # Part k's scale: its top's diff over the normaliser, divided in float64.
-        scales = (top_diff[0].astype(np.float64) / self.normaliser(chunk)).astype(dx.dtype)
         labels = self._labels(bottom[1], n)
         bad = K.softmax_loss_backward_parts(self._scores(scratch["prob"][:n], n), labels,
-                                            self.has_ignore, self.ignore, scales, chunk.starts,
-                                            self.per_sample, self._scores(dx, n))
+                                            self.has_ignore, self.ignore, top_diff[0],
+                                            self.normaliser(chunk), scratch["scales"],
+                                            chunk.starts, self.per_sample,
+                                            self._scores(bottom_diff[0], n))
         if bad >= 0:
             raise self._bad_label(labels, bad, chunk.first)
 
