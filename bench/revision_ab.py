@@ -1,0 +1,146 @@
+"""Interleaved A/B of whole training steps against another git revision of the whole package
+(cgp/, kernels/, models/, datasets/: layers, kernels and runtime alike), each side in a
+process of its own, which imports that side's package: where a change spans a layer and its
+kernels, swapping modules into one process (step_kernels_ab.py, runtime_ab.py) cannot pair
+the old with the old. The two processes train from one seed and take turns: each round
+times `--steps` steps of one and then of the other (the order alternating from round to
+round), so a change of the machine's speed hits both alike. Prints the median time of a step
+for each, the working tree's speed as the median of the per-round ratios, and whether the
+two ended with bitwise equal weights.
+
+    python bench/revision_ab.py --base REV [mnist|cifar10] [--threads 1] [--group N]
+                                [--workers processes] [--rounds 15] [--steps 8] [--data-dir DIR]
+
+REV is a git revision, or a folder that holds one's files at their paths (`git archive REV
+cgp kernels models datasets | tar -x -C DIR`). Its copy compiles its own kernels on first use
+(Numba's cache then keeps them for the run). --group N makes calls of N chunks:
+`--threads 1 --group 1` runs a 16-worker step's 16 one-chunk calls one after another.
+"""
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# The repository's top-level folders that install inside the cgp package (pyproject.toml).
+INSIDE = ("kernels", "models", "datasets")
+
+
+def package_copy(rev, folder):
+    """A folder whose cgp/ is revision `rev`'s package, laid out as installed."""
+    source = Path(folder) / "source"
+    source.mkdir()
+    if Path(rev).is_dir():
+        for name in ("cgp",) + INSIDE:
+            shutil.copytree(Path(rev) / name, source / name)
+    else:
+        archive = subprocess.run(["git", "archive", rev, "cgp", *INSIDE], cwd=ROOT,
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    for name in INSIDE:
+        (source / name).rename(source / "cgp" / name)
+    return source
+
+
+def child(args):
+    """One side: reads a command per line from stdin ("N": run N steps, "end"), answers each
+    with a line of JSON on stdout."""
+    from threadpoolctl import threadpool_limits
+
+    import cgp.engine
+    from cgp import models
+    from cgp.prototxt import read_solver
+    from cgp.train import RunConfig, Trainer
+
+    if args.group is not None:
+        cgp.engine.group_size = lambda net, chunks, threads: args.group
+    path = models.solver_path(args.model)
+    trainer = Trainer(read_solver(path), path,
+                      RunConfig(threads=args.threads, workers=args.workers, progress=False,
+                                data_dir=args.data_dir), log=lambda line: None)
+    with threadpool_limits(limits=1):
+        for line in sys.stdin:
+            if line.strip() == "end":
+                digest = hashlib.sha256(trainer.net.params.tobytes()).hexdigest()
+                print(json.dumps({"sha256": digest, "package": cgp.__file__}), flush=True)
+                break
+            started = time.perf_counter()
+            for _ in range(int(line)):
+                trainer.step()
+            seconds = time.perf_counter() - started
+            if hasattr(trainer.pool, "rest"):   # no spinning while the other side runs
+                trainer.pool.rest()
+            print(json.dumps({"seconds": seconds}), flush=True)
+    trainer.close()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="mnist")
+    parser.add_argument("--base", required=True,
+                        help="git revision to compare against, or a folder of its files")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group", type=int, default=None)
+    parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    forwarded = [args.model, "--base", args.base, "--threads", str(args.threads),
+                 "--workers", args.workers, "--child"]
+    for option in ("group", "data_dir"):
+        if getattr(args, option) is not None:
+            forwarded += ["--" + option.replace("_", "-"), str(getattr(args, option))]
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            base_path = package_copy(args.base, folder)
+        except (subprocess.CalledProcessError, OSError) as err:
+            sys.exit(f"revision_ab: {args.base}: "
+                     f"{getattr(err, 'stderr', b'').decode().strip() or err}")
+        # The base side finds its copy on PYTHONPATH, ahead of the installed package, which
+        # the working tree's side imports as every other command does.
+        own_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        sides = [subprocess.Popen([sys.executable, __file__, *forwarded], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for env in (dict(own_env, PYTHONPATH=str(base_path)), own_env)]
+
+        def ask(side, command):
+            side.stdin.write(command + "\n")
+            side.stdin.flush()
+            line = side.stdout.readline()
+            if not line:
+                sys.exit(f"revision_ab: a side ended early (exit {side.wait()})")
+            return json.loads(line)
+
+        for side in sides:
+            ask(side, "3")   # warm-up: compilation, first touches
+        times = [[], []]
+        for r in range(args.rounds):
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                times[i].append(ask(sides[i], str(args.steps))["seconds"])
+        ends = [ask(side, "end") for side in sides]
+        for side in sides:
+            side.wait()
+    if not ends[0]["package"].startswith(folder):
+        sys.exit(f"revision_ab: the base side imported {ends[0]['package']}, not its copy")
+    ratio = statistics.median(a / b for a, b in zip(*times))
+    base_ms, own_ms = (1e3 * statistics.median(t) / args.steps for t in times)
+    same = ends[0]["sha256"] == ends[1]["sha256"]
+    print(f"{args.model}, {args.threads} worker(s) ({args.workers}"
+          f"{f', {args.group} chunk(s) per call' if args.group else ''}), {args.rounds} rounds "
+          f"of {args.steps} steps: {args.base} {base_ms:.2f} ms, working tree {own_ms:.2f} ms "
+          f"per step; working tree x{ratio:.3f} as fast; same weights: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
