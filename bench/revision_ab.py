@@ -4,12 +4,15 @@ process of its own, which imports that side's package: where a change spans a la
 kernels, swapping modules into one process (step_kernels_ab.py, runtime_ab.py) cannot pair
 the old with the old. The two processes train from one seed and take turns: each round
 times `--steps` steps of one and then of the other (the order alternating from round to
-round), so a change of the machine's speed hits both alike. Prints the median time of a step
-for each, the working tree's speed as the median of the per-round ratios, and whether the
-two ended with bitwise equal weights.
+round), so a change of the machine's speed hits both alike. A process keeps a speed of its
+own, though (where its memory landed): with the same code on both sides, pairs of processes
+read 0.96 – 1.03. So --pairs pairs run one after another. Prints the median time of a step
+for each side, the working tree's speed as the median over the pairs of each pair's median
+per-round ratio, with every pair's, and whether the two ended with bitwise equal weights.
 
     python bench/revision_ab.py --base REV [mnist|cifar10] [--threads 1] [--group N]
-                                [--workers processes] [--rounds 15] [--steps 8] [--data-dir DIR]
+                                [--workers processes] [--pairs 5] [--rounds 15] [--steps 8]
+                                [--data-dir DIR]
 
 REV is a git revision, or a folder that holds one's files at their paths (`git archive REV
 cgp kernels models datasets | tar -x -C DIR`). Its copy compiles its own kernels on first use
@@ -81,6 +84,16 @@ def child(args):
     trainer.close()
 
 
+def ask(side, command):
+    """Sends a side's process a command line and returns its answer."""
+    side.stdin.write(command + "\n")
+    side.stdin.flush()
+    line = side.stdout.readline()
+    if not line:
+        sys.exit(f"revision_ab: a side ended early (exit {side.wait()})")
+    return json.loads(line)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="mnist")
@@ -89,6 +102,8 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--group", type=int, default=None)
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
+    parser.add_argument("--pairs", type=int, default=5,
+                        help="pairs of processes, one pair after another")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--data-dir", default=None)
@@ -101,6 +116,7 @@ def main():
     for option in ("group", "data_dir"):
         if getattr(args, option) is not None:
             forwarded += ["--" + option.replace("_", "-"), str(getattr(args, option))]
+    times, ratios = [[], []], []
     with tempfile.TemporaryDirectory() as folder:
         try:
             base_path = package_copy(args.base, folder)
@@ -110,36 +126,33 @@ def main():
         # The base side finds its copy on PYTHONPATH, ahead of the installed package, which
         # the working tree's side imports as every other command does.
         own_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        sides = [subprocess.Popen([sys.executable, __file__, *forwarded], env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                 for env in (dict(own_env, PYTHONPATH=str(base_path)), own_env)]
-
-        def ask(side, command):
-            side.stdin.write(command + "\n")
-            side.stdin.flush()
-            line = side.stdout.readline()
-            if not line:
-                sys.exit(f"revision_ab: a side ended early (exit {side.wait()})")
-            return json.loads(line)
-
-        for side in sides:
-            ask(side, "3")   # warm-up: compilation, first touches
-        times = [[], []]
-        for r in range(args.rounds):
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-                times[i].append(ask(sides[i], str(args.steps))["seconds"])
-        ends = [ask(side, "end") for side in sides]
-        for side in sides:
-            side.wait()
-    if not ends[0]["package"].startswith(folder):
-        sys.exit(f"revision_ab: the base side imported {ends[0]['package']}, not its copy")
-    ratio = statistics.median(a / b for a, b in zip(*times))
+        for _ in range(args.pairs):
+            sides = [subprocess.Popen([sys.executable, __file__, *forwarded], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                     for env in (dict(own_env, PYTHONPATH=str(base_path)), own_env)]
+            for side in sides:
+                ask(side, "3")   # warm-up: compilation, first touches
+            pair = [[], []]
+            for r in range(args.rounds):
+                for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    pair[i].append(ask(sides[i], str(args.steps))["seconds"])
+            ends = [ask(side, "end") for side in sides]
+            for side in sides:
+                side.wait()
+            if not ends[0]["package"].startswith(folder):
+                sys.exit(f"revision_ab: the base side imported {ends[0]['package']}, not its "
+                         f"copy")
+            ratios.append(statistics.median(a / b for a, b in zip(*pair)))
+            for row, more in zip(times, pair):
+                row.extend(more)
     base_ms, own_ms = (1e3 * statistics.median(t) / args.steps for t in times)
     same = ends[0]["sha256"] == ends[1]["sha256"]
     print(f"{args.model}, {args.threads} worker(s) ({args.workers}"
-          f"{f', {args.group} chunk(s) per call' if args.group else ''}), {args.rounds} rounds "
-          f"of {args.steps} steps: {args.base} {base_ms:.2f} ms, working tree {own_ms:.2f} ms "
-          f"per step; working tree x{ratio:.3f} as fast; same weights: {'yes' if same else 'NO'}")
+          f"{f', {args.group} chunk(s) per call' if args.group else ''}), {args.pairs} pair(s) "
+          f"of processes, {args.rounds} rounds of {args.steps} steps each: {args.base} "
+          f"{base_ms:.2f} ms, working tree {own_ms:.2f} ms per step; working tree "
+          f"x{statistics.median(ratios):.3f} as fast (each pair: "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}); same weights: {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":
