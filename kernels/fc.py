@@ -116,7 +116,10 @@ def rows_axpy(a, w, out, scratch):
     block before left them in out, so the blocks change no bit."""
     M, R = a.shape
     L = w.shape[1]
-    if M == 0:
+    if M == 0 or L == 0:
+        return
+    if R == 0:   # no block of rows to run: the empty sums
+        out[:] = 0
         return
     V = lanes(a.itemsize)
     T, KV = choose_from(M, L, V, AXPY_SHAPES, AXPY_SPEEDS)

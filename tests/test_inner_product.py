@@ -184,8 +184,8 @@ def test_rows_axpy_kernel(dtype):
     from cgp.kernels.fc import rows_axpy, scratch_size
 
     rng = np.random.default_rng(7)
-    for R in (1, 5, 50):
-        for L in (1, 15, 16, 17, 63, 64, 65, 200):
+    for R in (0, 1, 5, 50):
+        for L in (0, 1, 15, 16, 17, 63, 64, 65, 200):
             w = rng.standard_normal((R, L)).astype(dtype)
             a = rng.standard_normal((13, R)).astype(dtype)
             whole = None
