@@ -6,7 +6,7 @@ the old with the old. The two processes train from one seed and take turns: each
 times `--steps` steps of one and then of the other (the order alternating from round to
 round), so a change of the machine's speed hits both alike. A process keeps a speed of its
 own, though (where its memory landed): with the same code on both sides, pairs of processes
-read 0.96 – 1.03. So --pairs pairs run one after another. Prints the median time of a step
+read 0.94 – 1.03. So --pairs pairs run one after another. Prints the median time of a step
 for each side, the working tree's speed as the median over the pairs of each pair's median
 per-round ratio, with every pair's, and whether the two ended with bitwise equal weights.
 
@@ -75,8 +75,7 @@ def child(args):
                 print(json.dumps({"sha256": digest, "package": cgp.__file__}), flush=True)
                 break
             started = time.perf_counter()
-            for _ in range(int(line)):
-                trainer.step()
+            trainer.steps(int(line))   # as training runs them
             seconds = time.perf_counter() - started
             if hasattr(trainer.pool, "rest"):   # no spinning while the other side runs
                 trainer.pool.rest()
