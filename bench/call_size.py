@@ -13,11 +13,8 @@ import argparse
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp import models
 from cgp.engine import call_chunk
-from cgp.layers import Factors
-from cgp.prototxt import read_solver
-from cgp.train import RunConfig, Trainer
+from interleave import first_call_grad_views, grouped_trainer  # bench/, on the path
 
 
 def main():
@@ -27,23 +24,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
-    path = models.solver_path(args.model)
     # One worker thread whose workspace fits the large call.
-    import cgp.engine
-    cgp.engine.group_size = lambda net, chunks, threads: args.group
-    trainer = Trainer(read_solver(path), path,
-                      RunConfig(chunks=16, threads=1, workers="threads", data_dir=args.data_dir),
-                      log=lambda line: None)
+    trainer = grouped_trainer(args.model, 1, args.group, args.data_dir, workers="threads")
     net, engine = trainer.net, trainer.engine
     c0, c1 = engine.groups[0]
     bounds = engine.bounds[c0:c1]
     samples = engine.samples(engine.groups[0])[1]
-
-    def grad_views(size):
-        # The first call's; factored weight gradients take the call's rows of their factors.
-        return [[Factors(v.a[:size * len(v.a) // samples], v.b[:size * len(v.b) // samples])
-                 if isinstance(v, Factors) else v for v in layer]
-                for layer in engine.group_grad_views[0]]
 
     entries = len(net.entries)
     small = bounds[0][1]
@@ -56,7 +42,7 @@ def main():
         times = [[], []]
         for _ in range(args.rounds):
             for (part, size, reps), out in zip(sizes, times):
-                views = grad_views(size)
+                views = first_call_grad_views(engine, size)
                 clock = np.zeros(2 * entries)
                 for _ in range(reps):
                     chunk = call_chunk(part, batch=net.batch_size, batch_tops={})

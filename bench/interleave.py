@@ -122,6 +122,17 @@ def grouped_trainer(model, threads, group, data_dir, workers="processes", chunks
         cgp.engine.group_size = default
 
 
+def first_call_grad_views(engine, size):
+    """The gradient views of the engine's first call, for a call of `size` of its samples:
+    factored weight gradients (cgp.layers.Factors) take that many of the call's rows of
+    their factors, the others are the call's per-part views as they are."""
+    from cgp.layers import Factors
+    samples = engine.samples(engine.groups[0])[1]
+    return [[Factors(v.a[:size * len(v.a) // samples], v.b[:size * len(v.b) // samples])
+             if isinstance(v, Factors) else v for v in layer]
+            for layer in engine.group_grad_views[0]]
+
+
 def add_pair_options(parser, threads, group=False):
     """The options of a bench script that compares two trainers (ab_pair); with group,
     --group N too (see use_group)."""

@@ -18,10 +18,10 @@ import cgp.layers.conv
 import cgp.layers.inner_product
 from cgp import models
 from cgp.engine import call_chunk
-from cgp.layers import Factors
 from cgp.layers.base import build_span, part_span
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
+from interleave import first_call_grad_views  # bench/, on the path
 
 # The layers that call part_span.
 SPAN_USERS = (cgp.layers.conv, cgp.layers.inner_product)
@@ -59,30 +59,23 @@ def main():
         batch = trainer._batch(net, 0, 0)
         ws = engine.workspaces[0]
 
-        def grad_views(size):
-            # The first call's; factored weight gradients take the call's rows of their
-            # factors.
-            return [[Factors(v.a[:size * len(v.a) // samples], v.b[:size * len(v.b) // samples])
-                     if isinstance(v, Factors) else v for v in layer]
-                    for layer in engine.group_grad_views[0]]
-
         def call(bounds, views):
             chunk = call_chunk(bounds, batch=net.batch_size, batch_tops={})
             data = net.forward(ws, chunk, batch, engine.params)
             net.backward(ws, chunk, data, engine.params, views)
 
         empty_bounds = [(0, 0)] * len(bounds)   # the same parts, no samples
-        empty = best(lambda: call(empty_bounds, grad_views(0)), 200)
+        empty = best(lambda: call(empty_bounds, first_call_grad_views(engine, 0)), 200)
 
         # The same with part_span building its views every call, as before it kept them.
         for module in SPAN_USERS:
             module.part_span = build_span
         try:
-            uncached = best(lambda: call(empty_bounds, grad_views(0)), 200)
+            uncached = best(lambda: call(empty_bounds, first_call_grad_views(engine, 0)), 200)
         finally:
             for module in SPAN_USERS:
                 module.part_span = part_span
-        full = best(lambda: call(bounds, grad_views(samples)), 10)
+        full = best(lambda: call(bounds, first_call_grad_views(engine, samples)), 10)
     calls = len(net.entries) + sum(e.backward for e in net.entries)
     threads = args.threads
     print(f"{args.model}, {args.chunks} chunks, the engine's calls on {threads} thread(s): "

@@ -57,17 +57,12 @@ def child(args):
     with a line of JSON on stdout."""
     from threadpoolctl import threadpool_limits
 
-    import cgp.engine
-    from cgp import models
-    from cgp.prototxt import read_solver
-    from cgp.train import RunConfig, Trainer
+    import cgp
+    # bench/, on the path; it imports this side's package
+    from interleave import grouped_trainer
 
-    if args.group is not None:
-        cgp.engine.group_size = lambda net, chunks, threads: args.group
-    path = models.solver_path(args.model)
-    trainer = Trainer(read_solver(path), path,
-                      RunConfig(threads=args.threads, workers=args.workers, progress=False,
-                                data_dir=args.data_dir), log=lambda line: None)
+    trainer = grouped_trainer(args.model, args.threads, args.group, args.data_dir,
+                              args.workers)
     with threadpool_limits(limits=1):
         for line in sys.stdin:
             if line.strip() == "end":
