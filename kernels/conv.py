@@ -48,6 +48,7 @@ import numpy as np
 from numba import njit
 
 from cgp.kernels.blas import gemm
+from cgp.kernels.elementwise import copy
 from cgp.kernels.tile import (SHAPES, SPEEDS_UNIT, T_MAX, choose, lanes, shifted_copy,
                               shifted_row_sum, tile, transpose_block)
 
@@ -535,13 +536,13 @@ def _dx_columns(w, dy, dx, dyc, wt, cols, pad_h, pad_w, dil_h, dil_w, group, T, 
         raise ValueError("conv_backward_direct: scratch too small")
     wf = w.reshape(K * CgRS)
     for k in range(K):
-        wt[k * CgRSp:k * CgRSp + CgRS] = wf[k * CgRS:(k + 1) * CgRS]
+        copy(wf[k * CgRS:(k + 1) * CgRS], wt[k * CgRSp:k * CgRSp + CgRS])
         wt[k * CgRSp + CgRS:(k + 1) * CgRSp] = 0
     KVV = KV * V
     dyf = dy.reshape(N * K * PQ)
     dxf = dx.reshape(N * C * H * W)
     for n in range(N):
-        dyc[:K * PQ] = dyf[n * K * PQ:(n + 1) * K * PQ]
+        copy(dyf[n * K * PQ:(n + 1) * K * PQ], dyc[:K * PQ])
         dxf[n * C * H * W:(n + 1) * C * H * W] = 0
         for gr in range(group):
             for j0 in range(0, PQ, KVV):

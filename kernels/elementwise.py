@@ -13,7 +13,9 @@ from numba import njit
 
 @njit(cache=True, nogil=True)
 def copy(x, y):
-    """x, y: (M,). y = x."""
+    """x, y: (M,). y = x. Kernels copy with this loop, not with Numba's slice assignment
+    (y[i:j] = x[k:l]), which took about 30 ns a call and 0.5 ns an element, 5 to 10 times
+    this loop (average pooling's window sums: 1.6 times as fast with it)."""
     for i in range(x.size):
         y[i] = x[i]
 

@@ -36,6 +36,7 @@ height and width, R S window height and width.
 import numpy as np
 from numba import njit
 
+from cgp.kernels.elementwise import copy
 from cgp.kernels.tile import column_max, lanes, stride2_row_max, transpose_block
 
 # Caffe starts every max at -FLT_MAX (for float and double alike), so a window of -inf or NaN
@@ -280,7 +281,7 @@ def ave_pool_forward(x, y, planes, R, S, stride_h, stride_w, pad_h, pad_w):
                 for h in range(h0, h1):
                     if q_lo <= q < q_hi:
                         cell = planes[xt + (h * W + c0) * B:xt + (h * W + c0) * B + n]
-                        r[:] = cell
+                        copy(cell, r)
                         c = c0 + 1
                     else:
                         r[:] = 0
@@ -290,7 +291,7 @@ def ave_pool_forward(x, y, planes, R, S, stride_h, stride_w, pad_h, pad_w):
                         for i in range(n):
                             r[i] += cell[i]
                     if h == h0:
-                        out[:] = r
+                        copy(r, out)
                     else:
                         for i in range(n):
                             out[i] += r[i]
