@@ -1,6 +1,7 @@
 """Interleaved A/B of the kernels against another git revision: the stride-1 convolutions of
 LeNet and cifar10_quick (forward, backward without and with the input gradient), the pooling
-of both (forward, backward), their first InnerProduct (forward, input gradient) and the
+of both (forward, backward), their first InnerProduct (forward, input gradient, and the
+weight gradient where the engine does not factor it: weights shared by several layers) and the
 reduction of the InnerProduct weight gradients that the engine sums from factors (LeNet's ip1,
 cifar10_quick's ip1: 16 chunks of the whole batch), one thread. Each round times the base
 revision's kernel and then the working tree's on the same data, so a change of the machine's
@@ -202,12 +203,13 @@ def pool_runs(module, shape, n, seed=0):
 
 
 def inner_runs(module, shape, n, seed=0):
-    """InnerProduct's forward pass and input gradient (a weight not transposed) with the
-    module's kernels."""
+    """InnerProduct's forward pass, input gradient and unfactored weight gradient (a weight
+    not transposed) with the module's kernels."""
     C, K = shape
     rng = np.random.default_rng(seed)
     x, w, b, dy = normal(rng, (n, C)), normal(rng, (K, C)), normal(rng, K), normal(rng, (n, K))
     y, dx = aligned_zeros((n, K), np.float32), aligned_zeros((n, C), np.float32)
+    dw = aligned_zeros((K, C), np.float32)
     scratch = aligned_zeros(module.scratch_size(n, K), np.float32)
     none = aligned_zeros(0, np.float32)
 
@@ -219,7 +221,12 @@ def inner_runs(module, shape, n, seed=0):
         module.fc_backward(x, w, dy, dx, x, none, False, True, False, False, scratch)
         return dx
 
-    return {"forward": forward, "input gradient": input_gradient}
+    def weight_gradient():   # one part's, set (overwrite): where it is not factored
+        module.fc_backward(x, w, dy, x, dw, none, False, False, True, True, scratch)
+        return dw
+
+    return {"forward": forward, "input gradient": input_gradient,
+            "weight gradient": weight_gradient}
 
 
 def reduce_runs(module, shape, seed=0):

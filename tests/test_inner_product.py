@@ -225,6 +225,44 @@ def test_rows_axpy_runs_each_chain_in_row_order_across_its_blocks_of_rows(dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_add_outer_rows_kernel(dtype):
+    """add_outer_rows (the weight gradient where it is not factored) against float64 at sizes
+    around its tiles, adding to what g held or, with overwrite, from 0; and each element
+    exactly its chain over the rows in order, whether a tile or the loops for the rows and
+    columns left over compute it: with a = 1 the multiply-adds are plain adds, emulated here
+    in the dtype on values whose sums round differently in another order."""
+    from cgp.kernels.fc import add_outer_rows
+
+    rng = np.random.default_rng(10)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for M in (0, 1, 5, 13):
+        for J in (1, 4, 13, 25):
+            for L in (1, 16, 33, 65, 200):
+                a = rng.standard_normal((M, J)).astype(dtype)
+                b = rng.standard_normal((M, L)).astype(dtype)
+                g0 = rng.standard_normal((J, L)).astype(dtype)
+                for overwrite in (False, True):
+                    g = g0.copy()
+                    add_outer_rows(a, b, g, overwrite)
+                    np.testing.assert_allclose(g, a.T.astype(np.float64) @ b
+                                               + (0 if overwrite else g0),
+                                               rtol=tol, atol=tol * max(M, 1))
+    V = 64 // np.dtype(dtype).itemsize
+    M, J, L = 21, 13, 4 * V + 5   # a row and some columns past the whole tiles
+    b = (rng.standard_normal((M, L)) * 10.0 ** rng.integers(-8, 9, (M, L))).astype(dtype)
+    g0 = (rng.standard_normal((J, L)) * 10.0 ** rng.integers(-8, 9, (J, L))).astype(dtype)
+    for overwrite in (False, True):
+        expected = np.zeros((J, L), dtype) if overwrite else g0.copy()
+        for m in range(M):
+            expected = expected + b[m]
+        assert not np.array_equal(expected[0], (b[::-1].sum(axis=0, dtype=dtype)
+                                                + (0 if overwrite else g0[0])))  # order shows
+        g = g0.copy()
+        add_outer_rows(np.ones((M, J), dtype), b, g, overwrite)
+        assert np.array_equal(g, expected), overwrite
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rows_dot_kernel(dtype):
     """rows_dot (the forward pass, and the input gradient of a transposed weight) against
     float64 at lengths around its vectors and row counts around its 4 x 6 tiles; each element
