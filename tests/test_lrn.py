@@ -55,6 +55,40 @@ def test_within_forward(size):
     check_forward(layer, [data((2, 3, 4, 5))], lambda x: within_ref(x, size, 1.5, 0.8), params=[])
 
 
+@pytest.mark.parametrize("size", [3, 5])
+def test_within_sums_each_window_in_row_order(size):
+    """WITHIN_CHANNEL's window sums, which run a row of positions at a time over a plane
+    padded with zeros: bitwise each window's squares added in float32 in the window's row
+    order from 0, cut at the borders (as Caffe's pooling adds them), on squares whose sums
+    round differently in another order; and the denominator's power as forward leaves it for
+    backward, scale^-beta (NumPy's float32 power rounds otherwise than the kernels' powf:
+    compared to float64)."""
+    from layer_check import forward
+
+    shape = (2, 3, 5, 6)
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-4, 5, shape)).astype(np.float32)
+    layer = build(lrn_text(size, "WITHIN_CHANNEL", "alpha: 1.5 beta: 0.75"), [shape])
+    _, scratch = forward(layer, [x], [])
+    r = (size - 1) // 2
+    H, W = shape[2:]
+    reordered = 0
+    for n, c, h, w in np.ndindex(*shape):
+        total, backwards = np.float32(0), np.float32(0)
+        window = [(i, j) for i in range(max(h - r, 0), min(h + r + 1, H))
+                  for j in range(max(w - r, 0), min(w + r + 1, W))]
+        for i, j in window:
+            total = np.float32(total + x[n, c, i, j] * x[n, c, i, j])
+        for i, j in reversed(window):
+            backwards = np.float32(backwards + x[n, c, i, j] * x[n, c, i, j])
+        reordered += total != backwards
+        want = np.float32(1 + np.float64(np.float32(1.5)) * (np.float64(total) / size ** 2))
+        assert scratch["scale"][n, c, h, w] == want, (n, c, h, w)
+    assert reordered > 0   # the order shows
+    want = scratch["scale"].astype(np.float64) ** -0.75
+    np.testing.assert_allclose(scratch["power"], want, rtol=2 ** -23)   # within an ulp
+
+
 @pytest.mark.parametrize("size", [1, 3, 5])
 def test_across_gradients(size):
     layer = build(lrn_text(size, extra="alpha: 0.9 beta: 0.7 k: 1.5"), [SHAPE])

@@ -16,8 +16,9 @@ class LRN(Layer):
     WITHIN_CHANNEL: y = x * (1 + alpha / L^2 * sum of x^2 over an L x L spatial window)^-beta,
     as Caffe builds it from pooling and power layers (which ignore k). L = local_size, odd.
 
-    Scratch: "scale", the denominator's base per element (forward writes it, backward reads
-    it), and "plane", one (H, W) work plane for backward's window sums.
+    Scratch: "scale", the denominator's base per element, and "power", its power -beta
+    (forward writes both, backward reads them), and "plane", one work plane: a padded plane
+    for WITHIN_CHANNEL's window sums, an (H, W) one for ACROSS_CHANNELS' backward.
     """
 
     def setup(self, bottom_shapes):
@@ -43,27 +44,29 @@ class LRN(Layer):
 
     def scratch_shapes(self, n):
         _, c, h, w = self.shape
-        return {"scale": (n, c, h, w), "plane": (h, w)}
+        plane = h * w if self.across else K.plane_size(h, w, self.size)
+        return {"scale": (n, c, h, w), "power": (n, c, h, w), "plane": (plane,)}
 
     def forward(self, bottom, top, params, scratch, chunk):
         x = bottom[0]
         t = x.dtype.type
-        scale = scratch["scale"][:chunk.n]
+        scale, power = scratch["scale"][:chunk.n], scratch["power"][:chunk.n]
         if self.across:
             # Caffe forms alpha / size in the blob's type.
-            K.lrn_across_forward(x, top[0], scale, self.size, t(self.alpha) / t(self.size),
-                                 t(self.beta), t(self.k))
+            K.lrn_across_forward(x, top[0], scale, power, self.size,
+                                 t(self.alpha) / t(self.size), t(self.beta), t(self.k))
         else:
-            K.lrn_within_forward(x, top[0], scale, self.size, t(self.alpha), t(self.beta))
+            K.lrn_within_forward(x, top[0], scale, power, scratch["plane"], self.size,
+                                 t(self.alpha), t(self.beta))
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
         if bottom_diff[0] is None:
             return
         x = bottom[0]
         t = x.dtype.type
-        scale = scratch["scale"][:chunk.n]
+        scale, power = scratch["scale"][:chunk.n], scratch["power"][:chunk.n]
         window = self.size if self.across else self.size * self.size
         cache_ratio = t(2.0 * self.alpha * self.beta / window)
         kernel = K.lrn_across_backward if self.across else K.lrn_within_backward
-        kernel(x, top[0], top_diff[0], scale, bottom_diff[0], self.size, cache_ratio,
-               t(self.beta), scratch["plane"])
+        kernel(x, top[0], top_diff[0], scale, power, bottom_diff[0], self.size, cache_ratio,
+               scratch["plane"])
