@@ -1,9 +1,10 @@
 """Interleaved A/B of the kernels against another git revision: the stride-1 convolutions of
 LeNet and cifar10_quick (forward, backward without and with the input gradient), the pooling
 of both (forward, backward), their first InnerProduct (forward, input gradient, and the
-weight gradient where the engine does not factor it: weights shared by several layers) and the
+weight gradient where the engine does not factor it: weights shared by several layers), the
 reduction of the InnerProduct weight gradients that the engine sums from factors (LeNet's ip1,
-cifar10_quick's ip1: 16 chunks of the whole batch), one thread. Each round times the base
+cifar10_quick's ip1: 16 chunks of the whole batch), and cifar10_full's LRN layers (forward,
+backward; and one across channels), one thread. Each round times the base
 revision's kernel and then the working tree's on the same data, so a change of the machine's
 speed hits both alike; prints milliseconds per 100 samples (medians; per batch for the
 reductions), the working tree's speed as the median of the per-round ratios, and whether the
@@ -36,7 +37,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from cgp.engine import chunk_bounds
-from cgp.kernels import conv, fc, pool, reduce
+from cgp.kernels import conv, fc, lrn, pool, reduce
 from cgp.layers import aligned_zeros
 from interleave import import_revisions  # bench/, on the path when run as a script
 
@@ -53,15 +54,21 @@ POOLS = {"pool1": (32, 32, 32, 3, 2, "MAX"), "pool2": (32, 16, 16, 3, 2, "AVE"),
 INNER = {"ip1": (800, 500), "cifar-ip1": (1024, 64)}
 # name: (batch, J, L): a factored weight gradient's shape, summed over 16 chunks.
 REDUCTIONS = {"ip1sum": (64, 500, 800), "cifar-ip1sum": (100, 64, 1024)}
-KNOWN = list(LAYERS) + list(POOLS) + list(INNER) + list(REDUCTIONS)
+# name: (C, H, W, local_size, region): cifar10_full's LRN layers (alpha 5e-05, beta 0.75), and
+# one across channels of the same size (the shipped nets have none).
+NORMS = {"norm1": (32, 16, 16, 3, "WITHIN"), "norm2": (32, 8, 8, 3, "WITHIN"),
+         "norm-across": (32, 16, 16, 5, "ACROSS")}
+KNOWN = list(LAYERS) + list(POOLS) + list(INNER) + list(REDUCTIONS) + list(NORMS)
 
 
 def base_modules(rev, folder):
-    """The revision's kernels/conv.py, pool.py, reduce.py and fc.py, importing its own tile.py,
-    as modules base_conv, base_pool, base_reduce and base_fc."""
-    m = import_revisions(rev, ["kernels/tile.py", "kernels/conv.py", "kernels/pool.py",
-                               "kernels/reduce.py", "kernels/fc.py"], folder)
-    return m["conv"], m["pool"], m["reduce"], m["fc"]
+    """The revision's kernels/conv.py, pool.py, reduce.py, fc.py and lrn.py, importing its own
+    tile.py and elementwise.py, as modules base_conv, base_pool, base_reduce, base_fc and
+    base_lrn."""
+    m = import_revisions(rev, ["kernels/tile.py", "kernels/elementwise.py", "kernels/conv.py",
+                               "kernels/pool.py", "kernels/reduce.py", "kernels/fc.py",
+                               "kernels/lrn.py"], folder)
+    return m["conv"], m["pool"], m["reduce"], m["fc"], m["lrn"]
 
 
 def normal(rng, shape):
@@ -255,6 +262,45 @@ def reduce_runs(module, shape, seed=0):
     return {"tree sum": call}
 
 
+def lrn_runs(module, shape, n, seed=0):
+    """LRN's forward and backward with the module's kernels: where the revision has
+    plane_size, forward also keeps scale^-beta for backward; before, backward took a power of
+    its own."""
+    C, H, W, L, region = shape
+    rng = np.random.default_rng(seed)
+    x, dy = normal(rng, (n, C, H, W)), normal(rng, (n, C, H, W))
+    y, scale, power, dx = (aligned_zeros((n, C, H, W), np.float32) for _ in range(4))
+    alpha, beta = np.float32(5e-5), np.float32(0.75)
+    within = region == "WITHIN"
+    window = L * L if within else L
+    ratio = np.float32(2.0 * 5e-5 * 0.75 / window)
+    kept = hasattr(module, "plane_size")
+    if kept:
+        plane = aligned_zeros(module.plane_size(H, W, L) if within else H * W, np.float32)
+    else:
+        plane = aligned_zeros((H, W), np.float32)
+
+    def forward():
+        if within:
+            args = (x, y, scale) + ((power, plane) if kept else ()) + (L, alpha, beta)
+            module.lrn_within_forward(*args)
+        else:
+            args = (x, y, scale) + ((power,) if kept else ()) + (L, alpha / np.float32(L),
+                                                                   beta, np.float32(1))
+            module.lrn_across_forward(*args)
+        return y
+
+    def backward():
+        kernel = module.lrn_within_backward if within else module.lrn_across_backward
+        if kept:
+            kernel(x, y, dy, scale, power, dx, L, ratio, plane)
+        else:
+            kernel(x, y, dy, scale, dx, L, ratio, beta, plane)
+        return dx
+
+    return {"forward": forward, "backward": backward}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True,
@@ -278,8 +324,8 @@ def main():
     with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
         try:
             if not with_torch:
-                base_conv, base_pool, base_reduce, base_fc = base_modules(args.base,
-                                                                          Path(folder))
+                base_conv, base_pool, base_reduce, base_fc, base_lrn = base_modules(
+                    args.base, Path(folder))
         except subprocess.CalledProcessError as err:
             sys.exit(f"kernel_ab: git show {args.base}: {err.stderr.strip()}")
         print(f"base {args.base} against the working tree, {args.samples} samples per call"
@@ -297,6 +343,9 @@ def main():
             elif name in INNER:
                 old = inner_runs(base_fc, INNER[name], args.samples)
                 new = inner_runs(fc, INNER[name], args.samples)
+            elif name in NORMS:
+                old = lrn_runs(base_lrn, NORMS[name], args.samples)
+                new = lrn_runs(lrn, NORMS[name], args.samples)
             elif with_torch:
                 old = torch_runs(LAYERS[name], torch_samples)
                 old_scale = 1e3 * 100 / torch_samples
