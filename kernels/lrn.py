@@ -37,6 +37,7 @@ def lrn_across_forward(x, y, scale, power, L, alpha_over_L, beta, k):
             tail = c - R - 1
             for h in range(H):
                 prev, cur = scale[n, c - 1, h], scale[n, c, h]
+                # Rows of channels head and tail, read only where those channels exist.
                 xh, xt = x[n, min(head, C - 1), h], x[n, max(tail, 0), h]
                 for w in range(W):
                     s = prev[w]
