@@ -58,6 +58,7 @@ REDUCTIONS = {"ip1sum": (64, 500, 800), "cifar-ip1sum": (100, 64, 1024)}
 # one across channels of the same size (the shipped nets have none).
 NORMS = {"norm1": (32, 16, 16, 3, "WITHIN"), "norm2": (32, 8, 8, 3, "WITHIN"),
          "norm-across": (32, 16, 16, 5, "ACROSS")}
+NORM_ALPHA, NORM_BETA = 5e-5, 0.75
 KNOWN = list(LAYERS) + list(POOLS) + list(INNER) + list(REDUCTIONS) + list(NORMS)
 
 
@@ -270,10 +271,10 @@ def lrn_runs(module, shape, n, seed=0):
     rng = np.random.default_rng(seed)
     x, dy = normal(rng, (n, C, H, W)), normal(rng, (n, C, H, W))
     y, scale, power, dx = (aligned_zeros((n, C, H, W), np.float32) for _ in range(4))
-    alpha, beta = np.float32(5e-5), np.float32(0.75)
+    alpha, beta = np.float32(NORM_ALPHA), np.float32(NORM_BETA)
     within = region == "WITHIN"
     window = L * L if within else L
-    ratio = np.float32(2.0 * 5e-5 * 0.75 / window)
+    ratio = np.float32(2.0 * NORM_ALPHA * NORM_BETA / window)   # as the layer forms it
     kept = hasattr(module, "plane_size")
     if kept:
         plane = aligned_zeros(module.plane_size(H, W, L) if within else H * W, np.float32)

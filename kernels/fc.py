@@ -148,17 +148,16 @@ def rows_axpy(a, w, out, scratch):
                            wf, r0 * L + l0, L, rn)
         if whole == L:
             continue
-        if r0 + rn < R:
-            for m0 in range(0, M, T):
-                _tile_rows(T, KV, of, m0 * L + whole, L, M - m0, L - whole, more, at,
-                           r0 * Mp + m0, Mp, wf, r0 * L + whole, L, rn)
-        else:
+        # The last columns: from w itself, or in the last block from the padded copy.
+        cols, cols_off, cols_step = wf, r0 * L + whole, L
+        if r0 + rn == R:
             for r in range(rn):
                 copy(w[r0 + r, whole:], edge[r * KVV:r * KVV + L - whole])
                 edge[r * KVV + L - whole:(r + 1) * KVV] = 0
-            for m0 in range(0, M, T):
-                _tile_rows(T, KV, of, m0 * L + whole, L, M - m0, L - whole, more, at,
-                           r0 * Mp + m0, Mp, edge, 0, KVV, rn)
+            cols, cols_off, cols_step = edge, 0, KVV
+        for m0 in range(0, M, T):
+            _tile_rows(T, KV, of, m0 * L + whole, L, M - m0, L - whole, more, at,
+                       r0 * Mp + m0, Mp, cols, cols_off, cols_step, rn)
 
 
 @njit(cache=True, nogil=True)
