@@ -4,7 +4,6 @@ Batch i reads the records from i * batch_size on (the first batch starts at the 
 record), and the lines printed are Caffe's: every scalar output per batch, the mean
 loss, then each output's mean (with its loss weight for losses). Not here: training.
 """
-from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -12,11 +11,11 @@ from threadpoolctl import threadpool_limits
 from cgp.comm import ThreadCommunicator
 from cgp.engine import Engine
 from cgp.errors import CgpError
-from cgp.net import Net, RunOptions
+from cgp.net import RunOptions, build_net
 from cgp.proto import caffe_pb2
 from cgp.procs import default_workers, make_pool
-from cgp.prototxt import read_net
-from cgp.snapshot import copy_weights, read_caffemodel
+from cgp.prototxt import read_model
+from cgp.snapshot import layers_without, load_weights
 
 SEED = 1701   # the TEST phase draws nothing random unless mirror is set; fixed, as Caffe's
 
@@ -25,13 +24,19 @@ def fmt(value):
     return f"{value:.6g}"
 
 
-def load_weights(net, names, log):
-    """Copy every comma-separated .caffemodel into the net by layer name; logs what it did."""
+def load_all_weights(net, names, log):
+    """Copy every comma-separated .caffemodel into the net by layer name; logs what it did.
+    Weights that leave every layer of the net untouched are refused: the score of such a
+    net says nothing (the wrong file, most likely)."""
+    copied = []
     for name in names.split(","):
-        copied, skipped = copy_weights(net, read_caffemodel(name), name)
-        log(f"Copied weights of {len(copied)} layers from {name}: {', '.join(copied) or '-'}")
-        if skipped:
-            log(f"Skipped {len(skipped)} layers not in the net: {', '.join(skipped)}")
+        copied += load_weights(net, name, log)
+    missing = layers_without(net, copied)
+    if missing and not copied:
+        raise CgpError(f"--weights {names}: holds no layer of the net (its layers with "
+                       f"weights: {', '.join(missing)})")
+    if missing:
+        log(f"Warning: no weights for {', '.join(missing)}: scored with zero weights there")
 
 
 def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, download=True,
@@ -40,10 +45,8 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
     as cgp train's (RunConfig; workers None: procs.default_workers())."""
     if iterations < 1:
         raise CgpError(f"--iterations must be at least 1, got {iterations}")
-    if not Path(model).is_file():
-        raise CgpError(f"model '{model}' not found (looked in {Path.cwd()})")
-    net = Net(read_net(model), caffe_pb2.TEST, RunOptions(data_dir, download))
-    load_weights(net, weights, log)
+    net = build_net(read_model(model), model, caffe_pb2.TEST, RunOptions(data_dir, download))
+    load_all_weights(net, weights, log)
     pool = make_pool(workers or default_workers(), threads, [net], affinity, flush_denormals)
     try:
         engine = Engine(net, chunks, pool, ThreadCommunicator(pool), backward=False)

@@ -113,7 +113,10 @@ THREAD_WORKERS_SCALE = 4
 
 def check_threads(threads, log, workers=None):
     """Warns of a --threads that cannot be faster: more than the physical cores, or, with
-    workers "threads", more than THREAD_WORKERS_SCALE."""
+    workers "threads", more than THREAD_WORKERS_SCALE; refuses fewer than 1, before any
+    work (loading weights, building nets)."""
+    if threads < 1:
+        raise CgpError(f"--threads must be at least 1, got {threads}")
     cores = physical_cores()
     if threads > cores:
         log(f"Warning: --threads {threads} exceeds the {cores} physical cores of this "
@@ -151,8 +154,9 @@ def cmd_train(args, log=print):
         net = trainer.net
         log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
             f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
-            f"{worker_noun(config.workers, args.threads)}, seed "
-            f"{trainer.seed}, {denormals_text(trainer.pool.flush)}")
+            f"{worker_noun(config.workers, args.threads)}, seed {trainer.seed}"
+            f"{'' if args.seed is not None or sp.random_seed >= 0 else ' (no random_seed set)'}"
+            f", {denormals_text(trainer.pool.flush)}")
         log(f"cgp: {trainer.memory_line}")
         if args.snapshot:
             trainer.restore(args.snapshot)
@@ -163,8 +167,15 @@ def cmd_train(args, log=print):
         trainer.close()
     elapsed = time.perf_counter() - started
     summary = ", ".join(f"{k} = {v:.4f}" for k, v in results.items())
+    if summary and trainer.last_test_iter != trainer.iter:
+        # Stopped early (Ctrl-C): as Caffe, no test of the final weights; the last test's
+        # figures are older and say so.
+        summary = (f"stopped early, the final weights untested (the last test, at iteration "
+                   f"{trainer.last_test_iter}: {summary})")
+    elif summary:
+        summary = f"test {summary}"
     log(f"cgp: trained to iteration {trainer.iter} in {elapsed:.1f} s"
-        + (f"; test {summary}" if summary else ""))
+        + (f"; {summary}" if summary else ""))
     if getattr(trainer, "weights_path", None):
         log(f"cgp: weights written to {trainer.weights_path}")
     return 0

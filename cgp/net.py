@@ -75,6 +75,15 @@ def layer_included(lp, state):
     return not any(state_meets_rule(state, r) for r in lp.exclude)
 
 
+def build_net(param, source, phase=caffe_pb2.TRAIN, options=RunOptions(), stages=(), level=0):
+    """Net(param, ...), whose errors also name `source`, where the net came from (its file):
+    a layer's name alone does not say which file to fix."""
+    try:
+        return Net(param, phase, options, stages, level)
+    except NetError as e:
+        raise NetError(f"{source}: {e}") from None
+
+
 class Net:
     def __init__(self, param, phase=caffe_pb2.TRAIN, options=RunOptions(), stages=(), level=0):
         self.name = param.name

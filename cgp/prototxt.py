@@ -62,6 +62,14 @@ def read_net(path):
     return parse_net(_read_text(path), str(path))
 
 
+def read_model(path):
+    """read_net for a file the user named (--model): a missing one is said as such."""
+    if not Path(path).is_file():
+        where = "" if Path(path).is_absolute() else f" (looked in {Path.cwd()})"
+        raise PrototxtError(f"model '{path}' not found{where}")
+    return read_net(path)
+
+
 def read_solver(path):
     """Read a solver prototxt file into a SolverParameter."""
     return parse_solver(_read_text(path), str(path))

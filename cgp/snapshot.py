@@ -51,10 +51,18 @@ def writable_folder(path):
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CgpError(f"cannot write {path}: {path.parent} is a file, not a folder") from None
     except OSError as e:
         raise CgpError(f"cannot write {path}: folder {path.parent}: {e.strerror or e}") from None
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise CgpError(f"cannot write {path}: folder {path.parent} is not writable")
+    # Probed by writing a file, as Caffe does: permission bits say nothing for root, nor for
+    # a read-only mount or a folder such as /proc.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+    except OSError as e:
+        raise CgpError(f"cannot write {path}: folder {path.parent}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 
@@ -183,6 +191,22 @@ def _fits(array, shape):
     return array.ndim == 4 and len(shape) <= 4 and array.shape == legacy
 
 
+def load_weights(net, path, log=None):
+    """copy_weights from the .caffemodel file `path`, saying with log (unless None) which
+    layers it copied and which it skipped; returns the copied layers' names."""
+    copied, skipped = copy_weights(net, read_caffemodel(path), path)
+    if log is not None:
+        log(f"Copied weights of {len(copied)} layers from {path}: {', '.join(copied) or '-'}")
+        if skipped:
+            log(f"Skipped {len(skipped)} layers not in the net: {', '.join(skipped)}")
+    return copied
+
+
+def layers_without(net, copied):
+    """The names of the net's layers with parameters that are not in `copied`, in order."""
+    return list(dict.fromkeys(b.layer for b in net.param_blobs if b.layer not in copied))
+
+
 def copy_weights(net, weights, path):
     """Copy blobs into the net by layer name (Caffe's CopyTrainedLayersFrom).
     Returns (copied layer names, skipped layer names); a shape mismatch is an error."""
@@ -245,7 +269,9 @@ def read_solverstate(path, solver, net):
     expected = len(solver.histories) * len(net.param_blobs)
     if len(state.history) != expected:
         raise DataError(f"solver state {path}: {len(state.history)} history blobs, the "
-                        f"{solver.type} solver on this net needs {expected}")
+                        f"{solver.type} solver on this net needs {expected} "
+                        f"({len(solver.histories)} per parameter blob, {len(net.param_blobs)} "
+                        f"blobs): written for another net or solver type?")
     arrays = []
     for k, blob_proto in enumerate(state.history):
         blob = net.param_blobs[k % len(net.param_blobs)]

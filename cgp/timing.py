@@ -230,18 +230,19 @@ def cmd_time(args, log=print):
 
     from cgp.cli import worker_kind
     from cgp.errors import CgpError
-    from cgp.net import Net, RunOptions
+    from cgp.net import RunOptions, build_net
     from cgp.procs import worker_noun
     from cgp.proto import caffe_pb2
-    from cgp.prototxt import read_net
+    from cgp.prototxt import read_model
 
     if args.iterations < 1:
-        raise CgpError("--iterations must be at least 1")
+        raise CgpError(f"--iterations must be at least 1, got {args.iterations}")
     if args.threads < 1:
         raise CgpError(f"--threads must be at least 1, got {args.threads}")
     phase = caffe_pb2.TRAIN if args.phase == "TRAIN" else caffe_pb2.TEST
-    net = Net(read_net(args.model), phase, RunOptions(args.data_dir, not args.no_download),
-              stages=args.stage, level=args.level)
+    net = build_net(read_model(args.model), args.model, phase,
+                    RunOptions(args.data_dir, not args.no_download), stages=args.stage,
+                    level=args.level)
     net.init_params(args.seed)
     fill_inputs(net, args.seed)
     timer = LayerTimer(net, args.chunks, args.seed)

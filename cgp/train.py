@@ -23,11 +23,11 @@ from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
 from cgp.kernels.update import claim
 from cgp.layers import aligned_zeros
-from cgp.net import Net, RunOptions
+from cgp.net import RunOptions, build_net
 from cgp.procs import default_workers, make_pool
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
-from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, writable_folder,
+from cgp.snapshot import (layers_without, load_weights, read_solverstate, writable_folder,
                           write_caffemodel, write_solverstate)
 from cgp.solver import Solver, Step
 
@@ -71,8 +71,10 @@ def resolve(name, base_dir, what):
     then relative to the folder of the file that names it (so bundled models work from
     anywhere)."""
     path = Path(name)
-    if path.is_absolute() or path.exists():
+    if path.exists():
         return path
+    if path.is_absolute():
+        raise CgpError(f"{what} '{name}' not found")
     if base_dir is not None and (Path(base_dir) / name).exists():
         return Path(base_dir) / name
     where = f"{Path.cwd()}" + (f" and {base_dir}" if base_dir is not None else "")
@@ -92,10 +94,12 @@ def check_solver_fields(sp, solver_path, log):
 
 
 def solver_nets(sp, solver_path):
-    """(train NetParameter, [test NetParameter, ...]) named by a SolverParameter, with
-    Caffe's rules: one train net source; test nets from test_net_param, test_net, then
-    the general net once per remaining test_iter."""
+    """(train net, [test net, ...]) named by a SolverParameter, each net a pair
+    (NetParameter, where it came from: its file, or the solver's field), with Caffe's rules:
+    one train net source; test nets from test_net_param, test_net, then the general net once
+    per remaining test_iter."""
     base = Path(solver_path).parent if solver_path else None
+    solver = f"solver {solver_path}" if solver_path else "the solver"
     sources = [f for f in ("train_net_param", "train_net", "net_param", "net")
                if (sp.HasField(f) if f.endswith("param") else sp.HasField(f))]
     train_sources = [f for f in sources if f.startswith("train")]
@@ -106,14 +110,18 @@ def solver_nets(sp, solver_path):
 
     def load(field):
         if field.endswith("param"):
-            return getattr(sp, field)
-        return read_net(resolve(getattr(sp, field), base, f"net file (solver field {field})"))
+            return getattr(sp, field), f"{solver} ({field})"
+        path = resolve(getattr(sp, field), base, f"net file (solver field {field})")
+        return read_net(path), str(path)
 
     general = load("net_param") if sp.HasField("net_param") else (
         load("net") if sp.HasField("net") else None)
     train = load(train_sources[0]) if train_sources else general
-    tests = list(sp.test_net_param)
-    tests += [read_net(resolve(p, base, "test_net file")) for p in sp.test_net]
+    tests = [(p, f"{solver} (test_net_param {i})")
+             for i, p in enumerate(sp.test_net_param)]
+    for name in sp.test_net:
+        path = resolve(name, base, "test_net file")
+        tests.append((read_net(path), str(path)))
     if general is not None:
         tests += [general] * max(0, len(sp.test_iter) - len(tests))
     if len(tests) != len(sp.test_iter):
@@ -172,17 +180,20 @@ class Trainer:
         self.sp, self.config, self.log = sp, config, log
         self.solver_path = solver_path
         check_solver_fields(sp, solver_path, log)
+        if config.max_iter is None and sp.max_iter < 0:   # Caffe would train to iteration 0
+            raise CgpError(f"solver {solver_path}: max_iter must be at least 0, got "
+                           f"{sp.max_iter}")
         self.seed = config.seed if config.seed is not None else (
             sp.random_seed if sp.random_seed >= 0 else DEFAULT_SEED)
         options = RunOptions(config.data_dir, config.download)
         train_param, test_params = solver_nets(sp, solver_path)
-        self.net = Net(train_param, caffe_pb2.TRAIN, options,
-                       stages=sp.train_state.stage, level=sp.train_state.level)
+        self.net = build_net(*train_param, caffe_pb2.TRAIN, options,
+                             stages=sp.train_state.stage, level=sp.train_state.level)
         self.test_nets = []
         for i, param in enumerate(test_params):
             state = sp.test_state[i] if i < len(sp.test_state) else caffe_pb2.NetState()
-            self.test_nets.append(Net(param, caffe_pb2.TEST, options, stages=state.stage,
-                                      level=state.level))
+            self.test_nets.append(build_net(*param, caffe_pb2.TEST, options,
+                                            stages=state.stage, level=state.level))
         self.net.init_params(self.seed)
         if config.workers not in WORKERS:
             raise CgpError(f"--workers {config.workers}: expected one of {', '.join(WORKERS)}")
@@ -432,6 +443,9 @@ class Trainer:
     def solve(self):
         """Train to max_iter; returns the final test outputs (if any)."""
         sp = self.sp
+        if 0 < self.max_iter <= self.iter:   # resumed past the end: Caffe says nothing
+            self.log(f"Note: resumed at iteration {self.iter}, max_iter is {self.max_iter}: "
+                     "nothing to train")
         if sp.snapshot or sp.snapshot_after_train:   # found out now, not after the training
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
@@ -609,14 +623,10 @@ class Trainer:
                      f"{resume.chunks})")
 
     def load_weights(self, path, quiet=False):
-        copied, skipped = copy_weights(self.net, read_caffemodel(path), path)
-        if not quiet:
-            self.log(f"Copied weights of {len(copied)} layers from {path}: {', '.join(copied) or '-'}")
-            if skipped:
-                self.log(f"Skipped {len(skipped)} layers not in the net: {', '.join(skipped)}")
-        missing = [b.layer for b in self.net.param_blobs if b.layer not in copied]
+        copied = load_weights(self.net, path, None if quiet else self.log)
+        missing = layers_without(self.net, copied)
         if missing and not quiet:
-            self.log(f"Kept initial weights for: {', '.join(dict.fromkeys(missing))}")
+            self.log(f"Kept initial weights for: {', '.join(missing)}")
 
     def close(self):
         self.pool.close()

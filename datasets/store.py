@@ -206,7 +206,7 @@ def _in_data_dir(name, spec, data_dir):
 def _absent(spec, folder):
     """None if folder holds the data set, else why not."""
     if not folder.is_dir():
-        return "no such folder"
+        return "a file, not a folder" if folder.exists() else "no such folder"
     names = spec.reader.missing(folder)
     return f"missing {', '.join(names)}" if names else None
 

@@ -27,8 +27,29 @@ def test_malformed_solver_names_file_and_line(tmp_path):
 
 def test_missing_net_file_is_named(tmp_path):
     path = tmp_path / "solver.prototxt"
-    path.write_text('net: "nowhere/net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\n')
-    assert_user_error(cgp("train", "--solver", str(path), cwd=tmp_path), "nowhere/net.prototxt")
+    for name in ("nowhere/net.prototxt", tmp_path / "nowhere.prototxt"):   # relative, absolute
+        path.write_text(f'net: "{name}"\nbase_lr: 0.01\nlr_policy: "fixed"\n')
+        assert_user_error(cgp("train", "--solver", str(path), cwd=tmp_path),
+                          f"net file (solver field net) '{name}' not found")
+
+
+def test_negative_max_iter_is_refused(tmp_path):
+    path = tmp_path / "solver.prototxt"
+    net = Path(__file__).resolve().parents[1] / LENET_NET
+    path.write_text(f'net: "{net}"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: -5\n')
+    assert_user_error(cgp("train", "--solver", str(path), cwd=tmp_path),
+                      "max_iter must be at least 0, got -5")
+
+
+def test_default_seed_is_said(tmp_path, mnist_dir):
+    net = Path(__file__).resolve().parents[1] / LENET_NET
+    path = tmp_path / "solver.prototxt"   # no random_seed
+    path.write_text(f'net: "{net}"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 0\n')
+    args = ("train", "--solver", str(path), "--data-dir", str(mnist_dir))
+    out = cgp(*args, cwd=tmp_path)
+    assert out.returncode == 0 and ", seed 1701 (no random_seed set), " in out.stdout, out.stdout
+    out = cgp(*args, "--seed", "5", cwd=tmp_path)
+    assert out.returncode == 0 and ", seed 5, " in out.stdout, out.stdout
 
 
 def test_unknown_layer_in_net(tmp_path):
@@ -37,7 +58,10 @@ def test_unknown_layer_in_net(tmp_path):
         'layer { name: "odd" type: "Frobnicate" bottom: "d" top: "o" }\n')
     (tmp_path / "solver.prototxt").write_text('net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\n')
     assert_user_error(cgp("train", "--solver", str(tmp_path / "solver.prototxt"), cwd=tmp_path),
-                      "Frobnicate", "Convolution")
+                      "net.prototxt: layer 'odd': unsupported layer type 'Frobnicate'",
+                      "Convolution")
+    assert_user_error(cgp("time", "--model", "net.prototxt", cwd=tmp_path),
+                      "net.prototxt: layer 'odd': unsupported layer type 'Frobnicate'")
 
 
 def test_unknown_model_name():
@@ -90,6 +114,8 @@ LENET_NET = "models/lenet_train_test.prototxt"
     (("train", "mnist", "--chunks", "0"), "--chunks must be at least 1, got 0"),
     (("train", "mnist", "--chunks", "-3"), "--chunks must be at least 1, got -3"),
     (("train", "mnist", "--threads", "0"), "--threads must be at least 1"),
+    (("test", "--model", LENET_NET, "--weights", "none.caffemodel", "--threads", "0"),
+     "--threads must be at least 1, got 0"),
     (("train", "mnist", "--iters", "-1"), "--iters must be at least 0, got -1"),
     (("train", "mnist", "--seed", "-5"), "--seed must be from 0 to 2**63 - 1"),
     (("train", "mnist", "--seed", str(2**63)), "--seed must be from 0 to 2**63 - 1"),
@@ -100,6 +126,9 @@ LENET_NET = "models/lenet_train_test.prototxt"
     (("bench", "speedup", "mnist", "--threads", "1", "--lead-in", "-1"),
      "--lead-in must be at least 0"),
     (("time", "--model", LENET_NET, "--chunks", "0"), "--chunks must be at least 1"),
+    (("time", "--model", LENET_NET, "--iterations", "0"), "--iterations must be at least 1, got 0"),
+    (("time", "--model", "no_net.prototxt"), "model 'no_net.prototxt' not found (looked in"),
+    (("test", "--model", "no_net.prototxt", "--weights", "w"), "model 'no_net.prototxt' not found"),
 ])
 def test_numbers_out_of_range_are_refused_before_anything_runs(args, message, mnist_dir,
                                                                  tmp_path):
@@ -122,6 +151,11 @@ def test_unwritable_outputs_are_found_before_the_work(tmp_path, mnist_dir):
               "--snapshot-prefix", str(blocker / "snap"), cwd=tmp_path)
     assert_user_error(out, f"cannot write {blocker / 'snap'}_iter_0.caffemodel")
     assert "Iteration 0" not in out.stdout
+    if Path("/proc/self").is_dir():   # a folder that exists but takes no file, even from root
+        out = cgp("train", "mnist", "--iters", "2", "--data-dir", str(mnist_dir),
+                  "--snapshot-prefix", "/proc/snap", cwd=tmp_path)
+        assert_user_error(out, "cannot write /proc/snap_iter_0.caffemodel: folder /proc")
+        assert "Iteration 0" not in out.stdout
     out = cgp("bench", "speedup", "mnist", "--threads", "1", "--out", str(blocker / "results"),
               "--data-dir", str(mnist_dir), cwd=tmp_path)
     assert_user_error(out, f"cannot write {blocker / 'results'}")
@@ -142,3 +176,19 @@ def test_thread_workers_past_their_scale_are_warned_of():
         lines = []
         check_threads(threads, lines.append, workers)
         assert not any("interpreter lock" in line for line in lines), lines
+
+
+def test_weights_of_another_net_are_refused_by_test(tmp_path, mnist_dir):
+    """`cgp test` with a .caffemodel that holds none of the net's layers fails, naming them,
+    rather than score a net of zeros."""
+    from cgp.proto import caffe_pb2
+    other = caffe_pb2.NetParameter(name="other")
+    blob = other.layer.add(name="fc7", type="InnerProduct").blobs.add()
+    blob.shape.dim.extend([2, 2])
+    blob.data.extend([0.0] * 4)
+    (tmp_path / "other.caffemodel").write_bytes(other.SerializeToString())
+    net = Path(__file__).resolve().parents[1] / LENET_NET
+    out = cgp("test", "--model", str(net), "--weights", "other.caffemodel", "--iterations", "1",
+              "--data-dir", str(mnist_dir), cwd=tmp_path)
+    assert_user_error(out, "--weights other.caffemodel: holds no layer of the net (its layers "
+                           "with weights: conv1, conv2, ip1, ip2)")

@@ -359,6 +359,9 @@ def test_data_dir_without_the_files_fails_at_once(tmp_path, monkeypatch):
         store.locate("mnist", data_dir=tmp_path / "empty")  # env and package copy exist
     message = str(info.value)
     assert f"--data-dir {tmp_path / 'empty'}" in message and "no such folder" in message
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(DataError, match="a_file: a file, not a folder"):
+        store.locate("mnist", data_dir=tmp_path / "a_file")
 
 
 def test_env_without_the_files_falls_through(tmp_path, monkeypatch):

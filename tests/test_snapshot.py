@@ -86,6 +86,29 @@ def test_round_trip_and_resume_for_every_solver(type_, mnist_dir, tmp_path):
     assert resumed.solver.current_step == whole.solver.current_step == 2
 
 
+def test_state_of_another_solver_type_says_so(mnist_dir, tmp_path):
+    sgd = trainer(solver(snapshot_prefix=str(tmp_path / "s")), mnist_dir)
+    sgd.snapshot()
+    adam = trainer(solver(type_="Adam"), mnist_dir)
+    with pytest.raises(DataError, match=re.escape(
+            "4 history blobs, the Adam solver on this net needs 8 (2 per parameter blob, 4 "
+            "blobs): written for another net or solver type?")):
+        adam.restore(tmp_path / "s_iter_0.solverstate")
+
+
+def test_resuming_past_max_iter_says_there_is_nothing_to_train(mnist_dir, tmp_path):
+    sp = solver(snapshot_prefix=str(tmp_path / "s"), snapshot_after_train=False)
+    first = trainer(sp, mnist_dir, max_iter=3)
+    first.solve()
+    first.snapshot()
+    lines = []
+    again = Trainer(sp, None, quiet(data_dir=str(mnist_dir), max_iter=2), log=lines.append)
+    again.restore(tmp_path / "s_iter_3.solverstate")
+    again.solve()
+    assert "Note: resumed at iteration 3, max_iter is 2: nothing to train" in lines
+    assert again.iter == 3 and np.array_equal(again.net.params, first.net.params)
+
+
 def has_unknown_fields(msg):
     if len(unknown_fields.UnknownFieldSet(msg)):
         return True
@@ -353,7 +376,7 @@ def tiny_solver_file(tmp_path):
     path = tmp_path / "solver.prototxt"
     path.write_text('net: "tiny.prototxt" base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 '
                     'display: 1 max_iter: 1000000 snapshot_prefix: "snaps/tiny" '
-                    'random_seed: 3\n')
+                    'random_seed: 3 test_iter: 2 test_interval: 1000000\n')
     return path
 
 
@@ -414,3 +437,8 @@ def test_signals_snapshot_a_real_training_run(tiny_solver_file, mnist_dir, tmp_p
     last = caffe_pb2.SolverState.FromString(snaps[-1].read_bytes())
     assert f"Snapshotting to binary proto file snaps/tiny_iter_{last.iter}.caffemodel" in text
     assert read_caffemodel(tmp_path / last.learned_net)["ip1"][0].shape == (12, 784)
+    # The only test ran at iteration 0: the summary says so rather than pass its figures off
+    # as the final weights'.
+    assert (f"cgp: trained to iteration {last.iter} in " in text
+            and "; stopped early, the final weights untested (the last test, at iteration 0: "
+            "acc = " in text), text
