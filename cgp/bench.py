@@ -94,9 +94,33 @@ def cpuinfo():
     return model or platform.processor() or platform.machine(), flags
 
 
+def source_revision():
+    """The git commit of the cgp source that runs, "+changes" added when its tracked files
+    differ from it; None outside a git checkout (an installed copy)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=30)
+    try:
+        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain",
+                                                     "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):   # no git
+        return None
+    if head.returncode or status.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if status.stdout.strip() else "")
+
+
 def machine_info(extra_versions=()):
-    """What the numbers depend on: CPU, cores, SIMD, library versions, BLAS, the command."""
+    """What the numbers depend on: CPU, cores, memory, SIMD, library versions (cgp's own
+    with its commit), BLAS, the command."""
     import platform
+    from importlib.metadata import PackageNotFoundError, version
 
     import numba
     import numpy
@@ -105,7 +129,12 @@ def machine_info(extra_versions=()):
     from threadpoolctl import threadpool_info
 
     model, flags = cpuinfo()
-    versions = {"python": platform.python_version(), "numpy": numpy.__version__,
+    try:
+        cgp_version = version("cgp")
+    except PackageNotFoundError:
+        cgp_version = None
+    versions = {"cgp": cgp_version, "cgp_commit": source_revision(),
+                "python": platform.python_version(), "numpy": numpy.__version__,
                 "numba": numba.__version__, "scipy": scipy.__version__}
     versions.update(extra_versions)
     try:
@@ -117,6 +146,7 @@ def machine_info(extra_versions=()):
         "physical_cores": psutil.cpu_count(logical=False),
         "logical_cores": psutil.cpu_count(logical=True),
         "usable_cores": affinity,
+        "memory_bytes": psutil.virtual_memory().total,
         "simd": [f for f in SIMD_FLAGS if f in flags],
         "platform": platform.platform(),
         "versions": versions,
@@ -756,6 +786,12 @@ def cmd_speedup(args, log=print):
               "cgp_1_thread_gflops": round(rate, 2),
               "cgp_1_thread_share_of_matmul": round(rate / numpy_rate, 4),
               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", started),
+              # Every rate (median, min, max, images_per_s) is training images per second,
+              # over the whole step: forward, backward, reduction and update.
+              "units": {"rates": "images/s", "training_flops_per_image": "FLOP",
+                        "gflops": "1e9 FLOP/s",
+                        "steal": "share of the CPUs' time withheld, per repetition",
+                        "steal_cores, foreign_load_cores": "CPUs' worth of time"},
               "machine": {**machine_info(extra), "load_average_before": load_before,
                           "foreign_load_cores": round(foreign.cores, 3),
                           "steal_cores": round(foreign.steal, 3)},

@@ -16,12 +16,9 @@ from cgp.proto import caffe_pb2
 from cgp.procs import default_workers, make_pool
 from cgp.prototxt import read_model
 from cgp.snapshot import layers_without, load_weights
+from cgp.train import fmt, loss_note
 
 SEED = 1701   # the TEST phase draws nothing random unless mirror is set; fixed, as Caffe's
-
-
-def fmt(value):
-    return f"{value:.6g}"
 
 
 def load_all_weights(net, names, log):
@@ -54,7 +51,6 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
         if not engine.tracked:
             raise CgpError(f"model {model}: the TEST net has no scalar outputs (loss, accuracy) "
                            "to score")
-        weight = {net.blob_names[b]: w for b, w in net.loss_weights.items()}
         # Caffe sums the scores and the loss in float.
         sums = {name: np.float32(0) for _, name in engine.tracked}
         loss_sum = np.float32(0)
@@ -80,9 +76,5 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
     means = {}
     for name, total in sums.items():
         means[name] = float(total / np.float32(iterations))
-        note = ""
-        if weight.get(name):
-            w = weight[name]
-            note = f" (* {fmt(w)} = {fmt(w * means[name])} loss)"
-        log(f"{name} = {fmt(means[name])}{note}")
+        log(f"{name} = {fmt(means[name])}{loss_note(net, name, means[name])}")
     return means, mean_loss

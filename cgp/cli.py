@@ -68,7 +68,9 @@ def add_train(sub):
     p.add_argument("--solver", help="solver prototxt (Caffe's format)")
     add_run_options(p)
     p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
-    p.add_argument("--iters", type=int, default=None, help="overrides the solver's max_iter")
+    p.add_argument("--iters", type=int, default=None,
+                   help="train to this iteration instead of the solver's max_iter (which "
+                   "still sets the poly policy's schedule)")
     p.add_argument("--weights", help="fine-tune from .caffemodel file(s), comma-separated, copied "
                    "by layer name (replaces the solver's `weights`)")
     p.add_argument("--snapshot", help="resume from a .solverstate")

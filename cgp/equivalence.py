@@ -36,7 +36,7 @@ def train_run(sp, solver_path, config, iters, log=lambda line: None):
         losses = []
         with threadpool_limits(limits=1):   # as Trainer.solve runs the iterations
             trainer.steps(iters, lambda it, loss, outputs, rate: losses.append(loss))
-            accuracy = trainer.test(0) if trainer.test_nets else {}
+            accuracy = trainer.test(0)[0] if trainer.test_nets else {}
         params = trainer.net.params.copy()
     finally:
         trainer.close()
@@ -97,12 +97,12 @@ def run(sp, solver_path, config, threads_list, iters, log=print, workers=None):
         for threads in threads_list:
             outcomes.append(train_run(sp, solver_path,
                                       replace(config, threads=threads, workers=kind), iters))
-            log(f"{kind} {threads:>3}: trained {iters} iterations, final loss "
+            log(f"{kind} {threads:>3}: trained {iters} iterations, last iteration's loss "
                 f"{outcomes[-1].losses[-1]:.6g}")
     rows, ok = compare(outcomes)
     log("")
     log(f"{'threads':>7}  {'workers':<9}  {'sha256 of parameters':<64}  {'max|dw|':>9}  "
-        f"{'losses':>9}  accuracy")
+        f"{'losses':>9}  test of the final weights")
     for threads, kind, digest, dw, same_losses, accuracy, _ in rows:
         acc = ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items()) or "-"
         log(f"{threads:>7}  {kind:<9}  {digest}  {dw:9.3g}  "

@@ -91,6 +91,9 @@ def check_solver_fields(sp, solver_path, log):
     if sp.debug_info:
         log("Note: debug_info is not supported; training runs without Caffe's per-layer "
             "debug output")
+    if sp.snapshot_format == caffe_pb2.SolverParameter.HDF5:   # said before the training
+        log("Note: snapshot_format HDF5 is not supported; snapshots are written in Caffe's "
+            "binary format (.caffemodel / .solverstate) instead")
 
 
 def solver_nets(sp, solver_path):
@@ -171,6 +174,12 @@ def check_memory(net, chunks, threads, histories, available, processes=False):
 
 def fmt(value):
     return f"{value:.6g}"
+
+
+def loss_note(net, name, value):
+    """Caffe's " (* w = w*value loss)" after an output that is a loss of weight w."""
+    weight = next((w for b, w in net.loss_weights.items() if net.blob_names[b] == name), 0)
+    return f" (* {fmt(weight)} = {fmt(weight * value)} loss)" if weight else ""
 
 
 class Trainer:
@@ -412,27 +421,44 @@ class Trainer:
                           first=(lambda: self._read_ahead(it)) if ahead else None)
 
     def test(self, index=0):
-        """One test pass of test net `index`: outputs averaged over test_iter batches."""
+        """One test pass of test net `index`: (outputs averaged over test_iter batches, the
+        loss likewise), or None when a signal asked to stop meanwhile: as Caffe, the requests
+        are acted on between batches (a snapshot at once), and a stop ends the test."""
         net, engine = self.test_nets[index], self.test_engines[index]
         copy_shared(self.net, net)
         iters = self.sp.test_iter[index]
         first = self.tests_before(self.iter) * iters
-        sums = {}
+        sums, loss = {}, 0.0
         for k in range(iters):
+            request, self._request = self._request, None
+            if request == "snapshot":
+                self.snapshot()
+            elif request == "stop":
+                self._stop = True
+            if self._stop:
+                return None
             batch = self._batch(net, (first + k) * net.batch_size, first + k)
-            outputs, _, _ = engine.run(batch, first + k, self.seed)
+            outputs, batch_loss, _ = engine.run(batch, first + k, self.seed)
+            loss += batch_loss
             for name, value in outputs.items():
                 sums[name] = sums.get(name, 0.0) + value
-        return {name: value / iters for name, value in sums.items()}
+        return {name: value / iters for name, value in sums.items()}, loss / iters
 
     # -- the loop ------------------------------------------------------------------
     def _test_all(self):
-        for i in range(len(self.test_nets)):
+        for i, net in enumerate(self.test_nets):
             self.log(f"Iteration {self.iter}, Testing net (#{i})")
-            self.last_test = self.test(i)
+            result = self.test(i)
+            if result is None:
+                self.log("Test interrupted.")
+                return
+            self.last_test, loss = result
             self.last_test_iter = self.iter
+            if self.sp.test_compute_loss:
+                self.log(f"Test loss: {fmt(loss)}")
             for j, (name, value) in enumerate(self.last_test.items()):
-                self.log(f"    Test net output #{j}: {name} = {fmt(value)}")
+                self.log(f"    Test net output #{j}: {name} = {fmt(value)}"
+                         f"{loss_note(net, name, value)}")
 
     def _smoothed(self, loss):
         window = max(1, self.sp.average_loss)
@@ -463,7 +489,8 @@ class Trainer:
                              f"{speed * self.net.batch_size * sp.iter_size:.0f} img/s), "
                              f"loss = {fmt(smoothed)}")
                     for j, (name, value) in enumerate(outputs.items()):
-                        self.log(f"    Train net output #{j}: {name} = {fmt(value)}")
+                        self.log(f"    Train net output #{j}: {name} = {fmt(value)}"
+                                 f"{loss_note(self.net, name, value)}")
                     self.log(f"Iteration {it}, lr = {fmt(rate)}")
                     last, last_iter = now, self.iter
                 return self._request is not None   # a signal's request: acted on now
@@ -471,6 +498,8 @@ class Trainer:
             while self.iter < self.max_iter and not self._stop:
                 if self._due(sp.test_interval) and (self.iter > 0 or sp.test_initialization):
                     self._test_all()
+                    if self._stop:   # Ctrl-C during the test: no more training, as Caffe
+                        break
                 # The iterations up to the next test, snapshot or the end, in one steps().
                 n = self.max_iter - self.iter
                 for interval in (sp.test_interval if self.test_nets else 0, sp.snapshot):
@@ -488,16 +517,19 @@ class Trainer:
             self.log("Optimization stopped early.")
             return self.last_test
         if sp.display and self.iter % sp.display == 0:
-            # Caffe's last display: the loss of the final weights on the next batch.
+            # Caffe's last display: the loss of the final weights on the next batch, one
+            # forward pass (the first of iter_size).
             with threadpool_limits(limits=1):
-                loss, _, _ = self.forward_backward()
+                position, iteration = self._pass(self.iter, 0)
+                _, loss, _ = self.engine.run(self._batch(self.net, position, iteration),
+                                             iteration, self.seed)
             self.log(f"Iteration {self.iter}, loss = {fmt(self._smoothed(loss))}")
         # Caffe tests at the end only on a test_interval boundary; cgp always reports
         # the final weights' test results.
         if self.test_nets and self.last_test_iter != self.iter:
-            with threadpool_limits(limits=1):
+            with threadpool_limits(limits=1), self._sigint():
                 self._test_all()
-        self.log("Optimization Done.")
+        self.log("Optimization stopped early." if self._stop else "Optimization Done.")
         return self.last_test
 
     def _due(self, interval):
@@ -573,10 +605,6 @@ class Trainer:
     def snapshot(self):
         """Write <prefix>_iter_<N>.caffemodel and .solverstate atomically; returns the
         .caffemodel path."""
-        if self.sp.snapshot_format == caffe_pb2.SolverParameter.HDF5 and not getattr(self, "_said_hdf5", False):
-            self.log("Note: snapshot_format HDF5 is not supported; writing Caffe's binary "
-                     "format (.caffemodel / .solverstate) instead")
-            self._said_hdf5 = True
         base = f"{self.snapshot_prefix()}_iter_{self.iter}"
         model = Path(base + ".caffemodel")
         write_caffemodel(model, self.net)

@@ -115,6 +115,11 @@ def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
         assert key in machine
     assert machine["steal_cores"] >= 0 and machine["foreign_load_cores"] >= 0
     assert {"python", "numpy", "numba", "scipy"} <= set(machine["versions"])
+    # This checkout's commit (what README cites result files by), "+changes" when edited.
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    assert machine["versions"]["cgp_commit"].split("+")[0] == head and head
+    assert machine["memory_bytes"] > 2**20 and report["units"]["rates"] == "images/s"
     assert "bench speedup mnist" in machine["command"]
     rows = {r["threads"]: r for r in report["results"] if r["impl"] == "cgp"}
     assert set(rows) == {1, 2}

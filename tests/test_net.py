@@ -160,3 +160,15 @@ def test_part_span_views_every_part_and_lets_go_of_dead_arrays():
     del parts, span, again
     gc.collect()
     assert key not in base._spans                   # nothing keeps the gradients alive
+
+
+def test_readme_lists_the_supported_layers():
+    """README's list of layers (Known limitations) is the registry's."""
+    from pathlib import Path
+
+    from cgp.layers import supported_types
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [entry] = [part for part in readme.split("\n- ") if part.startswith("Layers: ")]
+    listed = entry.split(". A net")[0].removeprefix("Layers: ").replace("\n", " ")
+    names = [name.split(" (")[0].strip() for name in listed.split(",")]
+    assert names == supported_types()

@@ -20,7 +20,7 @@ from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, write_caffemodel,
                           write_solverstate)
 from cgp.solver import SOLVER_TYPES
-from cgp.train import RunConfig, Trainer
+from cgp.train import RunConfig, Trainer, fmt
 
 HYPER = {"SGD": "momentum: 0.9", "Nesterov": "momentum: 0.9", "AdaGrad": "delta: 1e-6",
          "RMSProp": "rms_decay: 0.95", "AdaDelta": "momentum: 0.95 delta: 1e-6",
@@ -442,3 +442,49 @@ def test_signals_snapshot_a_real_training_run(tiny_solver_file, mnist_dir, tmp_p
     assert (f"cgp: trained to iteration {last.iter} in " in text
             and "; stopped early, the final weights untested (the last test, at iteration 0: "
             "acc = " in text), text
+
+
+def logged_trainer(sp, mnist_dir, **config):
+    lines = []
+    return Trainer(sp, None, quiet(data_dir=str(mnist_dir), **config), log=lines.append), lines
+
+
+def test_a_stop_during_a_test_ends_it_and_the_training(mnist_dir, tmp_path):
+    """Caffe acts on a signal's request between test batches: a stop ends the test ("Test
+    interrupted.") and the training before its next iteration."""
+    sp = solver(test_iter=[3], test_interval=2, snapshot_prefix=str(tmp_path / "s"))
+    t, lines = logged_trainer(sp, mnist_dir, max_iter=6)
+    t._request = "stop"   # what Ctrl-C's handler sets; here before the first test batch
+    t.solve()
+    assert t.iter == 0 and "Test interrupted." in lines
+    assert lines[-1] == "Optimization stopped early."
+    assert (tmp_path / "s_iter_0.caffemodel").is_file() and t.last_test_iter is None
+
+
+def test_test_lines_as_caffe_writes_them(mnist_dir):
+    """test_compute_loss's "Test loss", and each loss output's weighted value after it, in
+    training's and testing's output lines."""
+    sp = solver(test_iter=[2], test_interval=2, test_compute_loss=True, display=1)
+    t, lines = logged_trainer(sp, mnist_dir, max_iter=2)
+    t.solve()
+    loss = fmt(t.last_test["loss"])
+    assert f"Test loss: {loss}" in lines
+    assert f"    Test net output #1: loss = {loss} (* 1 = {loss} loss)" in lines
+    assert any(line.startswith("    Test net output #0: acc = ") and "(*" not in line
+               for line in lines)
+    train = [line for line in lines if line.startswith("    Train net output #0: loss = ")]
+    assert len(train) == 2 and all(line.endswith(" loss)") for line in train)
+
+
+def test_closing_display_is_one_forward_pass(mnist_dir):
+    """With iter_size 2 Caffe's closing "Iteration N, loss = " is one pass over the next
+    batch, not the mean of the iteration's passes."""
+    sp = solver(iter_size=2, display=1)
+    t, lines = logged_trainer(sp, mnist_dir, max_iter=1)
+    t.solve()
+    passes = []
+    for k in range(2):
+        position, iteration = t._pass(t.iter, k)
+        passes.append(t.engine.run(t._batch(t.net, position, iteration), iteration, t.seed)[1])
+    assert fmt(passes[0]) != fmt(sum(passes) / 2)
+    assert lines[-2] == f"Iteration 1, loss = {fmt(passes[0])}"
