@@ -464,7 +464,8 @@ def test_a_stop_during_a_test_ends_it_and_the_training(mnist_dir, tmp_path):
 def test_test_lines_as_caffe_writes_them(mnist_dir):
     """test_compute_loss's "Test loss", and each loss output's weighted value after it, in
     training's and testing's output lines."""
-    sp = solver(test_iter=[2], test_interval=2, test_compute_loss=True, display=1)
+    sp = solver(test_iter=[2], test_interval=2, test_compute_loss=True, display=1,
+                snapshot_after_train=False)
     t, lines = logged_trainer(sp, mnist_dir, max_iter=2)
     t.solve()
     loss = fmt(t.last_test["loss"])
@@ -479,7 +480,7 @@ def test_test_lines_as_caffe_writes_them(mnist_dir):
 def test_closing_display_is_one_forward_pass(mnist_dir):
     """With iter_size 2 Caffe's closing "Iteration N, loss = " is one pass over the next
     batch, not the mean of the iteration's passes."""
-    sp = solver(iter_size=2, display=1)
+    sp = solver(iter_size=2, display=1, snapshot_after_train=False)
     t, lines = logged_trainer(sp, mnist_dir, max_iter=1)
     t.solve()
     passes = []
