@@ -2,8 +2,10 @@
 shapes, the flat parameter layout, and forward/backward over a run of chunks of the batch.
 
 The net knows nothing about threads. Every top gets its own buffer (in-place layers in
-the prototxt are renamed internally) and a blob read by several layers gets a Split
-layer, as Caffe inserts one, so each buffer has one writer and one reader per pass.
+the prototxt are renamed internally), except an in-place ReLU's where sharing changes no
+bit (Layer.in_place), and a blob read by several layers gets a Split layer, as Caffe
+inserts one: each buffer has one writer and one reader per pass, besides such a ReLU,
+which rewrites its bottom's.
 """
 import time
 from dataclasses import dataclass, field
@@ -106,6 +108,7 @@ class Net:
         self._versions = {}      # prototxt name -> how many layers have written it
         self._readers = {}       # blob id -> how many layers read it
         self._split_queue = {}   # shared blob id -> Split outputs not yet handed to a reader
+        self._writers = {}       # blob id -> the layer (not a data layer) that wrote it last
         lps = [lp for lp in param.layer if layer_included(lp, state)]
         if not lps:
             raise NetError(f"net '{param.name}' has no layers in phase {PHASES[phase]}")
@@ -165,20 +168,35 @@ class Net:
         if len(top_shapes) != len(lp.top):
             raise NetError(f"layer '{lp.name}': produces {len(top_shapes)} tops, "
                            f"prototxt names {len(lp.top)}")
+        shared = self._in_place(layer, bottoms)
         tops = []
         for name, shape in zip(lp.top, top_shapes):
             version = self._version(name) + 1
-            blob = self._new_blob(name, shape)
+            blob = bottoms[0] if shared else self._new_blob(name, shape)
             self._versions[name] = version
             self._readers[blob] = consumers.get((name, version), 0)
             self.blob_ids[name] = blob
             tops.append(blob)
         entry = Entry(layer, bottoms, tops)
         (self.sources if getattr(layer, "is_source", False) else self.entries).append(entry)
+        if not getattr(layer, "is_source", False):
+            self._writers.update((t, layer) for t in tops)
         # Splits for this layer's tops go right after it.
         for blob in tops:
             if self._readers[blob] > 1:
                 self._add_split(blob)
+
+    def _in_place(self, layer, bottoms):
+        """Whether the layer's one top takes its one bottom's buffers (Layer.in_place): the
+        prototxt names them alike, as Caffe's in-place layers, and no other layer, not even
+        the one that wrote the bottom in its backward, would see the change."""
+        lp = layer.lp
+        if not (layer.in_place and len(lp.top) == 1 and list(lp.top) == list(lp.bottom)
+                and not lp.propagate_down):
+            return False
+        writer = self._writers.get(bottoms[0])
+        return (writer is not None and not writer.backward_reads_top
+                and self._readers[bottoms[0]] == 1)
 
     def _version(self, name):
         return self._versions.get(name, 0)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cgp.errors import NetError
+from cgp.kernels import activation as K
 from cgp.kernels.random import philox4x32_10, uniform, uniform_fill
 from cgp.layers import Chunk
 from cgp.proto import caffe_pb2
@@ -58,6 +59,29 @@ def test_relu_kink_and_in_place_name():
     tops, (dx,), _ = backward(layer, [x], [], [dy])
     np.testing.assert_array_equal(tops[0], [[-1.0, 0.0, 3.0, -0.25]])
     np.testing.assert_array_equal(dx, [[0.5, 0.5, 1.0, 0.5]])   # x = 0 takes the slope
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("slope", [0.0, 0.25])
+def test_relu_kernels_in_place_give_the_bits_of_separate_arrays(dtype, slope):
+    # In place the kernels take another loop (one LLVM can vectorise); the same bits, also
+    # at 0, -0, infinities and NaN, over a length that is no multiple of a vector.
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(1000).astype(dtype)
+    x[:6] = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan]
+    dy = rng.standard_normal(1000).astype(dtype)
+    dy[6:10] = [np.inf, -np.inf, -0.0, np.nan]
+    s = dtype(slope)
+    y = np.empty_like(x)
+    K.relu_forward(x, y, s)
+    same = x.copy()
+    K.relu_forward(same, same, s)
+    assert same.tobytes() == y.tobytes()
+    dx = np.empty_like(x)
+    K.relu_backward(x, dy, dx, s)
+    d = dy.copy()
+    K.relu_backward(y, d, d, s)      # in place: from the top, as the net runs it
+    assert d.tobytes() == dx.tobytes()
 
 
 def test_sigmoid_saturates_without_overflow():

@@ -1,4 +1,4 @@
-"""Building nets from prototxt: phase rules, in-place renaming, automatic splits,
+"""Building nets from prototxt: phase rules, in-place renaming and in-place ReLUs, automatic splits,
 parameter layout and sharing, and the errors a user sees for a broken net."""
 import numpy as np
 import pytest
@@ -39,13 +39,112 @@ def test_lenet_shapes_and_splits(mnist_dir):
 def test_in_place_layers_get_their_own_buffers():
     net = build('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
                 'inner_product_param { num_output: 3 } }\n'
-                'layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" }\n'
+                'layer { name: "sig" type: "Sigmoid" bottom: "ip" top: "ip" }\n'
                 'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }')
-    ip, relu, loss = net.entries
-    assert relu.bottoms == ip.tops and relu.tops != relu.bottoms
-    assert loss.bottoms[0] == relu.tops[0]
-    assert ip.backward and relu.backward and loss.backward
+    ip, sig, loss = net.entries
+    assert sig.bottoms == ip.tops and sig.tops != sig.bottoms
+    assert loss.bottoms[0] == sig.tops[0]
+    assert ip.backward and sig.backward and loss.backward
     assert net.loss_weights == {loss.tops[0]: 1.0}
+
+
+IN_PLACE = ('layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" '
+            'convolution_param { num_output: 4 kernel_size: 3 pad: 1 '
+            'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" } } }\n'
+            'layer { name: "relu1" type: "ReLU" bottom: "conv" top: "conv" '
+            'relu_param { negative_slope: 0.25 } }\n'
+            'layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" '
+            'pooling_param { pool: MAX kernel_size: 2 stride: 2 } }\n'
+            'layer { name: "relu2" type: "ReLU" bottom: "pool" top: "pool" '
+            'relu_param { negative_slope: 0.1 } }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip" '
+            'inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.5 } '
+            'bias_filler { type: "gaussian" } } }\n'
+            'layer { name: "relu3" type: "ReLU" bottom: "ip" top: "ip" }\n'
+            'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }')
+
+
+def test_in_place_relu_shares_its_bottoms_buffers():
+    """A ReLU that the prototxt runs in place, on the top of a Convolution, Pooling or
+    InnerProduct that no other layer reads, takes that blob's buffers, as in Caffe."""
+    net = build(IN_PLACE)
+    conv, relu1, pool, relu2, ip, relu3, loss = net.entries
+    assert relu1.tops == relu1.bottoms == conv.tops
+    assert relu2.tops == relu2.bottoms == pool.tops
+    assert relu3.tops == relu3.bottoms == ip.tops
+    assert pool.bottoms == conv.tops and loss.bottoms[0] == ip.tops[0]
+    assert all(e.backward for e in net.entries)
+
+
+@pytest.mark.parametrize("text, why", [
+    ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+     'inner_product_param { num_output: 3 } }\n'
+     'layer { name: "relu" type: "ReLU" bottom: "ip" top: "r" }\n', "not in place"),
+    ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+     'inner_product_param { num_output: 3 } }\n'
+     'layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" '
+     'relu_param { negative_slope: -0.5 } }\n', "negative slope: y > 0 where x < 0"),
+    ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+     'inner_product_param { num_output: 3 } }\n'
+     'layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" propagate_down: true }\n',
+     "propagate_down given"),
+    ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+     'inner_product_param { num_output: 3 } }\n'
+     'layer { name: "sig" type: "Sigmoid" bottom: "ip" top: "s" }\n'
+     'layer { name: "relu" type: "ReLU" bottom: "s" top: "s" }\n', "Sigmoid reads its top"),
+    ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+     'inner_product_param { num_output: 3 } }\n'
+     'layer { name: "other" type: "Sigmoid" bottom: "ip" top: "s" }\n'
+     'layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" }\n', "another reader"),
+])
+def test_a_relu_keeps_its_own_buffer_where_sharing_would_show(text, why):
+    net = build(text)
+    relu = next(e for e in net.entries if e.layer.type_name == "ReLU")
+    assert relu.tops != relu.bottoms, why
+
+
+def test_a_relu_on_a_data_layers_top_keeps_its_own_buffer():
+    net = build('layer { name: "relu" type: "ReLU" bottom: "data" top: "data" }')
+    relu, = net.entries
+    assert relu.tops != relu.bottoms   # data blobs are views of the batch: never written
+
+
+def test_in_place_relus_give_the_bits_of_separate_buffers():
+    """Forward and backward of a net whose ReLUs run in place against the same net with each
+    ReLU's top renamed (own buffers): the same loss and parameter gradients, bit for bit;
+    also where values are exactly 0 (the kink) and negative zero."""
+    apart = IN_PLACE
+    for relu, blob in (("relu1", "conv"), ("relu2", "pool"), ("relu3", "ip")):
+        apart = apart.replace(f'name: "{relu}" type: "ReLU" bottom: "{blob}" top: "{blob}"',
+                              f'name: "{relu}" type: "ReLU" bottom: "{blob}" top: "{relu}"')
+    apart = (apart.replace('bottom: "conv" top: "pool"', 'bottom: "relu1" top: "pool"')
+             .replace('bottom: "pool" top: "ip"', 'bottom: "relu2" top: "ip"')
+             .replace('bottom: "ip" bottom: "label"', 'bottom: "relu3" bottom: "label"'))
+    shared, separate = build(IN_PLACE), build(apart)
+    assert all(e.tops != e.bottoms for e in separate.entries if e.layer.type_name == "ReLU")
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((4, 1, 6, 6)).astype(np.float32)
+    data[:, :, :2] = 0                     # exact zeros reach the ReLUs
+    data[0, 0, 0, 0] = -0.0
+    label = np.array([0, 1, 4, 2], np.float32)
+    results = []
+    for net in (shared, separate):
+        net.init_params(7)
+        net.params[:4 * 9] = np.where(np.arange(4 * 9) % 5 == 0, 0, net.params[:4 * 9])
+        batch = {net.sources[0].tops[0]: data, net.sources[0].tops[1]: label}
+        ws = Workspace(net, 4)
+        grads = np.zeros((1, net.n_params), np.float32)
+        chunk = Chunk(n=4, batch=4)
+        views = net.param_views(net.params)
+        out = net.forward(ws, chunk, batch, views)
+        loss = out[net.entries[-1].tops[0]].copy()
+        net.backward(ws, chunk, out, views, net.param_views(grads))
+        results.append((net.params.copy(), loss, grads))
+    (p1, l1, g1), (p2, l2, g2) = results
+    np.testing.assert_array_equal(p1, p2)
+    assert l1.tobytes() == l2.tobytes()
+    assert g1.tobytes() == g2.tobytes()
+    assert np.count_nonzero(g1) > 0.5 * g1.size
 
 
 def test_param_multipliers_and_sharing():

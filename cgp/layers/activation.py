@@ -1,10 +1,10 @@
 """Activation layers: ReLU, Sigmoid, TanH and Dropout, with Caffe's formulas and parameters.
 
 Each works elementwise on one bottom and one top of the same shape. Caffe nets often run them
-"in place" (top named like the bottom); the net builder gives every top its own buffer, so
-these layers never see aliased arrays. Dropout draws its mask from a counter-based stream keyed
-by (seed, iteration, global sample, layer index, element), so any split of the batch draws the
-same mask.
+"in place" (top named like the bottom); the net builder gives every top its own buffer, except
+a ReLU's where sharing changes no bit (Layer.in_place), so the others never see aliased
+arrays. Dropout draws its mask from a counter-based stream keyed by (seed, iteration, global
+sample, layer index, element), so any split of the batch draws the same mask.
 """
 from cgp.kernels import activation as K
 from cgp.layers.base import Layer, register
@@ -28,10 +28,14 @@ class _Elementwise(Layer):
 
 @register("ReLU")
 class ReLU(_Elementwise):
-    """y = x where x > 0, else negative_slope * x; backward uses the bottom x."""
+    """y = x where x > 0, else negative_slope * x; backward uses the bottom x (the top y
+    when it runs in place, as Caffe's does)."""
 
     def setup(self, bottom_shapes):
         self.slope = float(self.lp.relu_param.negative_slope)
+        # Backward then reads the top for the bottom: y > 0 exactly where x > 0 (a slope
+        # below 0 would make negative x positive), so dx is bitwise the same.
+        self.in_place = self.slope >= 0
         return super().setup(bottom_shapes)
 
     def forward(self, bottom, top, params, scratch, chunk):

@@ -30,6 +30,7 @@ class InnerProduct(Layer):
     """
     can_overwrite_param_diff = True
     can_factor_param_diff = True
+    backward_reads_top = False
 
     def setup(self, bottom_shapes):
         p = self.lp.inner_product_param

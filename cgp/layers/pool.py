@@ -51,6 +51,7 @@ class Pooling(Layer):
     each row and column, "cover" (int32).
     """
     tops = (1, 2)
+    backward_reads_top = False
 
     def setup(self, bottom_shapes):
         p = self.lp.pooling_param
