@@ -17,7 +17,7 @@ def relu_forward(x, y, slope):
     (slope 0: plain ReLU)."""
     if x.ctypes.data == y.ctypes.data:
         # One array for both: LLVM vectorises the loop only where it can tell they do not
-        # overlap, so in place it would run element by element (5x slower).
+        # overlap, so in place it would run element by element, several times slower.
         _relu_in_place(y, slope)
         return
     for i in range(x.size):
