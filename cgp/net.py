@@ -162,7 +162,8 @@ class Net:
                                f"earlier layer in phase {PHASES[self.phase]}")
             bottoms.append(self._take(b))
         layer = cls(lp, index=index, phase=self.phase)
-        if getattr(layer, "is_source", False):
+        source = getattr(layer, "is_source", False)
+        if source:
             layer.options = self.options
         top_shapes = layer.setup([self.blob_shapes[b] for b in bottoms])
         if len(top_shapes) != len(lp.top):
@@ -178,8 +179,10 @@ class Net:
             self.blob_ids[name] = blob
             tops.append(blob)
         entry = Entry(layer, bottoms, tops)
-        (self.sources if getattr(layer, "is_source", False) else self.entries).append(entry)
-        if not getattr(layer, "is_source", False):
+        if source:
+            self.sources.append(entry)
+        else:
+            self.entries.append(entry)
             self._writers.update((t, layer) for t in tops)
         # Splits for this layer's tops go right after it.
         for blob in tops:
