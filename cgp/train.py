@@ -430,11 +430,7 @@ class Trainer:
         first = self.tests_before(self.iter) * iters
         sums, loss = {}, 0.0
         for k in range(iters):
-            request, self._request = self._request, None
-            if request == "snapshot":
-                self.snapshot()
-            elif request == "stop":
-                self._stop = True
+            self._act_on_request()
             if self._stop:
                 return None
             batch = self._batch(net, (first + k) * net.batch_size, first + k)
@@ -506,11 +502,8 @@ class Trainer:
                     if interval > 0:
                         n = min(n, interval - self.iter % interval)
                 self.steps(n, done)
-                request, self._request = self._request, None
-                if (sp.snapshot and self.iter % sp.snapshot == 0) or request == "snapshot":
-                    self.snapshot()
-                if request == "stop":
-                    self._stop = True
+                self._act_on_request(snapshot_due=bool(sp.snapshot)
+                                     and self.iter % sp.snapshot == 0)
         if sp.snapshot_after_train and (not sp.snapshot or self.iter % sp.snapshot != 0):
             self.snapshot()
         if self._stop:
@@ -531,6 +524,15 @@ class Trainer:
                 self._test_all()
         self.log("Optimization stopped early." if self._stop else "Optimization Done.")
         return self.last_test
+
+    def _act_on_request(self, snapshot_due=False):
+        """Takes what a signal asked for since the last call: a snapshot is written (once,
+        also when one is due anyway), a stop sets _stop."""
+        request, self._request = self._request, None
+        if snapshot_due or request == "snapshot":
+            self.snapshot()
+        if request == "stop":
+            self._stop = True
 
     def _due(self, interval):
         return bool(self.test_nets) and interval > 0 and self.iter % interval == 0
