@@ -39,15 +39,19 @@ def main():
         ws = engine.workspaces[0]
         # (chunks, samples, calls per round): about as many samples each way.
         sizes = [(bounds[:1], small, 4 * len(bounds)), (bounds, samples, 4)]
+        # Each size's layer calls bound once, as a worker's are (Net.bind).
+        bound = []
+        for part, size, _ in sizes:
+            chunk = call_chunk(part, batch=net.batch_size, batch_tops={})
+            bound.append((chunk, net.bind(ws, chunk, net.call_views(ws, chunk, batch),
+                                          engine.params, first_call_grad_views(engine, size))))
         times = [[], []]
         for _ in range(args.rounds):
-            for (part, size, reps), out in zip(sizes, times):
-                views = first_call_grad_views(engine, size)
+            for (_, size, reps), (chunk, call), out in zip(sizes, bound, times):
                 clock = np.zeros(2 * entries)
                 for _ in range(reps):
-                    chunk = call_chunk(part, batch=net.batch_size, batch_tops={})
-                    data = net.forward(ws, chunk, batch, engine.params, clock=clock[:entries])
-                    net.backward(ws, chunk, data, engine.params, views, clock=clock[entries:])
+                    call.forward(chunk, clock=clock[:entries])
+                    call.backward(chunk, clock=clock[entries:])
                 out.append(clock / reps * small / size)   # per one-chunk call's samples
     alone, share = (np.median(t, axis=0) * 1e6 for t in times)
     print(f"{args.model}: a {small}-sample call alone, and its share of a {samples}-sample call "

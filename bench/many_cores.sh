@@ -3,8 +3,9 @@
 # then `cgp bench speedup` for LeNet and cifar10_quick (on generated CIFAR-10 files), each with
 # the ceiling of N one-thread copies and PyTorch at the same thread counts, then how even the
 # steps of 1 and 16 workers are (bench/step_tail.py), what a 16-worker call costs beside a
-# 2-worker one (bench/call_size.py) and the bitwise check. One command, so that a borrowed
-# machine's minutes go to measuring; the results (JSON, CSV, PNG) and the log land in OUTDIR.
+# 2-worker one (bench/call_size.py), its Python (bench/python_overhead.py) and the bitwise
+# check. One command, so that a borrowed machine's minutes go to measuring; the results (JSON,
+# CSV, PNG) and the log land in OUTDIR.
 #
 #     bash bench/many_cores.sh OUTDIR [THREADS]        # THREADS default 1,2,4,8,16
 set -u -o pipefail
@@ -46,5 +47,6 @@ step $py "$here/bench/step_tail.py" mnist --threads "1,$top" --steps 500
 step $py "$here/bench/step_tail.py" cifar10_quick --threads "1,$top" --steps 100 \
     --data-dir "$cifar"
 step $py "$here/bench/call_size.py"
+step $py "$here/bench/python_overhead.py" --threads "$top"
 step $py -m cgp equivalence mnist --threads "$threads" --iters 100 --workers threads,processes
 rm -rf "$cifar"

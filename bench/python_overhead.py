@@ -2,10 +2,12 @@
 dispatch) rather than compiled kernels that release the GIL. Runs one net's forward and
 backward over the engine's first call at --threads (a group of chunks, see
 cgp.engine.group_size: the more threads, the smaller the calls), with its samples and with
-none, single-threaded. The empty call also runs kernel work that does not depend on the
-samples (conv's weight repacking), which releases the GIL, so the true GIL-held share is
-lower. With N threads, N such calls each hold the GIL that long, one at a time: when that
-adds up to more than one call's time, the interpreter lock, not the cores, sets the pace.
+none, single-threaded, with the layer calls bound once as a worker's are (Net.bind), and
+for comparison bound anew at every call, as every call built its arguments before
+BoundCall. The empty call also runs kernel work that does not depend on the samples (conv's
+weight repacking), which releases the GIL, so the true GIL-held share is lower. With N
+threads, N such calls each hold the GIL that long, one at a time: when that adds up to more
+than one call's time, the interpreter lock, not the cores, sets the pace.
 
     python bench/python_overhead.py [mnist|cifar10] [--chunks 16] [--threads 1]
 """
@@ -14,17 +16,11 @@ import time
 
 from threadpoolctl import threadpool_limits
 
-import cgp.layers.conv
-import cgp.layers.inner_product
 from cgp import models
 from cgp.engine import call_chunk
-from cgp.layers.base import build_span, part_span
 from cgp.prototxt import read_solver
 from cgp.train import RunConfig, Trainer
 from interleave import first_call_grad_views  # bench/, on the path
-
-# The layers that call part_span.
-SPAN_USERS = (cgp.layers.conv, cgp.layers.inner_product)
 
 
 def best(fn, reps, rounds=5):
@@ -59,30 +55,32 @@ def main():
         batch = trainer._batch(net, 0, 0)
         ws = engine.workspaces[0]
 
-        def call(bounds, views):
+        def bind(bounds, views):
+            chunk = call_chunk(bounds, batch=net.batch_size, batch_tops={})
+            return chunk, net.bind(ws, chunk, net.call_views(ws, chunk, batch), engine.params,
+                                   views)
+
+        def call(chunk, bound):
+            bound.forward(chunk)
+            bound.backward(chunk)
+
+        def rebind(bounds, views):
             chunk = call_chunk(bounds, batch=net.batch_size, batch_tops={})
             data = net.forward(ws, chunk, batch, engine.params)
             net.backward(ws, chunk, data, engine.params, views)
 
         empty_bounds = [(0, 0)] * len(bounds)   # the same parts, no samples
-        empty = best(lambda: call(empty_bounds, first_call_grad_views(engine, 0)), 200)
-
-        # The same with part_span building its views every call, as before it kept them.
-        for module in SPAN_USERS:
-            module.part_span = build_span
-        try:
-            uncached = best(lambda: call(empty_bounds, first_call_grad_views(engine, 0)), 200)
-        finally:
-            for module in SPAN_USERS:
-                module.part_span = part_span
-        full = best(lambda: call(bounds, first_call_grad_views(engine, samples)), 10)
+        empty = best(lambda b=bind(empty_bounds, first_call_grad_views(engine, 0)): call(*b),
+                     200)
+        unbound = best(lambda: rebind(empty_bounds, first_call_grad_views(engine, 0)), 200)
+        full = best(lambda b=bind(bounds, first_call_grad_views(engine, samples)): call(*b), 10)
     calls = len(net.entries) + sum(e.backward for e in net.entries)
     threads = args.threads
     print(f"{args.model}, {args.chunks} chunks, the engine's calls on {threads} thread(s): "
           f"{len(bounds)} chunks ({samples} samples) per call, {calls} layer calls each")
     print(f"  Python overhead per call: {empty * 1e6:.0f} us "
-          f"({empty * 1e6 / calls:.1f} us per layer call; {uncached * 1e6:.0f} us when "
-          f"part_span rebuilds its views every call)")
+          f"({empty * 1e6 / calls:.1f} us per layer call; {unbound * 1e6:.0f} us with the "
+          f"calls bound anew each time)")
     print(f"  whole call (forward+backward): {full * 1e3:.2f} ms")
     print(f"  empty-call share: {empty / full:.1%} (an upper bound on the GIL-held share)")
     if threads > 1:

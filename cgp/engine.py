@@ -405,14 +405,19 @@ class Engine:
         self._losses = [(j, self.dtype.type(net.loss_weights[blob]))
                         for j, (blob, _) in enumerate(self.tracked)
                         if blob in net.loss_weights]
-        # The batch as worker processes read it, in two sets: while a run's calls read one,
-        # the caller may copy the next batch into the other (stage()). None: calls read the
-        # caller's arrays.
-        self.inputs = [{t: aligned_zeros(net.blob_shapes[t], self.dtype, True)
-                        for t in self.source_names} for _ in range(2)] if shared else None
+        # The batch as the calls read it, in two sets: while a run's calls read one, the
+        # caller may copy the next batch into the other (stage()). Calls thus always read the
+        # same arrays, which their bound layer calls keep (below).
+        self.inputs = [{t: aligned_zeros(net.blob_shapes[t], self.dtype, shared)
+                        for t in self.source_names} for _ in range(2)]
+        # What losses that count the batch's labels read (Chunk.batch_tops), for each set.
+        self._batch_tops = [{self.source_names[t]: a for t, a in inputs.items()}
+                            for inputs in self.inputs]
         self._slot = 0          # the set of inputs that the latest run read
         self._staged = None     # (batch, its set) copied by stage() for the next run
-        self._batch = None      # what the calls of the run in progress read, without inputs
+        # Per worker, the layer calls of each (group, set of inputs), bound at its first call
+        # there (Net.bind): a worker's calls repeat on the same arrays at every step.
+        self._bound = [{} for _ in self.workspaces]
         self._apply = None           # the solver update merged into runs (merge_updates)
         self._apply_columns = None   # the solver update fused into the reduction (fuse_updates)
         self._claim_columns = None   # asks for the lines the fused update writes (fuse_updates)
@@ -517,16 +522,12 @@ class Engine:
         returned then holds the step taken, as the update leaves it. Both in the form that
         the functions given there take. A batch given to stage() during the run before is
         read where stage() copied it."""
-        slot = 0
-        if self.inputs is not None:
-            staged, self._staged = self._staged, None
-            if staged is not None and staged[0] is batch:
-                slot = staged[1]
-            else:
-                slot = self._copy_in(batch)
-            self._slot = slot
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] is batch:
+            slot = staged[1]
         else:
-            self._batch = {b: a.astype(self.dtype, copy=False) for b, a in batch.items()}
+            slot = self._copy_in(batch)
+        self._slot = slot
         tasks = len(self.groups)
         if pending is not None:
             if self._apply is None:
@@ -555,9 +556,8 @@ class Engine:
         """Copies the batch of the next run() into the inputs that the run in progress, if
         any, does not read: the caller's work during a run (Pool.run's `first`), where it
         costs the step nothing, instead of at the start of the next run, where every worker
-        waits for it. run(batch) then reads them. Only worker processes need a copy."""
-        if self.inputs is not None:
-            self._staged = (batch, self._copy_in(batch))
+        waits for it. run(batch) then reads them."""
+        self._staged = (batch, self._copy_in(batch))
 
     def _copy_in(self, batch):
         """Copies batch into the set of inputs that the latest run did not read; returns it."""
@@ -599,7 +599,7 @@ class Engine:
         """Task i of a run: call i, or after the calls, reduction task reduce_order[i - calls]
         once its columns' gradients are written, then with `update` its columns' update. With
         a pending update, the first tasks are the calls and the update's blocks in
-        merged_order. slot: the set of inputs the calls read (worker processes)."""
+        merged_order. slot: the set of inputs the calls read."""
         calls = len(self.groups)
         if pending is not None:
             if i >= len(self.merged_order):
@@ -612,8 +612,7 @@ class Engine:
             else:
                 i = self.merged_order[i]
         if i < calls:
-            self.work(worker, i, iteration, seed,
-                      self._batch if self.inputs is None else self.inputs[slot],
+            self.work(worker, i, iteration, seed, slot,
                       self._ready if pending is not None else None)
             return
         t = self.reduce_order[i - calls]
@@ -643,22 +642,25 @@ class Engine:
             if not self._wait_spins:
                 time.sleep(WAIT_CHECK_SECONDS)   # the CPU is needed by the task awaited
 
-    def work(self, worker, g, iteration, seed, batch, ready=None):
+    def work(self, worker, g, iteration, seed, slot, ready=None):
         """One call: forward (and backward) of group g's samples in the worker's workspace,
-        writing the group's loss shares and chunk gradients. batch: source blob id ->
-        whole-batch array. ready: Net.forward's, where a pending update runs alongside."""
+        writing the group's loss shares and chunk gradients. slot: the set of inputs that
+        holds the batch. ready: BoundCall.forward's, where a pending update runs alongside."""
         net = self.net
         c0, c1 = self.groups[g]
-        by_name = {self.source_names[b]: a for b, a in batch.items()}
         chunk = call_chunk(self.bounds[c0:c1], batch=net.batch_size, iteration=iteration,
-                           seed=seed, batch_tops=by_name)
-        ws = self.workspaces[worker]
-        data = net.forward(ws, chunk, batch, self.params, ready=ready)
+                           seed=seed, batch_tops=self._batch_tops[slot])
+        bound = self._bound[worker].get((g, slot))
+        if bound is None:
+            ws = self.workspaces[worker]
+            bound = self._bound[worker][g, slot] = net.bind(
+                ws, chunk, net.call_views(ws, chunk, self.inputs[slot]), self.params,
+                self.group_grad_views[g] if self.backward else None)
+        bound.forward(chunk, ready=ready)
         for j, (blob, _) in enumerate(self.tracked):
-            self.shares[c0:c1, j] = data[blob][:c1 - c0]
+            self.shares[c0:c1, j] = bound.data[blob][:c1 - c0]
         if self.backward:
             grads = self.chunk_grads[c0:c1]
             for lo, hi in net.zero_ranges:  # layers that set their gradients need no zeros
                 grads[:, lo:hi] = 0
-            net.backward(ws, chunk, data, self.params, self.group_grad_views[g],
-                         progress=self.progress)
+            bound.backward(chunk, progress=self.progress)

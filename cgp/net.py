@@ -381,84 +381,35 @@ class Net:
         return out
 
     # -- one call: a run of chunks ------------------------------------------------
-    def forward(self, ws, chunk, batch_data, params, clock=None, ready=None):
-        """Forward the samples of `chunk` (one or more parts, see Chunk). batch_data: source
-        blob id -> whole-batch array; params: per-entry views (from param_views). Fills
-        ws.data and returns its views; a batch-value top holds one value per part.
-        clock: optional array, clock[i] += seconds spent in entry i. ready: optional
-        ready(i), called before entry i runs (the engine waits there for the update of the
-        entry's parameters)."""
+    def call_views(self, ws, chunk, batch_data):
+        """Per-blob data views for a call of `chunk`'s samples in workspace ws, the source
+        blobs viewed in batch_data (source blob id -> whole-batch array)."""
         data = ws.views(chunk.n)
         lo, hi = chunk.first, chunk.first + chunk.n
         for blob, array in batch_data.items():
             data[blob] = array[lo:hi]
-        parts = chunk.parts
-        for i, (entry, p, scratch) in enumerate(zip(self.entries, params, ws.scratch)):
-            if ready is not None:
-                ready(i)
-            started = time.perf_counter() if clock is not None else 0.0
-            layer = entry.layer
-            if self.whole_calls[i]:
-                layer.forward_parts([data[b] for b in entry.bottoms],
-                                    [data[t][:parts] for t in entry.tops], p, scratch, chunk)
-            elif layer.reduces_batch:
-                for k, (part, a, b) in enumerate(chunk.each_part):
-                    layer.forward(self._part(data, entry.bottoms, k, a, b),
-                                  [data[t][k, ...] for t in entry.tops], p, scratch[k], part)
-            else:
-                layer.forward([data[b] for b in entry.bottoms], [data[t] for t in entry.tops],
-                              p, scratch, chunk)
-            if clock is not None:
-                clock[i] += time.perf_counter() - started
+        return data
+
+    def bind(self, ws, chunk, data, params, param_diffs=None, plan=None):
+        """The layer calls of calls laid out as `chunk` on these arrays (see BoundCall).
+        data: call_views'; params: per-entry views (from param_views); param_diffs: per
+        entry the (parts,) + blob shape views of param_views that backward adds the
+        parameter gradients into (layers with overwrite_param_diff set theirs: callers zero
+        only self.zero_ranges); plan: per entry (backward, propagate) in place of the
+        entries' own flags."""
+        return BoundCall(self, ws, chunk, data, params, param_diffs, plan)
+
+    def forward(self, ws, chunk, batch_data, params, clock=None, ready=None):
+        """One call's forward (BoundCall.forward) with its layer calls bound for it alone;
+        returns the data views that backward takes."""
+        data = self.call_views(ws, chunk, batch_data)
+        self.bind(ws, chunk, data, params).forward(chunk, clock, ready)
         return data
 
     def backward(self, ws, chunk, data, params, param_diffs, plan=None, clock=None,
                  progress=None):
-        """Backward `chunk` after forward; adds parameter gradients into param_diffs, per
-        entry the (parts,) + blob shape views of param_views (layers with
-        overwrite_param_diff set theirs: callers zero only self.zero_ranges). plan: per
-        entry (backward, propagate) in place of the entries' own flags; clock as in
-        forward. progress: an int64 array to which 1 is added atomically at index i once
-        entry i is done (or has nothing to do), for a reduction that waits for it."""
-        diff = ws.diff_views(chunk.n)
-        for blob, weight in self.loss_weights.items():
-            diff[blob][...] = weight
-        parts = chunk.parts
-        for i in reversed(range(len(self.entries))):
-            entry = self.entries[i]
-            backward, propagate = plan[i] if plan else (entry.backward, entry.propagate)
-            if not backward:
-                self._passed(progress, i)
-                continue
-            started = time.perf_counter() if clock is not None else 0.0
-            layer, p, pd, scratch = entry.layer, params[i], param_diffs[i], ws.scratch[i]
-            bottom_diff = [diff[b] if f else None for b, f in zip(entry.bottoms, propagate)]
-            if self.whole_calls[i]:
-                layer.backward_parts([data[t][:parts] for t in entry.tops],
-                                     [diff[t][:parts] for t in entry.tops],
-                                     [data[b] for b in entry.bottoms], bottom_diff, p, pd,
-                                     scratch, chunk)
-            elif layer.reduces_batch:
-                for k, (part, a, b) in enumerate(chunk.each_part):
-                    layer.backward([data[t][k, ...] for t in entry.tops],
-                                   [diff[t][k, ...] for t in entry.tops],
-                                   self._part(data, entry.bottoms, k, a, b),
-                                   [None if d is None else self._part_of(entry.bottoms[j], d, k,
-                                                                         a, b)
-                                    for j, d in enumerate(bottom_diff)],
-                                   p, [d[k:k + 1] for d in pd], scratch[k], part)
-            else:
-                layer.backward([data[t] for t in entry.tops], [diff[t] for t in entry.tops],
-                               [data[b] for b in entry.bottoms], bottom_diff, p, pd, scratch,
-                               chunk)
-            if clock is not None:
-                clock[i] += time.perf_counter() - started
-            self._passed(progress, i)
-
-    @staticmethod
-    def _passed(progress, i):
-        if progress is not None:
-            spin.fetch_add(progress, i, 1)
+        """Backward after forward (BoundCall.backward), bound for this call alone."""
+        self.bind(ws, chunk, data, params, param_diffs, plan).backward(chunk, clock, progress)
 
     def _part_of(self, blob, array, k, a, b):
         """Part k's slice of a blob's array: its samples a:b, or its own batch value (a view,
@@ -477,6 +428,130 @@ class Net:
                              f"{self.blob_shapes[t]}")
         lines.append(f"{self.n_params} learnable parameters")
         return lines
+
+
+class BoundCall:
+    """A net's layer calls for the calls of one layout (Chunk.n, first, batch, part_starts)
+    on one set of arrays: a workspace, the source blobs' views, the parameters and their
+    gradient views. A worker's calls repeat on the same arrays at every step, so this is
+    built once and run at each: the kernel calls of layers that hand theirs over
+    (Layer.forward_calls) are made as they were listed, with their arguments; the other
+    layers are called each time with argument lists made once. Bound calls make exactly the
+    kernel calls that calling the layers would, so results stay bitwise the same."""
+
+    def __init__(self, net, ws, chunk, data, params, param_diffs=None, plan=None):
+        self.net, self.chunk, self.data = net, chunk, data
+        self.diff = ws.diff_views(chunk.n)
+        self._layout = (chunk.n, chunk.first, chunk.batch, chunk.part_starts)
+        self._forward = [self._forward_step(i, entry, p, scratch) for i, (entry, p, scratch)
+                         in enumerate(zip(net.entries, params, ws.scratch))]
+        self._backward = None if param_diffs is None else [
+            self._backward_step(i, entry, p, pd, scratch, plan[i] if plan else None)
+            for i, (entry, p, pd, scratch)
+            in enumerate(zip(net.entries, params, param_diffs, ws.scratch))]
+        # Loss tops' gradients: their loss weights, set again by every backward.
+        self._seeds = [(self.diff[blob], weight) for blob, weight in net.loss_weights.items()
+                       ] if self._backward is not None else []
+
+    def _check(self, chunk):
+        layout = (chunk.n, chunk.first, chunk.batch, chunk.part_starts)
+        if layout != self._layout:
+            raise ValueError(f"a call of layout {layout} on calls bound for {self._layout} "
+                             f"(n, first, batch, part_starts)")
+
+    def forward(self, chunk, clock=None, ready=None):
+        """Forward the samples of `chunk` (one or more parts, see Chunk; laid out as the
+        bound one, its iteration and seed its own). Fills the data views, whose batch-value
+        tops hold one value per part. clock: optional array, clock[i] += seconds spent in
+        entry i. ready: optional ready(i), called before entry i runs (the engine waits
+        there for the update of the entry's parameters)."""
+        self._check(chunk)
+        for i, step in enumerate(self._forward):
+            if ready is not None:
+                ready(i)
+            started = time.perf_counter() if clock is not None else 0.0
+            step(chunk)
+            if clock is not None:
+                clock[i] += time.perf_counter() - started
+
+    def backward(self, chunk, clock=None, progress=None):
+        """Backward of `chunk` after its forward; adds the parameter gradients into the
+        bound param_diffs. clock as in forward. progress: an int64 array to which 1 is added
+        atomically at index i once entry i is done (or has nothing to do), for a reduction
+        that waits for it."""
+        self._check(chunk)
+        for d, weight in self._seeds:
+            d[...] = weight
+        for i in reversed(range(len(self._backward))):
+            step = self._backward[i]
+            if step is not None:
+                started = time.perf_counter() if clock is not None else 0.0
+                step(chunk)
+                if clock is not None:
+                    clock[i] += time.perf_counter() - started
+            if progress is not None:
+                spin.fetch_add(progress, i, 1)
+
+    def _forward_step(self, i, entry, p, scratch):
+        """Entry i's forward as step(chunk)."""
+        net, data, layer, parts = self.net, self.data, entry.layer, self.chunk.parts
+        if net.whole_calls[i]:
+            args = ([data[b] for b in entry.bottoms], [data[t][:parts] for t in entry.tops],
+                    p, scratch)
+            return lambda chunk: layer.forward_parts(*args, chunk)
+        if layer.reduces_batch:   # one part at a time
+            each = [(net._part(data, entry.bottoms, k, a, b), [data[t][k, ...] for t in entry.tops],
+                     p, scratch[k]) for k, (_, a, b) in enumerate(self.chunk.each_part)]
+            return _per_part(layer.forward, each)
+        args = ([data[b] for b in entry.bottoms], [data[t] for t in entry.tops], p, scratch)
+        return _step(layer.forward_calls(*args, self.chunk), layer.forward, args)
+
+    def _backward_step(self, i, entry, p, pd, scratch, flags):
+        """Entry i's backward as step(chunk), or None where it has none. flags: (backward,
+        propagate) in place of the entry's."""
+        net, data, diff, layer = self.net, self.data, self.diff, entry.layer
+        backward, propagate = flags or (entry.backward, entry.propagate)
+        if not backward:
+            return None
+        parts = self.chunk.parts
+        bottom_diff = [diff[b] if f else None for b, f in zip(entry.bottoms, propagate)]
+        if net.whole_calls[i]:
+            args = ([data[t][:parts] for t in entry.tops], [diff[t][:parts] for t in entry.tops],
+                    [data[b] for b in entry.bottoms], bottom_diff, p, pd, scratch)
+            return lambda chunk: layer.backward_parts(*args, chunk)
+        if layer.reduces_batch:   # one part at a time
+            each = [([data[t][k, ...] for t in entry.tops], [diff[t][k, ...] for t in entry.tops],
+                     net._part(data, entry.bottoms, k, a, b),
+                     [None if d is None else net._part_of(entry.bottoms[j], d, k, a, b)
+                      for j, d in enumerate(bottom_diff)],
+                     p, [d[k:k + 1] for d in pd], scratch[k])
+                    for k, (_, a, b) in enumerate(self.chunk.each_part)]
+            return _per_part(layer.backward, each)
+        args = ([data[t] for t in entry.tops], [diff[t] for t in entry.tops],
+                [data[b] for b in entry.bottoms], bottom_diff, p, pd, scratch)
+        return _step(layer.backward_calls(*args, self.chunk), layer.backward, args)
+
+
+def _step(calls, method, args):
+    """step(chunk): the kernel calls a layer handed over (listed now, made at every call),
+    or where it hands none over (None), the layer's method with args and the call's chunk."""
+    if calls is None:
+        return lambda chunk: method(*args, chunk)
+    calls = list(calls)
+
+    def step(chunk):
+        for kernel, kernel_args in calls:
+            kernel(*kernel_args)
+    return step
+
+
+def _per_part(method, each):
+    """step(chunk): the layer's method called for each part of the chunk, with that part's
+    args from `each`."""
+    def step(chunk):
+        for args, (part, _, _) in zip(each, chunk.each_part):
+            method(*args, part)
+    return step
 
 
 class Workspace:

@@ -163,6 +163,10 @@ class LayerTimer:
         self.grads = np.zeros((group, net.n_params), np.float32)  # a row per part
         self.grad_views = [net.param_views(self.grads[:len(call)]) for call in self.calls]
         self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
+        # The batch is copied here, so that each call's layer calls are bound once, as the
+        # engine's are (Net.bind).
+        self.inputs = {t: np.zeros(net.blob_shapes[t], np.float32) for t in self.source_names}
+        self.bound = [None] * len(self.calls)
         self.forward = np.zeros(len(net.entries))
         self.backward = np.zeros(len(net.entries))
         self.data = np.zeros(len(net.sources))
@@ -174,21 +178,27 @@ class LayerTimer:
 
         net = self.net
         started = time.perf_counter()
-        batch = load_batch(net, iteration, self.seed, self.data)
-        by_name = {self.source_names[b]: a for b, a in batch.items()}
+        for blob, array in load_batch(net, iteration, self.seed, self.data).items():
+            self.inputs[blob][...] = array
+        by_name = {self.source_names[b]: a for b, a in self.inputs.items()}
         loss, t_forward, t_backward = 0.0, time.perf_counter() - started, 0.0
-        for call, grad_views in zip(self.calls, self.grad_views):
+        for k, (call, grad_views) in enumerate(zip(self.calls, self.grad_views)):
             chunk = call_chunk(call, batch=net.batch_size, iteration=iteration, seed=self.seed,
                                batch_tops=by_name)
+            if self.bound[k] is None:
+                data = net.call_views(self.ws, chunk, self.inputs)
+                self.bound[k] = net.bind(self.ws, chunk, data, self.params,
+                                         grad_views if self.has_backward else None, self.plan)
+            bound = self.bound[k]
             started = time.perf_counter()
-            data = net.forward(self.ws, chunk, batch, self.params, self.forward)
+            bound.forward(chunk, self.forward)
             t_forward += time.perf_counter() - started
-            loss += sum(w * float(data[b][:len(call)].sum()) for b, w in net.loss_weights.items())
+            loss += sum(w * float(bound.data[b][:len(call)].sum())
+                        for b, w in net.loss_weights.items())
             if self.has_backward:
                 self.grads.fill(0)
                 started = time.perf_counter()
-                net.backward(self.ws, chunk, data, self.params, grad_views, self.plan,
-                             self.backward)
+                bound.backward(chunk, self.backward)
                 t_backward += time.perf_counter() - started
         self.loss = loss
         return t_forward, t_backward

@@ -230,14 +230,15 @@ def grouped_net_and_batch():
 
 def before_first_layer(net, action):
     """Makes the backward of GROUP_NET's first convolution, the last layer a call's backward
-    passes, run action(chunk) (the call's Chunk) before its work."""
+    passes, run action(chunk) (the Chunk its calls were bound for: the call's samples)
+    before its work, as the first of the kernel calls it hands over."""
     layer = next(e.layer for e in net.entries if e.layer.name == "c1")
-    backward = layer.backward
+    calls = layer.backward_calls
 
     def patched(*args):
-        action(args[-1])
-        return backward(*args)
-    layer.backward = patched
+        yield action, (args[-1],)
+        yield from calls(*args)
+    layer.backward_calls = patched
 
 
 def hold_first_call(then=None):
@@ -290,10 +291,12 @@ def test_the_reduction_overlaps_backward_and_waits_for_every_call(workers):
         pool.close()
 
 
-def test_a_batch_staged_during_a_run_is_what_the_next_run_reads():
-    """Engine.stage on worker processes: the next batch, copied into the inputs during a run
-    (its `first`), leaves that run's inputs alone, and the next run of that batch reads it
-    without a copy; a run of another batch copies its own. The bits of unstaged runs."""
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_batch_staged_during_a_run_is_what_the_next_run_reads(workers):
+    """Engine.stage, workers as threads or processes: the next batch, copied into the inputs
+    during a run (its `first`), leaves that run's inputs alone, and the next run of that
+    batch reads it without a copy; a run of another batch copies its own. The bits of
+    unstaged runs."""
     net, batch = grouped_net_and_batch()
     rng = np.random.default_rng(9)
     batches = [batch] + [{b: rng.permutation(a) for b, a in batch.items()} for _ in range(2)]
@@ -310,7 +313,7 @@ def test_a_batch_staged_during_a_run_is_what_the_next_run_reads():
 
     def holds(slot, b):
         return all(np.array_equal(engine.inputs[slot][t], a) for t, a in b.items())
-    pool = make_pool("processes", 2, [net])
+    pool = make_pool(workers, 2, [net])
     engine = Engine(net, 5, pool, ThreadCommunicator(pool))
     pool.start()
     try:
@@ -325,6 +328,35 @@ def test_a_batch_staged_during_a_run_is_what_the_next_run_reads():
         engine.stage(batches[2])
         same(engine.run(batches[0], 2, 7), 0)   # not the batch staged: copied
         assert copies == [batches[2], batches[0]] and holds(engine._slot, batches[0])
+    finally:
+        pool.close()
+
+
+def test_a_worker_lists_a_calls_kernel_calls_once_per_group_and_set_of_inputs():
+    """Engine.work binds a call's layer calls (Net.bind) at the first call of its group on
+    each set of inputs and keeps them: later runs make the same kernel calls without listing
+    them again, and give the bits of an engine that has just bound them."""
+    net, batch = grouped_net_and_batch()
+    layer = next(e.layer for e in net.entries if e.layer.name == "c1")
+    listed = []
+    forward_calls = layer.forward_calls
+
+    def counted(*args):
+        listed.append(args[-1].first)
+        return forward_calls(*args)
+    layer.forward_calls = counted
+    pool = Pool(1)
+    engine = Engine(net, 5, pool, ThreadCommunicator(pool), group=2)
+    rng = np.random.default_rng(2)
+    try:
+        for it in range(6):   # each run copies its batch into the set the last did not read
+            batch = {b: rng.permutation(a) for b, a in batch.items()}
+            got = engine.run(batch, it, 7)
+        assert len(engine.groups) == 3 and len(listed) == 2 * 3
+        assert sorted(listed) == sorted(2 * [engine.samples(g)[0] for g in engine.groups])
+        fresh = Engine(net, 5, pool, ThreadCommunicator(pool), group=2)
+        want = fresh.run(batch, 5, 7)
+        assert got[:2] == want[:2] and np.array_equal(got[2], want[2])
     finally:
         pool.close()
 

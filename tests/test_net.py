@@ -241,9 +241,7 @@ def test_legacy_input_fields_rejected_clearly():
         Net(param, caffe_pb2.TEST)
 
 
-def test_part_span_views_every_part_and_lets_go_of_dead_arrays():
-    import gc
-
+def test_part_span_views_every_part():
     from cgp.layers import base
     grads = np.zeros((4, 30), np.float32)
     parts = grads[1:4, 5:17].reshape(3, 3, 4)     # three parts, 30 elements apart
@@ -251,14 +249,81 @@ def test_part_span_views_every_part_and_lets_go_of_dead_arrays():
     assert step == 30 and span.shape == (2 * 30 + 12,)
     span[2 * 30 + 11] = 7                           # the last element of the last part
     assert parts[2, 2, 3] == 7 and np.shares_memory(span, grads)
-    again, _ = base.part_span(parts)
-    assert again is span                            # the same views every call
     with pytest.raises(ValueError, match="C-contiguous"):
         base.part_span(grads[:, ::2].reshape(4, 15)[:, :3])
-    key = id(parts)
-    del parts, span, again
-    gc.collect()
-    assert key not in base._spans                   # nothing keeps the gradients alive
+
+
+# Every kind of layer that hands its kernel calls over (Convolution, LRN, Pooling with its
+# mask top, ReLU, Concat, Eltwise, Flatten, InnerProduct, Split behind the two readers of
+# "flat") and Dropout, which is called each time with its iteration and seed.
+BOUND = ('layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" '
+         'convolution_param { num_output: 4 kernel_size: 3 pad: 1 '
+         'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" } } }\n'
+         'layer { name: "lrn" type: "LRN" bottom: "conv" top: "lrn" lrn_param { local_size: 3 } }\n'
+         'layer { name: "pool" type: "Pooling" bottom: "lrn" top: "pool" top: "mask" '
+         'pooling_param { pool: MAX kernel_size: 2 stride: 2 } }\n'
+         'layer { name: "relu" type: "ReLU" bottom: "pool" top: "pool" }\n'
+         'layer { name: "cat" type: "Concat" bottom: "pool" bottom: "mask" top: "cat" }\n'
+         'layer { name: "flat" type: "Flatten" bottom: "cat" top: "flat" }\n'
+         'layer { name: "drop" type: "Dropout" bottom: "flat" top: "drop" }\n'
+         'layer { name: "sum" type: "Eltwise" bottom: "drop" bottom: "flat" top: "sum" }\n'
+         'layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "ip" '
+         'inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }\n'
+         'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }')
+
+
+def test_bound_calls_read_the_arrays_at_each_call():
+    """A BoundCall keeps its layers' kernel calls and their arrays, never their values: run
+    again after the inputs, the parameters and the iteration have changed, it gives the bits
+    of a call bound then, for forward's tops, the loss and every gradient."""
+    net = build(BOUND)
+    assert sum(e.layer.type_name == "Split" for e in net.entries) == 1
+    net.init_params(5)
+    rng = np.random.default_rng(3)
+    inputs = {net.sources[0].tops[0]: np.zeros((4, 1, 6, 6), np.float32),
+              net.sources[0].tops[1]: np.zeros(4, np.float32)}
+    ws, again_ws = Workspace(net, 4), Workspace(net, 4)
+    grads, again_grads = np.zeros((2, net.n_params), np.float32)
+    views = net.param_views(net.params)
+
+    def chunk(iteration):
+        return Chunk(n=4, batch=4, iteration=iteration, seed=11)
+    masks = []
+    kept = net.bind(ws, chunk(0), net.call_views(ws, chunk(0), inputs), views,
+                    net.param_views(grads[None]))
+    for iteration in range(3):
+        inputs[net.sources[0].tops[0]][...] = rng.standard_normal((4, 1, 6, 6))
+        inputs[net.sources[0].tops[1]][...] = rng.integers(0, 5, 4)
+        net.params[...] = rng.standard_normal(net.n_params) * 0.3
+        grads[...] = again_grads[...] = 0
+        kept.forward(chunk(iteration))
+        kept.backward(chunk(iteration))
+        fresh = net.bind(again_ws, chunk(iteration),
+                         net.call_views(again_ws, chunk(iteration), inputs), views,
+                         net.param_views(again_grads[None]))
+        fresh.forward(chunk(iteration))
+        fresh.backward(chunk(iteration))
+        for blob in range(len(net.blob_names)):
+            if kept.data[blob] is not None:
+                assert kept.data[blob].tobytes() == fresh.data[blob].tobytes(), blob
+        assert grads.tobytes() == again_grads.tobytes()
+        assert np.count_nonzero(grads) > 0.5 * grads.size
+        masks.append(kept.data[net.blob_names.index("drop")] != 0)
+    assert not np.array_equal(masks[0], masks[1])   # Dropout drew each iteration's own
+
+
+def test_a_bound_call_refuses_a_call_of_another_layout():
+    net = build(BOUND)
+    ws = Workspace(net, 4, parts=2, part_max=2)
+    inputs = {t: np.zeros(net.blob_shapes[t], np.float32) for t in net.sources[0].tops}
+    bound_for = Chunk(n=4, batch=4, part_starts=(0, 2, 4))
+    bound = net.bind(ws, bound_for, net.call_views(ws, bound_for, inputs),
+                     net.param_views(net.params))
+    bound.forward(Chunk(n=4, batch=4, iteration=9, part_starts=(0, 2, 4)))   # its own layout
+    for other in (Chunk(n=4, batch=4), Chunk(n=3, batch=4, part_starts=(0, 2, 3)),
+                  Chunk(n=4, first=4, batch=8, part_starts=(0, 2, 4))):
+        with pytest.raises(ValueError, match="bound for"):
+            bound.forward(other)
 
 
 def test_readme_lists_the_supported_layers():

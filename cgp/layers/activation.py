@@ -38,40 +38,43 @@ class ReLU(_Elementwise):
         self.in_place = self.slope >= 0
         return super().setup(bottom_shapes)
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         x = bottom[0]
-        K.relu_forward(flat(x), flat(top[0]), x.dtype.type(self.slope))
+        yield K.relu_forward, (flat(x), flat(top[0]), x.dtype.type(self.slope))
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[0] is None:
             return
         x = bottom[0]
-        K.relu_backward(flat(x), flat(top_diff[0]), flat(bottom_diff[0]),
-                        x.dtype.type(self.slope))
+        yield K.relu_backward, (flat(x), flat(top_diff[0]), flat(bottom_diff[0]),
+                                x.dtype.type(self.slope))
 
 
 @register("Sigmoid")
 class Sigmoid(_Elementwise):
     """y = 1 / (1 + exp(-x)); backward uses the top y, as Caffe does."""
 
-    def forward(self, bottom, top, params, scratch, chunk):
-        K.sigmoid_forward(flat(bottom[0]), flat(top[0]))
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        yield K.sigmoid_forward, (flat(bottom[0]), flat(top[0]))
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[0] is not None:
-            K.sigmoid_backward(flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
+            yield K.sigmoid_backward, (flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
 
 
 @register("TanH")
 class TanH(_Elementwise):
     """y = tanh(x); backward uses the top y, as Caffe does."""
 
-    def forward(self, bottom, top, params, scratch, chunk):
-        K.tanh_forward(flat(bottom[0]), flat(top[0]))
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        yield K.tanh_forward, (flat(bottom[0]), flat(top[0]))
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[0] is not None:
-            K.tanh_backward(flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
+            yield K.tanh_backward, (flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
 
 
 @register("Dropout")

@@ -5,7 +5,6 @@ space live in buffers that the engine owns, one set per worker, so a single laye
 object serves every chunk of every iteration on every thread.
 """
 import mmap
-import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, NamedTuple
@@ -122,36 +121,16 @@ class Factors(NamedTuple):
     b: np.ndarray
 
 
-# part_span's results by the identity of the array they came from, which the entry watches:
-# the engine hands every call of a group the same gradient views, and numpy's as_strided
-# holds the interpreter lock for microseconds per call otherwise (bench/python_overhead.py).
-_spans = {}
-
-
 def part_span(a):
     """a: (parts, ...) per-part gradients, each part C-contiguous, at a fixed distance from
     the next -> (one flat view from a[0] over all the parts, elements from a part to the
     next), the form kernels take: a view of varying strides would compile a kernel for each
     memory layout."""
-    key = id(a)
-    seen = _spans.get(key)
-    if seen is not None and seen[0]() is a:
-        return seen[1], seen[2]
-    span, step = build_span(a)
-    # The entry goes when `a` does, before its id can be reused.
-    _spans[key] = (weakref.ref(a, lambda _, key=key: _spans.pop(key, None)), span, step)
-    return span, step
-
-
-def build_span(a):
-    """part_span without keeping the result."""
     size = a[0].size
     step = a.strides[0] // a.itemsize if a.shape[0] > 1 else size
     if not a[0].flags.c_contiguous or step < size:
         raise ValueError(f"per-part gradients must be C-contiguous and apart, got strides "
                          f"{a.strides}")
-    # From a[0], whose base is the buffer's owner: a view made from `a` itself would keep
-    # `a` alive through part_span's entry.
     return np.lib.stride_tricks.as_strided(a[0], ((a.shape[0] - 1) * step + size,),
                                            (a.itemsize,), writeable=True), step
 
@@ -168,6 +147,8 @@ class Layer:
         of up to n samples; a bare shape takes the run's float dtype
     forward(bottom, top, params, scratch, chunk)
     backward(top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk)
+        or, for a layer whose kernel calls follow from its arrays and the call's layout alone,
+        forward_calls / backward_calls (below), which forward and backward then run.
 
     In forward/backward every array has axis 0 = chunk.n samples (a view of a buffer
     sized for the largest call), except the tops of layers with `reduces_batch`
@@ -251,11 +232,34 @@ class Layer:
         raise NotImplementedError
 
     # -- per chunk ---------------------------------------------------------------
+    # A layer whose calls depend on nothing but its arrays (which buffers, not the values in
+    # them) and the call's layout (chunk.n, first, batch, part_starts; not its iteration,
+    # seed or batch_tops) yields them from forward_calls and backward_calls as (kernel,
+    # args) pairs, in order, and reads no array between them. A worker's calls repeat on
+    # the same arrays at every step, so the net keeps the pairs and makes only the calls
+    # (cgp.net.BoundCall): the Python that builds the arguments was about a fifth of a
+    # 4-sample LeNet call. Layers that read the iteration, the seed or their data in Python
+    # (Dropout, the losses) return None and override forward and backward.
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        return None
+
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
+        return None
+
     def forward(self, bottom, top, params, scratch, chunk):
-        raise NotImplementedError
+        for kernel, args in self.forward_calls(bottom, top, params, scratch, chunk):
+            kernel(*args)
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
-        raise NotImplementedError
+        for kernel, args in self.backward_calls(top, top_diff, bottom, bottom_diff, params,
+                                                param_diff, scratch, chunk):
+            kernel(*args)
+
+
+def assign(target, value):
+    """target[...] = value, as a call that a layer's forward_calls can hand over."""
+    target[...] = value
 
 
 def check_axis(layer, axis, ndim):

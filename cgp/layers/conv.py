@@ -140,17 +140,18 @@ class Convolution(Layer):
         return (self.stride_h, self.stride_w, self.pad_h, self.pad_w, self.dil_h, self.dil_w,
                 self.group)
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
         for i, (x, y) in enumerate(zip(bottom, top)):
             if self._direct():
-                K.conv_forward_direct(x, w, b, y, scratch["e"][i], scratch["wpt"],
-                                      *self._geometry())
+                yield K.conv_forward_direct, (x, w, b, y, scratch["e"][i], scratch["wpt"],
+                                              *self._geometry())
             else:
-                K.conv_forward(x, w, b, y, scratch["col"], *self._geometry())
+                yield K.conv_forward, (x, w, b, y, scratch["col"], *self._geometry())
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         w = params[0]
         dw, dw_step = part_span(param_diff[0])
         db, db_step = part_span(param_diff[1]) if self.bias_term else (np.empty(0, w.dtype), 0)
@@ -160,10 +161,10 @@ class Convolution(Layer):
             # Without dx the kernels never touch their dx argument; x stands in for the type.
             dx = dx if need_dx else x
             if self._direct():
-                K.conv_backward_direct(x, w, dy, dx, dw, dw_step, db, db_step, starts,
-                                       scratch["e"][i], scratch["dycl"], scratch["dwt"],
-                                       scratch["dbacc"], scratch["eb"], scratch["wft"],
-                                       scratch["dxp"], *self._geometry(), need_dx)
+                yield K.conv_backward_direct, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
+                                               scratch["e"][i], scratch["dycl"], scratch["dwt"],
+                                               scratch["dbacc"], scratch["eb"], scratch["wft"],
+                                               scratch["dxp"], *self._geometry(), need_dx)
             else:
-                K.conv_backward(x, w, dy, dx, dw, dw_step, db, db_step, starts, scratch["col"],
-                                *self._geometry(), need_dx)
+                yield K.conv_backward, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
+                                        scratch["col"], *self._geometry(), need_dx)

@@ -7,7 +7,7 @@ Nothing here may mix samples, so the batch axis is never concatenated, flattened
 import math
 
 from cgp.kernels import elementwise as K
-from cgp.layers.base import Layer, check_axis, register
+from cgp.layers.base import Layer, assign, check_axis, register
 from cgp.proto import caffe_pb2
 
 
@@ -54,21 +54,22 @@ class Concat(Layer):
     def _rows(self, a, size, n):
         return flat(a).reshape(n * self.outer, size * self.inner)
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         n, total = chunk.n, sum(self.sizes)
         y = self._rows(top[0], total, n)
         offset = 0
         for x, size in zip(bottom, self.sizes):
-            K.concat_forward(self._rows(x, size, n), y, offset * self.inner)
+            yield K.concat_forward, (self._rows(x, size, n), y, offset * self.inner)
             offset += size
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         n, total = chunk.n, sum(self.sizes)
         dy = self._rows(top_diff[0], total, n)
         offset = 0
         for dx, size in zip(bottom_diff, self.sizes):
             if dx is not None:
-                K.concat_backward(dy, self._rows(dx, size, n), offset * self.inner)
+                yield K.concat_backward, (dy, self._rows(dx, size, n), offset * self.inner)
             offset += size
 
 
@@ -107,26 +108,27 @@ class Eltwise(Layer):
             return {"argmax": (n,) + self.shape[1:]}
         return {}
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         P = caffe_pb2.EltwiseParameter
         xs = [flat(b) for b in bottom]
         y = flat(top[0])
         if self.op == P.SUM:
             c = [y.dtype.type(c) for c in self.coeffs]
-            K.scaled_copy(xs[0], c[0], y)
+            yield K.scaled_copy, (xs[0], c[0], y)
             for x, ci in zip(xs[1:], c[1:]):
-                K.axpy(x, ci, y)
+                yield K.axpy, (x, ci, y)
         elif self.op == P.PROD:
-            K.multiply(xs[0], xs[1], y)
+            yield K.multiply, (xs[0], xs[1], y)
             for x in xs[2:]:
-                K.multiply(y, x, y)
+                yield K.multiply, (y, x, y)
         else:
             idx = flat(scratch["argmax"][:chunk.n])
-            K.max_first(xs[0], xs[1], y, idx)
+            yield K.max_first, (xs[0], xs[1], y, idx)
             for k, x in enumerate(xs[2:], 2):
-                K.max_next(x, k, y, idx)
+                yield K.max_next, (x, k, y, idx)
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         P = caffe_pb2.EltwiseParameter
         dy = flat(top_diff[0])
         xs = [flat(b) for b in bottom]
@@ -135,30 +137,31 @@ class Eltwise(Layer):
                 continue
             dx = flat(dx)
             if self.op == P.SUM:
-                K.scaled_copy(dy, dx.dtype.type(self.coeffs[i]), dx)
+                yield K.scaled_copy, (dy, dx.dtype.type(self.coeffs[i]), dx)
             elif self.op == P.PROD:
                 if self.stable_prod_grad:
                     # The product of the other bottoms, in bottom order, then times dy.
                     others = [x for j, x in enumerate(xs) if j != i]
-                    K.copy(others[0], dx)
+                    yield K.copy, (others[0], dx)
                     for x in others[1:]:
-                        K.multiply(dx, x, dx)
-                    K.multiply(dx, dy, dx)
+                        yield K.multiply, (dx, x, dx)
+                    yield K.multiply, (dx, dy, dx)
                 else:
-                    K.divide_multiply(flat(top[0]), xs[i], dy, dx)
+                    yield K.divide_multiply, (flat(top[0]), xs[i], dy, dx)
             else:
-                K.max_backward(dy, flat(scratch["argmax"][:chunk.n]), i, dx)
+                yield K.max_backward, (dy, flat(scratch["argmax"][:chunk.n]), i, dx)
 
 
 class _Copy(Layer):
     """A top that holds the bottom's elements in the same order under another shape."""
 
-    def forward(self, bottom, top, params, scratch, chunk):
-        K.copy(flat(bottom[0]), flat(top[0]))
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        yield K.copy, (flat(bottom[0]), flat(top[0]))
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[0] is not None:
-            K.copy(flat(top_diff[0]), flat(bottom_diff[0]))
+            yield K.copy, (flat(top_diff[0]), flat(bottom_diff[0]))
 
 
 @register("Flatten")
@@ -238,22 +241,23 @@ class Split(Layer):
     def setup(self, bottom_shapes):
         return [tuple(bottom_shapes[0])] * len(self.lp.top)
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         x = flat(bottom[0])
         for y in top:
-            K.copy(x, flat(y))
+            yield K.copy, (x, flat(y))
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[0] is None:
             return
         dx = flat(bottom_diff[0])
         # A top whose consumers need no gradient may come without one: it adds nothing.
         diffs = [flat(d) for d in top_diff if d is not None]
         if not diffs:
-            dx[...] = 0
+            yield assign, (dx, 0)
         elif len(diffs) == 1:
-            K.copy(diffs[0], dx)
+            yield K.copy, (diffs[0], dx)
         else:
-            K.add(diffs[0], diffs[1], dx)
+            yield K.add, (diffs[0], diffs[1], dx)
             for d in diffs[2:]:
-                K.add(dx, d, dx)
+                yield K.add, (dx, d, dx)

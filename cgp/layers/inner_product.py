@@ -6,7 +6,7 @@ on its chunk (see cgp.kernels.fc). Axis 0 is refused.
 import numpy as np
 
 from cgp.kernels import fc as K
-from cgp.layers.base import Factors, Layer, check_axis, part_span, register
+from cgp.layers.base import Factors, Layer, assign, check_axis, part_span, register
 
 
 def matrix(a, rows, cols):
@@ -59,18 +59,19 @@ class InnerProduct(Layer):
         p = self.lp.inner_product_param
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         m = chunk.n * self.rows
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
-        K.fc_forward(matrix(bottom[0], m, self.C), w, b, matrix(top[0], m, self.K), self.transpose,
-                     scratch["rows"])
+        yield K.fc_forward, (matrix(bottom[0], m, self.C), w, b, matrix(top[0], m, self.K),
+                             self.transpose, scratch["rows"])
 
     def factor_shape(self):
         # The weight gradient is dy^T @ x, or x^T @ dy when the weight is stored transposed.
         return (self.rows, self.C, self.K) if self.transpose else (self.rows, self.K, self.C)
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         m = chunk.n * self.rows
         x = matrix(bottom[0], m, self.C)
         dy = matrix(top_diff[0], m, self.K)
@@ -78,16 +79,18 @@ class InnerProduct(Layer):
         none = np.empty(0, x.dtype)
         # Without dx (or dw) the kernel never touches that argument; x stands in for the type.
         if bottom_diff[0] is not None:
-            K.fc_backward(x, w, dy, matrix(bottom_diff[0], m, self.C), x, none, self.transpose,
-                          True, False, False, scratch["rows"])
+            yield K.fc_backward, (x, w, dy, matrix(bottom_diff[0], m, self.C), x, none,
+                                  self.transpose, True, False, False, scratch["rows"])
         factored = isinstance(dw, Factors)
         starts = chunk.starts * self.rows
         if factored:
-            dw.a[...], dw.b[...] = (x, dy) if self.transpose else (dy, x)
+            a, b = (x, dy) if self.transpose else (dy, x)
+            yield assign, (dw.a, a)
+            yield assign, (dw.b, b)
         else:  # each part's weight gradient, the chain over its own rows
             for i, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
-                K.fc_backward(x[lo:hi], w, dy[lo:hi], x, dw[i], none, self.transpose, False,
-                              True, self.overwrite_param_diff, scratch["rows"])
+                yield K.fc_backward, (x[lo:hi], w, dy[lo:hi], x, dw[i], none, self.transpose,
+                                      False, True, self.overwrite_param_diff, scratch["rows"])
         if self.bias_term:
             db, step = part_span(param_diff[1])
-            K.bias_parts(dy, db, step, starts, self.overwrite_param_diff)
+            yield K.bias_parts, (dy, db, step, starts, self.overwrite_param_diff)

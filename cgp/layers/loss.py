@@ -115,16 +115,18 @@ class Softmax(_ClassAxis):
     def scratch_shapes(self, n):
         return {"work": (self.inner,)}
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         n = chunk.n
-        K.softmax_forward(self._scores(bottom[0], n), self._scores(top[0], n), scratch["work"])
+        yield K.softmax_forward, (self._scores(bottom[0], n), self._scores(top[0], n),
+                                  scratch["work"])
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[0] is None:
             return
         n = chunk.n
-        K.softmax_backward(self._scores(top[0], n), self._scores(top_diff[0], n),
-                           self._scores(bottom_diff[0], n), scratch["work"])
+        yield K.softmax_backward, (self._scores(top[0], n), self._scores(top_diff[0], n),
+                                   self._scores(bottom_diff[0], n), scratch["work"])
 
 
 @register("SoftmaxWithLoss")

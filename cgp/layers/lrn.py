@@ -47,19 +47,20 @@ class LRN(Layer):
         plane = h * w if self.across else K.plane_size(h, w, self.size)
         return {"scale": (n, c, h, w), "power": (n, c, h, w), "plane": (plane,)}
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         x = bottom[0]
         t = x.dtype.type
         scale, power = scratch["scale"][:chunk.n], scratch["power"][:chunk.n]
         if self.across:
             # Caffe forms alpha / size in the blob's type.
-            K.lrn_across_forward(x, top[0], scale, power, self.size,
-                                 t(self.alpha) / t(self.size), t(self.beta), t(self.k))
+            yield K.lrn_across_forward, (x, top[0], scale, power, self.size,
+                                         t(self.alpha) / t(self.size), t(self.beta), t(self.k))
         else:
-            K.lrn_within_forward(x, top[0], scale, power, scratch["plane"], self.size,
-                                 t(self.alpha), t(self.beta))
+            yield K.lrn_within_forward, (x, top[0], scale, power, scratch["plane"], self.size,
+                                         t(self.alpha), t(self.beta))
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[0] is None:
             return
         x = bottom[0]
@@ -68,5 +69,5 @@ class LRN(Layer):
         window = self.size if self.across else self.size * self.size
         cache_ratio = t(2.0 * self.alpha * self.beta / window)
         kernel = K.lrn_across_backward if self.across else K.lrn_within_backward
-        kernel(x, top[0], top_diff[0], scale, power, bottom_diff[0], self.size, cache_ratio,
-               scratch["plane"])
+        yield kernel, (x, top[0], top_diff[0], scale, power, bottom_diff[0], self.size,
+                       cache_ratio, scratch["plane"])

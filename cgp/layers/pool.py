@@ -6,7 +6,7 @@ each other; the `engine` field chooses an implementation in Caffe and is ignored
 import numpy as np
 
 from cgp.kernels import pool as K
-from cgp.layers.base import Layer, register
+from cgp.layers.base import Layer, assign, register
 from cgp.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
@@ -120,21 +120,22 @@ class Pooling(Layer):
     def _window(self):
         return self.R, self.S, self.stride_h, self.stride_w, self.pad_h, self.pad_w
 
-    def forward(self, bottom, top, params, scratch, chunk):
+    def forward_calls(self, bottom, top, params, scratch, chunk):
         if self.max:
             arg = scratch["arg"][:chunk.n]
-            K.max_pool_forward(bottom[0], top[0], arg, scratch["rowmax"], scratch["rowarg"],
-                               *self._window())
+            yield K.max_pool_forward, (bottom[0], top[0], arg, scratch["rowmax"],
+                                       scratch["rowarg"], *self._window())
             if len(top) == 2:
-                top[1][...] = arg
+                yield assign, (top[1], arg)
         else:
-            K.ave_pool_forward(bottom[0], top[0], scratch["planes"], *self._window())
+            yield K.ave_pool_forward, (bottom[0], top[0], scratch["planes"], *self._window())
 
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
         if bottom_diff[0] is None:
             return
         if self.max:
-            K.max_pool_backward(top_diff[0], scratch["arg"][:chunk.n], bottom_diff[0])
+            yield K.max_pool_backward, (top_diff[0], scratch["arg"][:chunk.n], bottom_diff[0])
         else:
-            K.ave_pool_backward(top_diff[0], bottom_diff[0], scratch["planes"], scratch["cover"],
-                                *self._window())
+            yield K.ave_pool_backward, (top_diff[0], bottom_diff[0], scratch["planes"],
+                                        scratch["cover"], *self._window())
