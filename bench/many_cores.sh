@@ -3,8 +3,8 @@
 # then `cgp bench speedup` for LeNet and cifar10_quick (on generated CIFAR-10 files), each with
 # the ceiling of N one-thread copies and PyTorch at the same thread counts, then how even the
 # steps of 1 and 16 workers are (bench/step_tail.py), what a 16-worker call costs beside a
-# 2-worker one (bench/call_size.py), its Python (bench/python_overhead.py) and the bitwise
-# check. One command, so that a borrowed machine's minutes go to measuring; the results (JSON,
+# 2-worker one (bench/call_size.py), its Python (bench/python_overhead.py), LeNet on workers
+# as threads, and the bitwise check. One command, so that a borrowed machine's minutes go to measuring; the results (JSON,
 # CSV, PNG) and the log land in OUTDIR.
 #
 #     bash bench/many_cores.sh OUTDIR [THREADS]        # THREADS default 1,2,4,8,16
@@ -48,5 +48,9 @@ step $py "$here/bench/step_tail.py" cifar10_quick --threads "1,$top" --steps 100
     --data-dir "$cifar"
 step $py "$here/bench/call_size.py"
 step $py "$here/bench/python_overhead.py" --threads "$top"
+# Workers as threads, whose calls hold the interpreter lock for less since bound layer calls:
+# whether more than cgp.cli.THREAD_WORKERS_SCALE of them now run faster.
+step $py -m cgp bench speedup mnist --threads "$threads" --workers threads --iters 100 \
+    --lead-in 20 --repeats 3 --out "$out"
 step $py -m cgp equivalence mnist --threads "$threads" --iters 100 --workers threads,processes
 rm -rf "$cifar"
