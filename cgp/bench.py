@@ -441,10 +441,20 @@ def _serve_copy(pipe, config):
                 pipe.send((False, f"{type(error).__name__}: {error}"))
 
 
-def torch_config(torch_ref, threads, layout, trainer, data_trainer):
+# What --denormals does to subnormals, for the line that says how PyTorch runs.
+DENORMALS_DONE = {"flush": "flushed", "keep": "kept"}
+
+
+def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
     """Trains the PyTorch copy on the batches that cgp's data layers make, with `threads`
-    PyTorch threads; as in cgp's step, making the batch is part of the timed iteration."""
-    from contextlib import nullcontext
+    PyTorch threads; as in cgp's step, making the batch is part of the timed iteration.
+    flush: PyTorch's subnormals as cgp's (--denormals), set with its own switch
+    (torch.set_flush_denormal) for each timing: left on, as PyTorch's default, its training
+    slowed to a sixth once subnormals appeared (cifar10_quick on generated data, after 35
+    steps: bench/torch_subnormals.py), which cgp's default arithmetic never pays."""
+    from contextlib import contextmanager
+
+    from cgp.kernels import fpenv
 
     state = {"iter": 0}
     net = data_trainer.net
@@ -462,9 +472,15 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer):
         state["iter"], weights = state["saved"]
         trainer.restore(weights)
 
+    @contextmanager
     def context():
         torch_ref.set_threads(threads)
-        return nullcontext()
+        state = fpenv.set_flush(flush)   # the caller's mode, to go back to
+        torch_ref.flush_denormal(flush)
+        try:
+            yield
+        finally:
+            fpenv.restore(state)
     return Config("torch", threads, layout, run=run, context=context, save=save, restore=restore)
 
 
@@ -726,14 +742,17 @@ def cmd_speedup(args, log=print):
                     f"{first.solver.type}")
             for layout in torch_ref.LAYOUTS:
                 configs += [torch_config(torch_ref, t, layout,
-                                         torch_ref.TorchTrainer(net, sp, layout), first)
+                                         torch_ref.TorchTrainer(net, sp, layout), first,
+                                         args.denormals == "flush")
                             for t in threads]
         from cgp.snapshot import writable_folder
         writable_folder(Path(args.out) / "results.json")   # found out now, not after the timing
+        torch_note = (f"; PyTorch {torch_ref.version()} (subnormals "
+                      f"{DENORMALS_DONE[args.denormals]} as in cgp)" if torch_ref else "")
         log(f"cgp bench speedup: {path}, net '{net.name}', batch {images} in "
             f"{len(first.engine.bounds)} chunks; threads {','.join(map(str, threads))}"
             f" as {' and as '.join(workers)}"
-            f"{'; PyTorch ' + torch_ref.version() if torch_ref else ''}"
+            f"{torch_note}"
             f"{'; the machine ceiling' if ceilings else ''}; {args.warmup} warm-up "
             f"+ {args.repeats} x ({args.lead_in} untimed + {args.iters}) iterations each, "
             "interleaved")

@@ -242,3 +242,9 @@ def version():
 
 def set_threads(n):
     torch.set_num_threads(n)
+
+
+def flush_denormal(on):
+    """PyTorch's own switch for flushing subnormal floats to zero (FTZ and DAZ), as a PyTorch
+    user sets it."""
+    torch.set_flush_denormal(on)

@@ -451,6 +451,34 @@ def test_torch_training_state_is_restored(mnist_dir):
         trainer.close()
 
 
+@pytest.mark.parametrize("flush", [True, False])
+def test_torch_timings_treat_subnormals_as_cgp_does(mnist_dir, flush):
+    """--compare torch: each PyTorch timing runs with subnormals flushed where cgp's do
+    (--denormals flush, the default), kept where they are kept, and gives the caller its
+    own mode back; a product that underflows shows which mode PyTorch computed in."""
+    torch = pytest.importorskip("torch")
+    from cgp import torch_ref
+    from cgp.bench import torch_config
+    from cgp.kernels import fpenv
+
+    trainer = mnist_trainer(mnist_dir)
+    before = fpenv.set_flush(not flush)   # the caller in the other mode
+    threads = torch.get_num_threads()
+    try:
+        config = torch_config(torch_ref, 1, "channels_last",
+                              torch_ref.TorchTrainer(trainer.net, trainer.sp), trainer, flush)
+        tiny = torch.full((64,), 1e-30)
+        with config.context():
+            assert fpenv.flushing() == flush
+            assert bool((tiny * 1e-10 == 0).all()) == flush   # 1e-40 is subnormal
+            config.run(1)
+        assert fpenv.flushing() == (not flush)
+    finally:
+        fpenv.restore(before)
+        torch.set_num_threads(threads)
+        trainer.close()
+
+
 def test_torch_copy_of_every_supported_layer():
     pytest.importorskip("torch")
     from cgp.comm import ThreadCommunicator
