@@ -449,7 +449,7 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
     """Trains the PyTorch copy on the batches that cgp's data layers make, with `threads`
     PyTorch threads; as in cgp's step, making the batch is part of the timed iteration.
     flush: PyTorch's subnormals as cgp's (--denormals), set with its own switch
-    (torch.set_flush_denormal) for each timing: left on, as PyTorch's default, its training
+    (torch.set_flush_denormal) for each timing: kept, as PyTorch's default, its training
     slowed to a sixth once subnormals appeared (cifar10_quick on generated data, after 35
     steps: bench/torch_subnormals.py), which cgp's default arithmetic never pays."""
     from contextlib import contextmanager
@@ -475,12 +475,12 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
     @contextmanager
     def context():
         torch_ref.set_threads(threads)
-        state = fpenv.set_flush(flush)   # the caller's mode, to go back to
+        caller = fpenv.set_flush(flush)   # the caller's mode, to go back to
         torch_ref.flush_denormal(flush)
         try:
             yield
         finally:
-            fpenv.restore(state)
+            fpenv.restore(caller)
     return Config("torch", threads, layout, run=run, context=context, save=save, restore=restore)
 
 
