@@ -64,15 +64,10 @@ def main():
             bound.forward(chunk)
             bound.backward(chunk)
 
-        def rebind(bounds, views):
-            chunk = call_chunk(bounds, batch=net.batch_size, batch_tops={})
-            data = net.forward(ws, chunk, batch, engine.params)
-            net.backward(ws, chunk, data, engine.params, views)
-
         empty_bounds = [(0, 0)] * len(bounds)   # the same parts, no samples
         empty = best(lambda b=bind(empty_bounds, first_call_grad_views(engine, 0)): call(*b),
                      200)
-        unbound = best(lambda: rebind(empty_bounds, first_call_grad_views(engine, 0)), 200)
+        unbound = best(lambda: call(*bind(empty_bounds, first_call_grad_views(engine, 0))), 200)
         full = best(lambda b=bind(bounds, first_call_grad_views(engine, samples)): call(*b), 10)
     calls = len(net.entries) + sum(e.backward for e in net.entries)
     threads = args.threads

@@ -162,10 +162,11 @@ class LayerTimer:
         self.params = net.param_views(net.params)
         self.grads = np.zeros((group, net.n_params), np.float32)  # a row per part
         self.grad_views = [net.param_views(self.grads[:len(call)]) for call in self.calls]
-        self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
         # The batch is copied here, so that each call's layer calls are bound once, as the
         # engine's are (Net.bind).
-        self.inputs = {t: np.zeros(net.blob_shapes[t], np.float32) for t in self.source_names}
+        names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
+        self.inputs = {t: np.zeros(net.blob_shapes[t], np.float32) for t in names}
+        self.batch_tops = {names[t]: a for t, a in self.inputs.items()}   # Chunk.batch_tops
         self.bound = [None] * len(self.calls)
         self.forward = np.zeros(len(net.entries))
         self.backward = np.zeros(len(net.entries))
@@ -180,11 +181,10 @@ class LayerTimer:
         started = time.perf_counter()
         for blob, array in load_batch(net, iteration, self.seed, self.data).items():
             self.inputs[blob][...] = array
-        by_name = {self.source_names[b]: a for b, a in self.inputs.items()}
         loss, t_forward, t_backward = 0.0, time.perf_counter() - started, 0.0
         for k, (call, grad_views) in enumerate(zip(self.calls, self.grad_views)):
             chunk = call_chunk(call, batch=net.batch_size, iteration=iteration, seed=self.seed,
-                               batch_tops=by_name)
+                               batch_tops=self.batch_tops)
             if self.bound[k] is None:
                 data = net.call_views(self.ws, chunk, self.inputs)
                 self.bound[k] = net.bind(self.ws, chunk, data, self.params,
