@@ -237,8 +237,9 @@ class Layer:
     # seed or batch_tops) yields them from forward_calls and backward_calls as (kernel,
     # args) pairs, in order, and reads no array between them. A worker's calls repeat on
     # the same arrays at every step, so the net keeps the pairs and makes only the calls
-    # (cgp.net.BoundCall): the Python that builds the arguments was about a fifth of a
-    # 4-sample LeNet call. Layers that read the iteration, the seed or their data in Python
+    # (cgp.net.BoundCall): building the arguments at every call made most of a 4-sample
+    # LeNet call's fixed cost (104 - 160 us of it, 39 - 61 us since: README's design notes,
+    # bench/python_overhead.py). Layers that read the iteration, the seed or their data in Python
     # (Dropout, the losses) return None and override forward and backward.
     def forward_calls(self, bottom, top, params, scratch, chunk):
         return None
