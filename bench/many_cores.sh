@@ -4,8 +4,8 @@
 # the ceiling of N one-thread copies and PyTorch at the same thread counts, then how even the
 # steps of 1 and 16 workers are (bench/step_tail.py), what a 16-worker call costs beside a
 # 2-worker one (bench/call_size.py), its Python (bench/python_overhead.py), LeNet on workers
-# as threads, and the bitwise check. One command, so that a borrowed machine's minutes go to measuring; the results (JSON,
-# CSV, PNG) and the log land in OUTDIR.
+# as threads, and the bitwise check. One command, so that a borrowed machine's minutes go to
+# measuring; the results (JSON, CSV, PNG) and the log land in OUTDIR.
 #
 #     bash bench/many_cores.sh OUTDIR [THREADS]        # THREADS default 1,2,4,8,16
 set -u -o pipefail

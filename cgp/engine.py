@@ -397,7 +397,6 @@ class Engine:
             tracked.setdefault(blob, net.blob_names[blob])
         self.tracked = list(tracked.items())
         self.shares = aligned_zeros((len(self.bounds), len(self.tracked)), np.float64, shared)
-        self.source_names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
         # What run() adds up after its calls, made once: the shares in the run's dtype, their
         # totals, and (index into tracked, loss weight) of each loss.
         self._shares = np.empty(self.shares.shape, self.dtype)
@@ -409,10 +408,9 @@ class Engine:
         # caller may copy the next batch into the other (stage()). Calls thus always read the
         # same arrays, which their bound layer calls keep (below).
         self.inputs = [{t: aligned_zeros(net.blob_shapes[t], self.dtype, shared)
-                        for t in self.source_names} for _ in range(2)]
+                        for t in net.source_names} for _ in range(2)]
         # What losses that count the batch's labels read (Chunk.batch_tops), for each set.
-        self._batch_tops = [{self.source_names[t]: a for t, a in inputs.items()}
-                            for inputs in self.inputs]
+        self._batch_tops = [net.batch_tops(inputs) for inputs in self.inputs]
         self._slot = 0          # the set of inputs that the latest run read
         self._staged = None     # (batch, its set) copied by stage() for the next run
         # Per worker, the layer calls of each (group, set of inputs), bound at its first call

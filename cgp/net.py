@@ -115,6 +115,9 @@ class Net:
         consumers = self._count_consumers(lps)
         for index, lp in enumerate(lps):
             self._add_layer(lp, index, consumers)
+        # Source blob id -> the data layer's prototxt top name, which losses look labels up by.
+        self.source_names = {t: name for e in self.sources
+                             for name, t in zip(e.layer.lp.top, e.tops)}
         self.batch_size = self._batch_size()
         self._layout_params()
         self.loss_weights = self._loss_weights()
@@ -389,6 +392,11 @@ class Net:
         for blob, array in batch_data.items():
             data[blob] = array[lo:hi]
         return data
+
+    def batch_tops(self, batch):
+        """batch (source blob id -> array) keyed by the data layers' top names instead, as
+        Chunk.batch_tops takes it."""
+        return {self.source_names[t]: a for t, a in batch.items()}
 
     def bind(self, ws, chunk, data, params, param_diffs=None, plan=None):
         """The layer calls of calls laid out as `chunk` on these arrays (see BoundCall).

@@ -164,9 +164,8 @@ class LayerTimer:
         self.grad_views = [net.param_views(self.grads[:len(call)]) for call in self.calls]
         # The batch is copied here, so that each call's layer calls are bound once, as the
         # engine's are (Net.bind).
-        names = {t: name for e in net.sources for name, t in zip(e.layer.lp.top, e.tops)}
-        self.inputs = {t: np.zeros(net.blob_shapes[t], np.float32) for t in names}
-        self.batch_tops = {names[t]: a for t, a in self.inputs.items()}   # Chunk.batch_tops
+        self.inputs = {t: np.zeros(net.blob_shapes[t], np.float32) for t in net.source_names}
+        self.batch_tops = net.batch_tops(self.inputs)
         self.bound = [None] * len(self.calls)
         self.forward = np.zeros(len(net.entries))
         self.backward = np.zeros(len(net.entries))
