@@ -13,7 +13,7 @@ import statistics
 import time
 
 from cgp.engine import Pool
-from cgp.kernels import spin
+from cgp.runtime import spin
 from cgp.layers import aligned_zeros
 from cgp.procs import ProcessPool
 

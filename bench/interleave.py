@@ -35,9 +35,9 @@ def import_revision(rev, path, folder, script):
 
 
 def import_revisions(rev, paths, folder):
-    """The modules in files `paths` (from the repository root, e.g. kernels/tile.py) as of git
+    """The modules in files `paths` (from the repository root, e.g. cgp/runtime/simd.py) as of git
     revision `rev`, imported in that order from copies in `folder` as base_<file name>. A
-    copy's imports of the others (`from cgp.kernels.tile import`) are rewritten to the
+    copy's imports of the others (`from cgp.runtime.simd import`) are rewritten to the
     copies, so the revision's modules use each other, not the working tree's. `rev` may
     also be a folder that holds the revision's files at their paths (`git archive REV | tar
     -x -C DIR`), for a copy of the working tree without git's history (a lent machine).

@@ -66,8 +66,8 @@ def base_modules(rev, folder):
     """The revision's kernels/conv.py, pool.py, reduce.py, fc.py and lrn.py, importing its own
     tile.py and elementwise.py, as modules base_conv, base_pool, base_reduce, base_fc and
     base_lrn."""
-    m = import_revisions(rev, ["kernels/tile.py", "kernels/elementwise.py", "kernels/conv.py",
-                               "kernels/pool.py", "kernels/reduce.py", "kernels/fc.py",
+    m = import_revisions(rev, ["cgp/runtime/simd.py", "kernels/elementwise.py", "kernels/conv.py",
+                               "kernels/pool.py", "cgp/runtime/reduce.py", "kernels/fc.py",
                                "kernels/lrn.py"], folder)
     return m["conv"], m["pool"], m["reduce"], m["fc"], m["lrn"]
 

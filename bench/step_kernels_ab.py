@@ -1,6 +1,6 @@
 """Interleaved A/B of whole training steps with another git revision's layer kernels
 (kernels/fc.py for InnerProduct, kernels/pool.py for Pooling, kernels/conv.py for Convolution,
-each with that revision's tile.py) and its reduction (cgp/comm.py with its kernels/reduce.py),
+each with that revision's tile.py) and its reduction (cgp/comm.py with its cgp/runtime/reduce.py),
 against the working tree's; the rest of the package is the working tree's. Two trainers train
 from one seed in one process, their steps interleaved round by round; prints the median time
 of a step for each, the working tree's speed as the median of the per-round ratios, and
@@ -34,8 +34,8 @@ LAYERS = (cgp.layers.inner_product, cgp.layers.pool, cgp.layers.conv)
 
 def base_modules(rev, folder):
     """The revision's kernels/fc.py, pool.py and conv.py, and its cgp/comm.py with its
-    kernels/reduce.py, importing its own tile.py: (fc, pool, conv, comm) modules."""
-    m = import_revisions(rev, ["kernels/tile.py", "kernels/reduce.py", "kernels/fc.py",
+    cgp/runtime/reduce.py, importing its own tile.py: (fc, pool, conv, comm) modules."""
+    m = import_revisions(rev, ["cgp/runtime/simd.py", "cgp/runtime/reduce.py", "kernels/fc.py",
                                "kernels/pool.py", "kernels/conv.py", "cgp/comm.py"], folder)
     return m["fc"], m["pool"], m["conv"], m["comm"]
 

@@ -1,4 +1,4 @@
-"""The speeds of the tile shapes (cgp.kernels.tile.SHAPES) in the convolution weight gradient,
+"""The speeds of the tile shapes (cgp.runtime.simd.SHAPES) in the convolution weight gradient,
 where the kernels read them from SPEEDS_STRIDED to choose a shape: each shape forced in turn
 on the stride-1 convolutions of the shipped nets (bench/kernel_ab.py's LAYERS), one thread.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from threadpoolctl import threadpool_limits
 
 from cgp.kernels import conv
-from cgp.kernels.tile import SHAPES, choose, lanes
+from cgp.runtime.simd import SHAPES, choose, lanes
 from kernel_ab import LAYERS, runs  # bench/, on the path when run as a script
 
 # The line of kernels/conv.py that chooses the weight gradient's shape.

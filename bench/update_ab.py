@@ -49,7 +49,7 @@ def main():
     parser.add_argument("--base", default="8c8dd84")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        base = import_revision(args.base, "kernels/update.py", folder, "update_ab.py")
+        base = import_revision(args.base, "cgp/runtime/update.py", folder, "update_ab.py")
         pair = [pair_trainer(args, "threads") for _ in range(2)]
         pair[0].solver.apply = old_apply(pair[0].solver, base)
         for _ in range(2):   # compiled first

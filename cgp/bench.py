@@ -361,7 +361,7 @@ class Copies:
     def __init__(self, n, own):
         import multiprocessing
 
-        from cgp import procs
+        from cgp.runtime import procs
         from cgp.errors import CgpError
         if not procs.available():
             raise CgpError("--ceiling needs an OS that can fork() (Linux, macOS)")
@@ -454,7 +454,7 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
     steps: bench/torch_subnormals.py), which cgp's default arithmetic never pays."""
     from contextlib import contextmanager
 
-    from cgp.kernels import fpenv
+    from cgp.runtime import fpenv
 
     state = {"iter": 0}
     net = data_trainer.net

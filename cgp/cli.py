@@ -25,7 +25,7 @@ WORKERS = ("threads", "processes")
 
 
 def add_workers_option(p, listed=False):
-    """--workers; None when not given: cgp.procs.default_workers() (imported only to run)."""
+    """--workers; None when not given: cgp.runtime.procs.default_workers() (imported only to run)."""
     if listed:
         p.add_argument("--workers", default=None,
                        help="'threads', 'processes' or both, comma-separated: every thread count "
@@ -84,7 +84,7 @@ def add_train(sub):
 
 
 def denormals_text(flush):
-    from cgp.kernels import fpenv
+    from cgp.runtime import fpenv
     if not flush:
         return "subnormals kept (IEEE)"
     if fpenv.SUPPORTED:
@@ -131,7 +131,7 @@ def check_threads(threads, log, workers=None):
 
 
 def cmd_train(args, log=print):
-    from cgp.procs import worker_noun
+    from cgp.runtime.procs import worker_noun
     from cgp.prototxt import read_solver
     from cgp.train import RunConfig, Trainer
 
@@ -206,7 +206,7 @@ def thread_list(text):
 
 def worker_kind(value):
     """The kind of worker of a run's --workers; None (not given): the default kind."""
-    from cgp.procs import default_workers
+    from cgp.runtime.procs import default_workers
     return value or default_workers()
 
 

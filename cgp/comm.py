@@ -1,18 +1,26 @@
-"""Communicators: how the per-chunk gradients of one iteration become one gradient.
+"""Communicators: how the per-chunk gradients of one iteration become the batch's gradient.
 
-The sum runs over chunk index in a fixed binary tree, so the result depends on the
-number of chunks alone, never on threads (or, later, on how chunks map to MPI ranks:
-a rank will own a contiguous range of chunks). A chunk's gradient comes either as a row of
-a (chunks, parameters) buffer or, for a weight whose gradient is a product A^T @ B
-(InnerProduct), as its factors: the product is then formed inside the reduction, with the
-same bits, and never stored once per chunk.
+The sum runs over chunk index in one fixed binary tree (stride 1, 2, 4, ...), so the result
+depends on the number of chunks alone, never on how many workers, processes or ranks compute
+them. A process computes a contiguous range of the K chunks (owned: all of them on one
+machine) and its communicator sums them in that tree, column block by column block, as the
+engine's backward passes finish each layer; a communicator across processes (MPI, later)
+then completes the tree with the other ranks' partial sums before any update (exchange).
+A chunk's gradient comes either as a row of a (chunks, parameters) buffer or, for a weight
+whose gradient is a product A^T @ B (InnerProduct), as its factors: the product is then
+formed inside the reduction, with the same bits, and never stored once per chunk.
+
+The protocol that cgp.engine and cgp.parallel rely on is Communicator below;
+make_communicator() picks the implementation: LocalCommunicator (the threads or worker
+processes of one machine), ReferenceCommunicator (plain NumPy, the naive twin that tests
+compare with).
 """
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from cgp.kernels.reduce import TILE, outer_stack_size, outer_tree_sum, tree_sum
-from cgp.layers import aligned_zeros
+from cgp.runtime.memory import aligned_zeros
+from cgp.runtime.reduce import TILE, outer_stack_size, outer_tree_sum, tree_sum
 
 BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enough to balance
 # Chunk-gradient elements a tree-sum task reads, about: LeNet's 16 chunks of conv2 (25,050
@@ -26,7 +34,7 @@ ROW_GRAIN = 24
 class FactoredGrad(NamedTuple):
     """A parameter gradient held as factors: chunk c's share is A_c^T @ B_c, over rows
     starts[c]:starts[c + 1] of A (M, J) and B (M, L), whose row-major elements lead the flat
-    arrays a and b (see kernels.reduce.outer_tree_sum). It fills the (J, L) block of the
+    arrays a and b (see runtime.reduce.outer_tree_sum). It fills the (J, L) block of the
     flat gradient at offset."""
     offset: int
     J: int
@@ -69,13 +77,45 @@ def split(ranges, cuts):
     return out
 
 
+class Communicator(Protocol):
+    """What the engine and the data-parallel step ask of a communicator. A run of the engine
+    computes the chunks owned(K) and runs plan()'s tasks, each once its columns are written;
+    then the step calls exchange(), updates update_blocks() with the solver, and share()s."""
+
+    takes_factors: bool   # whether plan() takes FactoredGrad blocks
+    final_in_task: bool   # whether a task's columns hold the batch's sum once it has run
+
+    def owned(self, chunks):
+        """The range of chunks, lo..hi of `chunks`, that this process computes."""
+
+    def plan(self, bufs, factored=(), cuts=()):
+        """A Reduction: the fixed-order sum of bufs' rows (one per owned chunk) and of the
+        factored blocks, cut into tasks once, each ending at the columns `cuts` too."""
+
+    def exchange(self, reduction):
+        """The step between "local sums done" and "update": makes the reduction's result
+        hold the batch's sum of every column of update_blocks(), in the same tree."""
+
+    def update_blocks(self, n):
+        """The fixed blocks (lo, hi) of n parameters that this process updates."""
+
+    def share(self, params):
+        """After the update of update_blocks(): every process holds all the new params."""
+
+    def gather(self, shares, owned):
+        """Fills the rows of a (K, m) array that the chunks of other processes wrote."""
+
+    def gather_blocks(self, values):
+        """Per-block values of this process's update_blocks() -> those of every block."""
+
+
 class Reduction:
-    """A reduction cut into tasks once (ThreadCommunicator.plan): task(w, i), run by worker w,
-    writes the sum over chunks of the columns spans[i] = (lo, hi) of the flat gradient into
-    result[lo:hi], reading the chunks' gradients (or factors) of those columns alone.
-    Called, it runs every task on the pool and returns result; a caller may instead run the
-    tasks within a run of its own, each once the chunks' gradients of its columns are
-    written (Engine, which overlaps them with the backward passes still running)."""
+    """A reduction cut into tasks once (Communicator.plan): task(w, i), run by worker w,
+    writes the sum over the owned chunks of the columns spans[i] = (lo, hi) of the flat
+    gradient into result[lo:hi], reading the chunks' gradients (or factors) of those columns
+    alone. Called, it runs every task on the pool and returns result; the engine instead runs
+    the tasks within its calls' run, each once the chunks' gradients of its columns are
+    written."""
 
     def __init__(self, pool, tasks, spans, result):
         self.tasks, self.spans, self.result = tasks, spans, result
@@ -90,13 +130,20 @@ class Reduction:
         return self.result
 
 
-class ThreadCommunicator:
-    """Tree-sums chunk buffers in parallel over column blocks on a pool: cgp.engine.Pool's
-    threads, or cgp.procs.ProcessPool's processes (the buffers then in shared memory)."""
+class LocalCommunicator:
+    """One process owns every chunk: tree-sums chunk buffers in parallel over column blocks on
+    a pool (cgp.runtime.pool.Pool's threads, or cgp.runtime.procs.ProcessPool's processes,
+    the buffers then in shared memory); each task's sum is the batch's."""
+
+    takes_factors = True
+    final_in_task = True
 
     def __init__(self, pool):
         self.pool = pool
         self._scratch = {}
+
+    def owned(self, chunks):
+        return range(chunks)
 
     def _worker_scratch(self, k, dtype):
         """Per worker: the tree's tile of partial sums, and a factored gradient's stack of
@@ -134,6 +181,45 @@ class ThreadCommunicator:
         the rows of bufs leave out. Returns the sum, written into row 0, in one fixed tree
         over chunk index for every element."""
         return self.plan(bufs, factored)()
+
+    def exchange(self, reduction):
+        """Nothing to exchange: every chunk is here."""
+
+    def update_blocks(self, n):
+        return blocks(n)
+
+    def share(self, params):
+        """Nothing to share: every worker reads these parameters."""
+
+    def gather(self, shares, owned):
+        """Nothing to gather: every row is this process's."""
+
+    def gather_blocks(self, values):
+        return list(values)
+
+
+class ReferenceCommunicator(LocalCommunicator):
+    """The naive twin of LocalCommunicator: the whole gradient in one task, summed level by
+    level in plain NumPy (reference_reduce), never from factors. Bitwise the same sums (a
+    test trains through both); slow, for tests."""
+
+    takes_factors = False
+
+    def plan(self, bufs, factored=(), cuts=()):
+        if factored:
+            raise ValueError("ReferenceCommunicator sums materialised chunk gradients only")
+
+        def task(w):
+            bufs[0] = reference_reduce(bufs)
+        return Reduction(self.pool, [task], [(0, bufs.shape[1])], bufs[0])
+
+
+COMMUNICATORS = {"local": LocalCommunicator, "reference": ReferenceCommunicator}
+
+
+def make_communicator(pool, kind="local"):
+    """The communicator of a run on `pool`: the one place where it is chosen."""
+    return COMMUNICATORS[kind](pool)
 
 
 def reference_reduce(bufs):

@@ -10,9 +10,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp.engine import Engine, Pool
-from cgp.comm import ThreadCommunicator
+from cgp.comm import make_communicator
+from cgp.engine import Engine
 from cgp.errors import CgpError
+from cgp.runtime.pool import Pool
 from cgp.train import Trainer
 
 # A float32 step against the float64 reference: relative to the largest update.
@@ -69,7 +70,7 @@ def step_against_float64(sp, solver_path, config):
         with threadpool_limits(limits=1):
             batch = trainer._batch(net, 0, 0)
             pool = Pool(1, flush_denormals=config.denormals == "flush")
-            engine64 = Engine(net, config.chunks, pool, ThreadCommunicator(pool), params=params64)
+            engine64 = Engine(net, config.chunks, pool, make_communicator(pool), params=params64)
             _, loss64, grad64 = engine64.run(batch, 0, trainer.seed)
             loss32, _, _ = trainer.step()
         # The first step of Caffe's SGD from zero history: w -= lr*lr_mult*(g + wd*decay_mult*w).

@@ -14,7 +14,7 @@ import numpy as np
 
 from cgp.errors import NetError
 from cgp.fillers import fill
-from cgp.kernels import spin
+from cgp.runtime import spin
 from cgp.layers import REGISTRY, aligned_zeros, alloc_scratch, supported_types
 from cgp.proto import caffe_pb2
 
@@ -407,11 +407,11 @@ class Net:
         entries' own flags."""
         return BoundCall(self, ws, chunk, data, params, param_diffs, plan)
 
-    def forward(self, ws, chunk, batch_data, params, clock=None, ready=None):
+    def forward(self, ws, chunk, batch_data, params, clock=None):
         """One call's forward (BoundCall.forward) with its layer calls bound for it alone;
         returns the data views that backward takes."""
         data = self.call_views(ws, chunk, batch_data)
-        self.bind(ws, chunk, data, params).forward(chunk, clock, ready)
+        self.bind(ws, chunk, data, params).forward(chunk, clock)
         return data
 
     def backward(self, ws, chunk, data, params, param_diffs, plan=None, clock=None,
@@ -467,16 +467,13 @@ class BoundCall:
             raise ValueError(f"a call of layout {layout} on calls bound for {self._layout} "
                              f"(n, first, batch, part_starts)")
 
-    def forward(self, chunk, clock=None, ready=None):
+    def forward(self, chunk, clock=None):
         """Forward the samples of `chunk` (one or more parts, see Chunk; laid out as the
         bound one, its iteration and seed its own). Fills the data views, whose batch-value
         tops hold one value per part. clock: optional array, clock[i] += seconds spent in
-        entry i. ready: optional ready(i), called before entry i runs (the engine waits
-        there for the update of the entry's parameters)."""
+        entry i."""
         self._check(chunk)
         for i, step in enumerate(self._forward):
-            if ready is not None:
-                ready(i)
             started = time.perf_counter() if clock is not None else 0.0
             step(chunk)
             if clock is not None:

@@ -2,8 +2,9 @@
 
 A Solver turns a SolverParameter into learning rates and per-slice updates that reproduce BVLC
 Caffe's arithmetic: float32 updates in Caffe's order, and learning rates computed with the same
-mix of float and double that Caffe's C++ uses. It knows nothing about threads: the engine calls
-prepare() once per iteration, then apply() on slices [lo, hi) in any order or in parallel.
+mix of float and double that Caffe's C++ uses. It knows nothing about workers or ranks: the
+data-parallel step (cgp.parallel) calls prepare() once per iteration, then apply() on slices
+[lo, hi) in any order or in parallel.
 Not here: snapshots (see `histories` for Caffe's history order) and the iteration loop.
 """
 import math
@@ -12,8 +13,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from cgp.errors import PrototxtError
-from cgp.kernels import update
-from cgp.layers import aligned_zeros
+from cgp.runtime import update
+from cgp.runtime.memory import aligned_zeros
 
 # Caffe's solver registry, and the order of the deprecated SolverParameter.SolverType enum (0..5).
 SOLVER_TYPES = ("SGD", "Nesterov", "AdaGrad", "RMSProp", "AdaDelta", "Adam")
@@ -32,7 +33,7 @@ class Step(NamedTuple):
 
     def plain(self):
         """The Step as a tuple of Python numbers (floats hold float32 values exactly), as it
-        travels to worker processes with every run (cgp.procs): a tuple of built-in types
+        travels to worker processes with every run (cgp.runtime.procs): a tuple of built-in types
         pickles and loads in a tenth of the time or less that a Step takes, whose pickle
         names its type and rebuilds NumPy scalars. Step.of makes the Step again."""
         return (self.it, float(self.rate), float(self.clip_scale), float(self.correction),
@@ -138,7 +139,7 @@ class Solver:
     histories: the rule's state, each (n,) float32 in parameter order: [h] for SGD, Nesterov,
     AdaGrad, RMSProp; [h, u] for AdaDelta and [m, v] for Adam. Caffe's SolverState.history lists
     every blob of histories[0] and then every blob of histories[1]. shared: allocate them in
-    shared memory, for updates that run in worker processes (cgp.procs).
+    shared memory, for updates that run in worker processes (cgp.runtime.procs).
     """
 
     def __init__(self, param, lr_mult, decay_mult, shared=False):
@@ -205,14 +206,21 @@ class Solver:
             raise PrototxtError(f"solver: lr_policy '{policy}' is not supported")
         return float(rate)
 
-    def prepare(self, it, grads, slices):
-        """The Step for iteration it. grads: (n,) float32, the reduced gradients, read only
-        with clip_gradients >= 0 (None will do otherwise).
+    @property
+    def needs_norm(self):
+        """Whether a Step needs the gradient's norm (clip_gradients), so the gradient first."""
+        return self.param.clip_gradients >= 0
 
-        slices: the engine's fixed list of (lo, hi) covering [0, n). With clip_gradients >= 0, the
-        gradient norm sums each slice in float64 and adds the sums in list order, so it is the
-        same for any thread count as long as the list is the same.
-        """
+    @staticmethod
+    def squares(grads, slices):
+        """The float64 sum of squares of grads over each slice (lo, hi), in order: what the
+        gradient norm of prepare() adds up. grads: (n,) float32."""
+        return [update.sum_of_squares(grads, lo, hi) for lo, hi in slices]
+
+    def prepare(self, it, squares=None):
+        """The Step for iteration it. squares: with clip_gradients >= 0, the gradient's sums of
+        squares (Solver.squares) over a fixed list of slices covering it, which the norm adds
+        in list order, so it is the same for any split of the work as long as the list is."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == it:
             if ahead[2] is not None:
@@ -223,8 +231,8 @@ class Solver:
         clip = f32(self.param.clip_gradients)
         if clip >= 0:
             sumsq = 0.0
-            for lo, hi in slices:
-                sumsq += update.sum_of_squares(grads, lo, hi)
+            for value in squares:
+                sumsq += value
             grad_norm = math.sqrt(sumsq)
             # Caffe compares and scales in float32.
             if f32(grad_norm) > clip:
@@ -242,10 +250,10 @@ class Solver:
         next: while the workers compute the iteration before, instead of between two runs,
         where they all wait for it. Only without clip_gradients, where a Step depends on `it`
         alone. current_step stays as the last prepare() left it until then."""
-        if self.param.clip_gradients >= 0:
+        if self.needs_norm:
             return
         kept = self.current_step
-        step = self.prepare(it, None, ())
+        step = self.prepare(it)
         # Only these policies set current_step, to a function of `it` (learning_rate).
         sets = self.param.lr_policy in ("step", "multistep")
         self._ahead = (it, step, self.current_step if sets else None)
@@ -275,6 +283,6 @@ class Solver:
     def update(self, params, grads, it):
         """prepare + apply over the whole array as one slice; returns the Step."""
         n = params.size
-        step = self.prepare(it, grads, [(0, n)])
+        step = self.prepare(it, self.squares(grads, [(0, n)]))
         self.apply(step, params, grads, 0, n)
         return step

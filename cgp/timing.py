@@ -41,7 +41,7 @@ def add_time(sub):
 @contextmanager
 def denormals(flush):
     """The layers run in this thread with subnormals flushed (or not), as engine workers do."""
-    from cgp.kernels import fpenv
+    from cgp.runtime import fpenv
     state = fpenv.set_flush(flush)
     try:
         yield
@@ -213,13 +213,13 @@ def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True,
     """Wall-clock milliseconds per forward-backward of the real engine on `threads` workers,
     run as `workers` ("threads" or "processes", as cgp train's; gradient reduction
     included). With processes, net.params moves into shared memory."""
-    from cgp.comm import ThreadCommunicator
+    from cgp.comm import make_communicator
     from cgp.engine import Engine
-    from cgp.procs import make_pool
+    from cgp.runtime.procs import make_pool
 
     pool = make_pool(workers, threads, [net], flush_denormals=flush_denormals)
     try:
-        engine = Engine(net, chunks, pool, ThreadCommunicator(pool),
+        engine = Engine(net, chunks, pool, make_communicator(pool),
                         backward=bool(net.loss_weights))
         pool.start()
         engine.run(load_batch(net, 0, seed), 0, seed)  # warm-up
@@ -240,7 +240,7 @@ def cmd_time(args, log=print):
     from cgp.cli import worker_kind
     from cgp.errors import CgpError
     from cgp.net import RunOptions, build_net
-    from cgp.procs import worker_noun
+    from cgp.runtime.procs import worker_noun
     from cgp.proto import caffe_pb2
     from cgp.prototxt import read_model
 

@@ -14,22 +14,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import psutil
 from threadpoolctl import threadpool_limits
 
-from cgp.comm import ThreadCommunicator, blocks
+from cgp.comm import make_communicator
 from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
-from cgp.kernels.update import claim
-from cgp.layers import aligned_zeros
 from cgp.net import RunOptions, build_net
-from cgp.procs import default_workers, make_pool
+from cgp.parallel import DataParallelStep
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
+from cgp.runtime.procs import default_workers, make_pool
 from cgp.snapshot import (layers_without, load_weights, read_solverstate, writable_folder,
                           write_caffemodel, write_solverstate)
-from cgp.solver import Solver, Step
+from cgp.solver import Solver
 
 DEFAULT_SEED = 1701  # used when neither --seed nor the solver's random_seed is set
 
@@ -212,49 +210,14 @@ class Trainer:
                                f"{', '.join(SIGNAL_EFFECTS)}")
         self.pool = make_pool(config.workers, config.threads, [self.net] + self.test_nets,
                               config.affinity, config.denormals == "flush")
-        shared = self.pool.shared_memory   # histories and the iter_size sum: workers write them
-        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, shared)
-        comm = ThreadCommunicator(self.pool)
+        # Histories in shared memory where workers write them (processes).
+        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory)
+        comm = make_communicator(self.pool)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm)
         self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False)
                              for n in self.test_nets]
-        self.slices = blocks(self.net.n_params)
-        self._accum = (aligned_zeros(self.net.n_params, np.float32, shared)
-                       if sp.iter_size > 1 else None)
-        # The gradient that the update reads: the reduction's sum (comm.plan writes it into
-        # the first chunk's row), or its sum over iter_size passes.
-        gradient = self._accum if self._accum is not None else self.engine.chunk_grads[0]
-        # Runs take a Step in its plain form (Step.plain), made a Step again once per run
-        # in each process: the latest (plain, Step), which holds its plain tuple alive.
-        made = [((), None)]
-
-        def step_of(plain):
-            last = made[0]
-            if last[0] is not plain:
-                last = made[0] = (plain, Step.of(plain))
-            return last[1]
-
-        def apply_columns(w, lo, hi, plain):
-            self.solver.apply(step_of(plain), self.net.params, gradient, lo, hi)
-
-        def apply(w, i, plain):
-            apply_columns(w, *self.slices[i], plain)
-
-        def claim_columns(lo, hi):
-            for a in (self.net.params, *self.solver.histories):
-                claim(a, lo, hi)
-        self._update = self.pool.program(apply)
-        # One worker has no other core to take the update's cache lines from.
-        claims = claim_columns if self.pool.threads > 1 else None
-        # Within steps(), a step's update runs in its own run's reduction tasks
-        # (Engine.fuse_updates), where the Step can be made before the gradient exists: no
-        # clipping by the gradient's norm, one pass per iteration. Otherwise it runs in the
-        # next step's run (Engine.merge_updates). The same bits every way.
-        self.engine.fuse_updates(apply_columns, claims)
-        self.engine.merge_updates(apply, self.slices)
-        self.fuse = sp.clip_gradients < 0 and sp.iter_size == 1
-        self._pending = None      # the Step whose update has not run yet (steps())
+        self.train_step = DataParallelStep(self.engine, self.solver, comm, sp.iter_size)
         self.pool.start()   # workers forked once everything they run exists
         self.iter = 0
         # The iteration whose batch starts at record 0: 0, or the iteration of a Caffe
@@ -288,7 +251,7 @@ class Trainer:
 
     def _batch(self, net, position, iteration):
         """Source blob id -> whole-batch array, for the batch at a record position: the one
-        read ahead (_read_ahead) when it is that one."""
+        read ahead (_work_ahead) when it is that one."""
         key = (net, position, iteration, self.seed)
         if self._ahead is not None and self._ahead[0] == key:
             batch, self._ahead = self._ahead[1], None
@@ -299,16 +262,16 @@ class Trainer:
                 batch[blob] = array
         return batch
 
-    def _read_ahead(self, it):
-        """Loads the first batch of iteration `it` while the workers work: the caller's own
-        work in a pool run (Pool.run's `first`: the step before `it`, or the update run),
-        which would otherwise be a serial part of the next step, and copies it where the
-        workers will read it (Engine.stage). A batch is a function of its position,
-        iteration and seed alone, so reading it early changes nothing; _batch uses it only
-        if the next request is for that very batch (not after a restore or a jump back). A
-        data error is left to the step that needs the batch, which then reads it again and
-        raises it."""
+    def _work_ahead(self, it):
+        """The caller's work for iteration `it`, done during the last run of the one before
+        (Pool.run's `first`), where it would otherwise be a serial part of the next step:
+        its first batch, copied where the workers will read it (Engine.stage), and its Step
+        (Solver.prepare_ahead). A batch is a function of its position, iteration and seed
+        alone, so reading it early changes nothing; _batch uses it only if the next request
+        is for that very batch (not after a restore or a jump back). A data error is left to
+        the step that needs the batch, which then reads it again and raises it."""
         self._ahead = None
+        self.solver.prepare_ahead(it)
         position, iteration = self._pass(it, 0)
         try:
             batch = self._batch(self.net, position, iteration)
@@ -316,12 +279,6 @@ class Trainer:
             return
         self._ahead = ((self.net, position, iteration, self.seed), batch)   # as _batch asks
         self.engine.stage(batch)
-
-    def _work_ahead(self, it):
-        """The caller's work for iteration `it` done during the run of the one before (a fused
-        step's `first`): its batch (_read_ahead) and its Step (Solver.prepare_ahead)."""
-        self._read_ahead(it)
-        self.solver.prepare_ahead(it)
 
     def tests_before(self, it):
         """How many test passes Caffe runs from the data origin up to iteration `it`: the
@@ -338,87 +295,31 @@ class Trainer:
         return done
 
     # -- one iteration -------------------------------------------------------------
-    def forward_backward(self, pending=None, first=None, update=None):
-        """Gradients of the current iteration (summed over iter_size passes): returns
-        (loss, outputs of the last pass, gradient). pending: the previous step's update
-        (a Step), applied in the first pass's run; first: the caller's work in the last
-        pass's run; update: this step's update, applied in the reduction of the last pass
-        (Engine.fuse_updates; iter_size 1). Both travel to the workers as Step.plain()."""
-        size = self.sp.iter_size
-        loss = 0.0
-        pending = pending.plain() if pending is not None else None
-        update = update.plain() if update is not None else None
-        for k in range(size):
-            position, iteration = self._pass(self.iter, k)
-            batch = self._batch(self.net, position, iteration)
-            last = k == size - 1
-            outputs, pass_loss, grad = self.engine.run(batch, iteration, self.seed,
-                                                       pending if k == 0 else None,
-                                                       first if last else None,
-                                                       update if last else None)
-            loss += pass_loss
-            if self._accum is not None:
-                if k == 0:
-                    self._accum[...] = grad
-                else:
-                    self._accum += grad
-        return loss / size, outputs, (self._accum if self._accum is not None else grad)
-
     def step(self):
         """One training iteration: forward/backward, update, iter += 1."""
         return self.steps(1)
 
     def steps(self, n, each=None):
-        """Up to n training iterations, each as step(); returns the last one's (loss,
+        """Up to n training iterations (DataParallelStep); returns the last one's (loss,
         outputs, rate). each(it, loss, outputs, rate), if given, is called after iteration
-        `it` and ends the run early by returning True. Each update runs in its iteration's
-        own pool run, in the reduction's tasks (`fuse`, Engine.fuse_updates); where the Step
-        needs the gradient first, on two workers or more, each update but the last runs in
-        the next iteration's run, alongside its first layers (Engine.merge_updates). Either
-        way the same bits as an update run of its own after each iteration, with one
-        hand-over to the workers per iteration instead of two. The weights are up to date
-        when it returns."""
-        merge = self.pool.threads > 1   # one worker has nothing to run an update beside
+        `it` and ends the run early by returning True. The caller's work for the next
+        iteration (its first batch and Step) runs during each iteration's last run, which
+        would otherwise keep every worker waiting; the weights are up to date whenever an
+        iteration has returned."""
         result = None
-        # A reduction in a run of its own (Engine.overlap off, a bench's A/B) has no tasks
-        # in the calls' run to take the update.
-        fuse = self.fuse and self.engine.overlap
-        for k in range(n):
+        for _ in range(n):
             it = self.iter
-            if fuse:
-                step = self.solver.prepare(it, None, self.slices)   # needs no gradient
-                # The next batch is read during the run, also after the last iteration
-                # (as the merged update's last run does): a step() at a time gains from it.
-                # So is the next Step: both would otherwise keep every worker waiting.
-                loss, outputs, _ = self.forward_backward(
-                    first=lambda: self._work_ahead(it + 1), update=step)
-                result = loss, outputs, step.rate
-                self.iter += 1
-                if each is not None and each(it, *result):
-                    break
-                continue
-            pending, self._pending = self._pending, None
-            more = merge and k + 1 < n
-            loss, outputs, grad = self.forward_backward(
-                pending, (lambda: self._read_ahead(it + 1)) if more else None)
-            self._pending = self.solver.prepare(it, grad, self.slices)
-            result = loss, outputs, self._pending.rate
+            result = self.train_step(it, lambda k: self._pass_batch(it, k), self.seed,
+                                  first=lambda: self._work_ahead(it + 1))
             self.iter += 1
-            stop = each is not None and each(it, *result)
-            if stop or not more:
-                self.flush(ahead=not more)   # else this run has read the next batch
-            if stop:
+            if each is not None and each(it, *result):
                 break
         return result
 
-    def flush(self, ahead=False):
-        """Runs the update that steps() has left pending, if any; with `ahead`, reading the
-        next iteration's batch meanwhile."""
-        if self._pending is not None:
-            update, self._pending = self._pending, None
-            it = self.iter
-            self.pool.run(self._update, len(self.slices), update.plain(),
-                          first=(lambda: self._read_ahead(it)) if ahead else None)
+    def _pass_batch(self, it, k):
+        """(batch, iteration number of its data) of pass k of training iteration it."""
+        position, iteration = self._pass(it, k)
+        return self._batch(self.net, position, iteration), iteration
 
     def test(self, index=0):
         """One test pass of test net `index`: (outputs averaged over test_iter batches, the

@@ -8,7 +8,7 @@ Dimension letters: N samples in the chunk, D elements per sample, M = N*D (a fla
 import numpy as np
 from numba import njit
 
-from cgp.kernels.random import random_block, word_to_uniform
+from cgp.runtime.philox import random_block, word_to_uniform
 
 
 @njit(cache=True, nogil=True)

@@ -3,7 +3,7 @@
 Two paths. Stride 1 (any padding, dilation and groups; every convolution of LeNet and
 cifar10) runs the direct kernels: the input is widened S times, one zero-padded copy per kernel
 column s, so that every product reads whole rows of it and the column matrix of im2col (R*S
-times the input) is never formed. The products run through `tile` (cgp.kernels.tile), a
+times the input) is never formed. The products run through `tile` (cgp.runtime.simd), a
 register-tiled loop of 512-bit fused multiply-adds: the forward pass with output positions
 along the vectors, stored straight into NCHW, or, where tiles of fewer output rows skip more
 of the padding (small padded images), with output channels along the vectors and the tiles
@@ -11,7 +11,7 @@ transposed into NCHW; the weight gradient with output channels along the vectors
 transposed; and the input gradient either the same way as the forward pass (gathering, for
 padded layers) or, where the output is clearly smaller than the input, through one
 sample's column matrix, which is then added into dx row by row. Other strides run im2col
-and one BLAS GEMM per sample (cgp.kernels.blas).
+and one BLAS GEMM per sample (cgp.runtime.blas).
 
 Determinism. Every element of the forward pass and of the input gradient is one chain of
 multiply-adds over its own sample's data (through the column matrix: one chain per tap, the
@@ -42,14 +42,14 @@ Dimension letters: N samples in the chunk, C input channels, K output channels (
 G groups (C/G and K/G channels per group), H W input height and width, P Q output height and
 width, R S kernel height and width. CRS = C*R*S is the column matrix's height, and
 CgRS = (C/G)*R*S the length of one filter. V is the number of lanes of a SIMD vector (16 for
-float32, 8 for float64), T and KV a tile's shape (see cgp.kernels.tile).
+float32, 8 for float64), T and KV a tile's shape (see cgp.runtime.simd).
 """
 import numpy as np
 from numba import njit
 
-from cgp.kernels.blas import gemm
+from cgp.runtime.blas import gemm
 from cgp.kernels.elementwise import copy
-from cgp.kernels.tile import (SHAPES, SPEEDS_UNIT, T_MAX, choose, lanes, shifted_copy,
+from cgp.runtime.simd import (SHAPES, SPEEDS_UNIT, T_MAX, choose, lanes, shifted_copy,
                               shifted_row_sum, tile, transpose_block)
 
 # Output positions per block of the weight gradient: the block of dycl that every tile of

@@ -6,19 +6,19 @@ matrix-vector product per row would read it once per row, and a BLAS GEMM would 
 into its packed layout. Two loop shapes do all the work:
 
 - rows_dot: out[m, r] = <a[m], w[r]>, dot products along the rows of w (forward; the input
-  gradient of a transposed weight): register tiles (cgp.kernels.tile.dot_tile) of four rows
+  gradient of a transposed weight): register tiles (cgp.runtime.simd.dot_tile) of four rows
   of a by six of w, each dot product one fused multiply-add chain per vector lane, then the
   lanes summed in a fixed tree, so its bits depend on its two rows alone: never on the
   chunk, the tile or the machine's compiler.
 - rows_axpy: out[m] = sum over r, in order, of a[m, r] * w[r] (the input gradient; forward of a
-  transposed weight): register tiles (cgp.kernels.tile) of rows of out by vectors along w's
+  transposed weight): register tiles (cgp.runtime.simd) of rows of out by vectors along w's
   rows, each output element one chain of fused multiply-adds over r in order, from 0, so rows
   never mix either, and the tile shape (which follows the row count) changes no bit.
 
 The weight gradient adds dy^T @ x (x^T @ dy when transposed) one gradient row at a time, over
 the chunk's rows in row order. Multiply-adds may be fused (FMA): one rounding fewer, the same
 on every run. (The engine usually takes dy and x instead and forms the same chains itself,
-see cgp.kernels.reduce.outer_tree_sum; this kernel serves weights shared between layers.)
+see cgp.runtime.reduce.outer_tree_sum; this kernel serves weights shared between layers.)
 
 Dimension letters: M rows in the chunk (samples times rows per sample), C inputs per row,
 K outputs per row.
@@ -26,7 +26,7 @@ K outputs per row.
 from numba import njit
 
 from cgp.kernels.elementwise import copy
-from cgp.kernels.tile import (DOT_K, DOT_M, SHAPES, SPEEDS_UNIT, T_MAX, choose_from, dot_tile,
+from cgp.runtime.simd import (DOT_K, DOT_M, SHAPES, SPEEDS_UNIT, T_MAX, choose_from, dot_tile,
                               lanes, tile, transpose_block)
 
 # rows_axpy's tile shapes: tile.SHAPES, and (4, 4) of its own for calls of 4 rows (LeNet's

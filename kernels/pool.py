@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit
 
 from cgp.kernels.elementwise import copy
-from cgp.kernels.tile import column_max, lanes, stride2_row_max, transpose_block
+from cgp.runtime.simd import column_max, lanes, stride2_row_max, transpose_block
 
 # Caffe starts every max at -FLT_MAX (for float and double alike), so a window of -inf or NaN
 # reports -FLT_MAX.

@@ -5,7 +5,7 @@ import pytest
 
 from cgp.errors import NetError
 from cgp.kernels import activation as K
-from cgp.kernels.random import philox4x32_10, uniform, uniform_fill
+from cgp.runtime.philox import philox4x32_10, uniform, uniform_fill
 from cgp.layers import Chunk
 from cgp.proto import caffe_pb2
 from layer_check import (backward, build, check_forward, check_gradients,

@@ -418,7 +418,7 @@ def test_torch_lenet_has_cgp_loss_and_gradient(mnist_dir):
     try:
         batch = trainer._batch(trainer.net, 0, 0)
         with threadpool_limits(limits=1):
-            loss, _, grad = trainer.forward_backward()
+            _, loss, grad = trainer.engine.run(batch, 0, trainer.seed)
         for layout in ("channels_last", "contiguous"):
             model = TorchNet(trainer.net, layout=layout)
             torch_loss, _ = model(batch)
@@ -459,7 +459,7 @@ def test_torch_timings_treat_subnormals_as_cgp_does(mnist_dir, flush):
     torch = pytest.importorskip("torch")
     from cgp import torch_ref
     from cgp.bench import torch_config
-    from cgp.kernels import fpenv
+    from cgp.runtime import fpenv
 
     trainer = mnist_trainer(mnist_dir)
     before = fpenv.set_flush(not flush)   # the caller in the other mode
@@ -481,8 +481,9 @@ def test_torch_timings_treat_subnormals_as_cgp_does(mnist_dir, flush):
 
 def test_torch_copy_of_every_supported_layer():
     pytest.importorskip("torch")
-    from cgp.comm import ThreadCommunicator
-    from cgp.engine import Engine, Pool
+    from cgp.comm import LocalCommunicator
+    from cgp.engine import Engine
+    from cgp.runtime.pool import Pool
     from cgp.timing import fill_inputs
     from cgp.torch_ref import TorchNet
 
@@ -492,7 +493,7 @@ def test_torch_copy_of_every_supported_layer():
     batch = {t: v for e in net.sources for t, v in zip(e.tops, e.layer.values)}
     pool = Pool(1)
     with threadpool_limits(limits=1):
-        outputs, loss, grad = Engine(net, 2, pool, ThreadCommunicator(pool)).run(batch, 0, 5)
+        outputs, loss, grad = Engine(net, 2, pool, LocalCommunicator(pool)).run(batch, 0, 5)
     model = TorchNet(net)
     torch_loss, data = model(batch)
     torch_loss.backward()

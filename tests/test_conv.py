@@ -9,8 +9,8 @@ from numba import njit
 
 from cgp.errors import NetError
 from cgp.kernels import conv as K
-from cgp.kernels.blas import gemm
-from cgp.kernels.tile import (SHAPES, folded_tile, shifted_copy, shifted_row_sum, tile,
+from cgp.runtime.blas import gemm
+from cgp.runtime.simd import (SHAPES, folded_tile, shifted_copy, shifted_row_sum, tile,
                               transpose_block)
 from cgp.layers import Chunk, alloc_scratch
 from layer_check import (backward, build, check_forward, check_gradients,
@@ -469,7 +469,7 @@ def test_intrinsics_refuse_operands_of_mixed_or_other_types():
     wrong type."""
     from numba.core.errors import TypingError
 
-    from cgp.kernels.tile import column_max, dot_tile, stride2_row_max
+    from cgp.runtime.simd import column_max, dot_tile, stride2_row_max
     f32, f64, i32 = (np.zeros(64, t) for t in (np.float32, np.float64, np.int32))
 
     @njit

@@ -15,21 +15,23 @@ import pytest
 from numba import njit
 
 from cgp import models
-from cgp.comm import (FactoredGrad, ThreadCommunicator, blocks, reference_reduce, split,
-                      sum_block, uncovered)
-from cgp.engine import Engine, Pool, chunk_bounds, group_size
-from cgp.errors import CgpError, NetError
-from cgp.kernels import fpenv
-from cgp.layers import aligned_zeros
-from cgp.kernels.fc import add_outer_rows
-from cgp.kernels.reduce import OUTER_PAD, sum_rows
-from cgp.kernels.tile import SHAPES, choose
-from cgp.net import Net, RunOptions
-from cgp.procs import make_pool
-from cgp.proto import caffe_pb2
-from cgp.prototxt import parse_net
+from cgp.comm import (FactoredGrad, LocalCommunicator, ReferenceCommunicator, blocks,
+                      reference_reduce, split, sum_block, uncovered)
+from cgp.engine import Call, Engine, Sum, chunk_bounds, group_size
 from cgp.equivalence import compare, train_run
-from cgp.prototxt import read_solver
+from cgp.errors import CgpError, NetError
+from cgp.kernels.fc import add_outer_rows
+from cgp.net import Net, RunOptions
+from cgp.parallel import DataParallelStep
+from cgp.proto import caffe_pb2
+from cgp.prototxt import parse_net, read_solver
+from cgp.runtime import fpenv
+from cgp.runtime.memory import aligned_zeros
+from cgp.runtime.pool import Pool
+from cgp.runtime.procs import make_pool
+from cgp.runtime.reduce import OUTER_PAD, sum_rows
+from cgp.runtime.simd import SHAPES, choose
+from cgp.solver import Solver
 from cgp.train import RunConfig, Trainer
 
 THREADS = (1, 2, 3, 4, 7, 16)
@@ -64,9 +66,9 @@ def test_tree_reduction_matches_reference_bitwise(threads):
         bufs = rng.standard_normal((k, 70001)).astype(np.float32)
         want = reference_reduce(bufs)
         pool = Pool(threads)
-        got = ThreadCommunicator(pool).reduce(bufs.copy())
+        got = LocalCommunicator(pool).reduce(bufs.copy())
         # Tasks cut at given columns too (the engine's layer boundaries): the same sums.
-        cut = ThreadCommunicator(pool).plan(bufs.copy(), (), cuts=(70000, 5, 33000, 0))
+        cut = LocalCommunicator(pool).plan(bufs.copy(), (), cuts=(70000, 5, 33000, 0))
         pool.close()
         assert np.array_equal(got, want) and np.array_equal(cut(), want)
         width = sum_block(k)   # columns per task, fewer the more chunks each column sums
@@ -80,7 +82,7 @@ def test_tree_reduction_matches_reference_bitwise(threads):
                                                                 (12, 15), (15, 20)]
 
 
-# (J, L) pairs for which kernels.tile.choose picks each tile shape, for 16 and 8 lanes.
+# (J, L) pairs for which runtime.simd.choose picks each tile shape, for 16 and 8 lanes.
 FACTOR_SHAPES = [(1, 1), (1, 33), (4, 33), (4, 49), (7, 1), (9, 1), (1, 17), (4, 17),
                  (4, 25), (50, 70), (30, 130)]
 
@@ -115,7 +117,7 @@ def test_factored_reduction_matches_materialised_chunk_gradients_bitwise(dtype):
                 got = bufs.copy()
                 got[1:, offset:offset + J * L] = np.nan  # never read: the factors stand in
                 pool = Pool(threads)
-                ThreadCommunicator(pool).reduce(got, [FactoredGrad(offset, J, L, a, b, starts)])
+                LocalCommunicator(pool).reduce(got, [FactoredGrad(offset, J, L, a, b, starts)])
                 pool.close()
                 assert np.array_equal(got[0], want), (batch, chunks, J, L, threads)
     assert shapes_used == set(SHAPES)
@@ -156,7 +158,7 @@ def test_factored_engine_gives_the_unfactored_bits(dtype):
     for factor in (False, True):
         for threads in (1, 2):
             pool = Pool(threads)
-            engine = Engine(net, 4, pool, ThreadCommunicator(pool), params=params, factor=factor)
+            engine = Engine(net, 4, pool, LocalCommunicator(pool), params=params, factor=factor)
             assert len(engine.factored) == (2 if factor else 0)
             values, loss, grad = engine.run(batch, 0, 1)
             grads.append(grad.copy())
@@ -208,7 +210,7 @@ def test_grouped_calls_change_no_bit(dtype):
     results = []
     for threads, group in ((1, 1), (1, 2), (2, 3), (1, 5), (2, None)):
         pool = Pool(threads)
-        engine = Engine(net, 5, pool, ThreadCommunicator(pool), params=params, group=group)
+        engine = Engine(net, 5, pool, LocalCommunicator(pool), params=params, group=group)
         assert len(engine.groups) == -(-5 // (group or group_size(net, 5, threads)))
         values, loss, grad = engine.run(batch, 2, 7)
         results.append((values, loss, grad.copy()))
@@ -253,23 +255,27 @@ def hold_first_call(then=None):
     return hold
 
 
+def sum_tasks(engine):
+    """{reduction task: the entry it awaits} of an engine's Sum tasks."""
+    return {t.task: t.after for t in engine.tasks if type(t) is Sum}
+
+
 @pytest.mark.parametrize("workers", ["threads", "processes"])
 def test_the_reduction_overlaps_backward_and_waits_for_every_call(workers):
     """The reduction's tasks run in the calls' run, each once every call has passed the
     layers whose gradients it sums: with one call's backward held up in the first layer,
     the other worker sums the later layers' gradients meanwhile, and the first layer's
-    only after: the bits of one thread and of a reduction run after the calls."""
+    only after: the bits of one thread and of the naive reference communicator."""
     net, batch = grouped_net_and_batch()
     want = []
-    for overlap in (False, True):
+    for comm in (LocalCommunicator, ReferenceCommunicator):
         pool = Pool(1)
-        want.append(Engine(net, 5, pool, ThreadCommunicator(pool), overlap=overlap)
-                    .run(batch, 2, 7)[2].copy())
+        want.append(Engine(net, 5, pool, comm(pool)).run(batch, 2, 7)[2].copy())
         pool.close()
     assert np.array_equal(want[0], want[1]) and np.count_nonzero(want[0]) > 0.5 * want[0].size
     before_first_layer(net, hold_first_call())
     pool = make_pool(workers, 2, [net])
-    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    engine = Engine(net, 5, pool, LocalCommunicator(pool))
     summed = []   # (task, when) of each reduction task done, in the caller's memory
     task = engine.reduction.task
     if workers == "threads":
@@ -280,10 +286,11 @@ def test_the_reduction_overlaps_backward_and_waits_for_every_call(workers):
         grad = engine.run(batch, 2, 7)[2]
         took = time.perf_counter() - started
         assert np.array_equal(grad, want[0])
-        first = engine.awaited.index(min(engine.awaited))   # a task of c1's columns
+        awaited = sum_tasks(engine)
+        first = min(awaited, key=awaited.get)   # a task of c1's columns
         if workers == "threads":
             done = dict(summed)
-            assert len(done) == len(engine.awaited)
+            assert len(done) == len(awaited)
             assert done[first] - started > 0.3   # after the held-up call
             assert min(done.values()) - started < 0.2   # others long before it
         assert took < 2
@@ -301,7 +308,7 @@ def test_a_batch_staged_during_a_run_is_what_the_next_run_reads(workers):
     rng = np.random.default_rng(9)
     batches = [batch] + [{b: rng.permutation(a) for b, a in batch.items()} for _ in range(2)]
     pool = Pool(1)
-    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    engine = Engine(net, 5, pool, LocalCommunicator(pool))
     want = []
     for b in batches:
         values, loss, grad = engine.run(b, 2, 7)
@@ -314,7 +321,7 @@ def test_a_batch_staged_during_a_run_is_what_the_next_run_reads(workers):
     def holds(slot, b):
         return all(np.array_equal(engine.inputs[slot][t], a) for t, a in b.items())
     pool = make_pool(workers, 2, [net])
-    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    engine = Engine(net, 5, pool, LocalCommunicator(pool))
     pool.start()
     try:
         same(engine.run(batches[0], 2, 7, first=lambda: engine.stage(batches[1])), 0)
@@ -346,7 +353,7 @@ def test_a_worker_lists_a_calls_kernel_calls_once_per_group_and_set_of_inputs():
         return forward_calls(*args)
     layer.forward_calls = counted
     pool = Pool(1)
-    engine = Engine(net, 5, pool, ThreadCommunicator(pool), group=2)
+    engine = Engine(net, 5, pool, LocalCommunicator(pool), group=2)
     rng = np.random.default_rng(2)
     try:
         for it in range(6):   # each run copies its batch into the set the last did not read
@@ -354,11 +361,17 @@ def test_a_worker_lists_a_calls_kernel_calls_once_per_group_and_set_of_inputs():
             got = engine.run(batch, it, 7)
         assert len(engine.groups) == 3 and len(listed) == 2 * 3
         assert sorted(listed) == sorted(2 * [engine.samples(g)[0] for g in engine.groups])
-        fresh = Engine(net, 5, pool, ThreadCommunicator(pool), group=2)
+        fresh = Engine(net, 5, pool, LocalCommunicator(pool), group=2)
         want = fresh.run(batch, 5, 7)
         assert got[:2] == want[:2] and np.array_equal(got[2], want[2])
     finally:
         pool.close()
+
+
+def holds(net, e, lo, hi):
+    """Whether a parameter of entry e lies in columns lo:hi of the flat parameters."""
+    return any(net.param_blobs[p].offset < hi and lo < net.param_blobs[p].offset
+               + net.param_blobs[p].size for p in net.entries[e].params)
 
 
 def test_each_reduction_task_awaits_the_layers_of_its_columns_alone(mnist_dir):
@@ -368,52 +381,42 @@ def test_each_reduction_task_awaits_the_layers_of_its_columns_alone(mnist_dir):
     weights shared by two layers form a task of their own, awaited by both."""
     net, _ = grouped_net_and_batch()
     pool = Pool(2)
-    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    engine = Engine(net, 5, pool, LocalCommunicator(pool))
     pool.close()
-    holders = [[e for e in range(len(net.entries)) if engine._holds(e, lo, hi)]
+    holders = [[e for e in range(len(net.entries)) if holds(net, e, lo, hi)]
                for lo, hi in engine.reduction.spans]
-    firsts = [[e for e in range(len(net.entries)) if engine._holds(e, lo, lo + 1)]
+    firsts = [[e for e in range(len(net.entries)) if holds(net, e, lo, lo + 1)]
               for lo, _ in engine.reduction.spans]
     assert holders == firsts
     assert sum(len(h) > 1 for h in holders) == 1   # the shared weights
+    awaited = sum_tasks(engine)
+    assert all(awaited[t] == holders[t][0] for t in awaited)
     # LeNet: conv2's columns no longer wait for conv1's backward.
     trainer = Trainer(solver("mnist"), None, RunConfig(threads=2, workers="threads",
                                                        data_dir=str(mnist_dir), progress=False),
                       log=lambda line: None)
     trainer.close()
     net, engine = trainer.net, trainer.engine
-    names = [net.entries[e].layer.name for e in engine.awaited]
+    awaited = sum_tasks(engine)
+    names = [net.entries[awaited[t]].layer.name for t in sorted(awaited)]
     assert names[:2] == ["conv1", "conv2"] and names.count("conv1") == 1
 
 
-def test_merged_update_order_and_waits():
-    """With a pending update on two workers or more, a run's first tasks are the update
-    blocks of the first layer with parameters, call 0, the other blocks, then the other
-    calls; on one worker the whole update, then the calls. Each block is waited for once,
-    by the first entry (in forward's order) that holds it."""
+def test_a_run_is_the_calls_then_the_sums_of_the_last_layers_first():
+    """The engine's one list of tasks: every call, largest first, then one Sum per task of
+    the communicator's reduction, those whose layers backward reaches first (the last) first;
+    a forward-only engine has the calls alone."""
     net, _ = grouped_net_and_batch()
-    spans = blocks(net.n_params, 7)
-    for threads in (1, 2, 3):
-        pool = Pool(threads)
-        engine = Engine(net, 5, pool, ThreadCommunicator(pool), group=1)
-        engine.merge_updates(lambda w, i, step: None, spans)
-        pool.close()
-        order, calls = engine.merged_order, len(engine.groups)
-        waited = [b for ranges in engine.needs for lo, hi in ranges for b in range(lo, hi)]
-        assert sorted(waited) == list(range(len(spans)))
-        for e in range(len(net.entries)):
-            held = {b for b, (lo, hi) in enumerate(spans) if engine._holds(e, lo, hi)}
-            before = {b for ranges in engine.needs[:e + 1] for lo, hi in ranges
-                      for b in range(lo, hi)}
-            assert held <= before
-        first = next(e for e, entry in enumerate(net.entries) if entry.params)
-        lead = [b for lo, hi in engine.needs[first] for b in range(lo, hi)]
-        rest = [b for b in range(len(spans)) if b not in lead]
-        if threads == 1:
-            assert order == [-1 - b for b in range(len(spans))] + list(range(calls))
-        else:
-            assert lead and order == ([-1 - b for b in lead] + [0] + [-1 - b for b in rest]
-                                      + list(range(1, calls)))
+    pool = Pool(2)
+    engine = Engine(net, 5, pool, LocalCommunicator(pool), group=2)
+    forward = Engine(net, 5, pool, LocalCommunicator(pool), group=2, backward=False)
+    pool.close()
+    calls = [t for t in engine.tasks if type(t) is Call]
+    sums = [t for t in engine.tasks if type(t) is Sum]
+    assert engine.tasks == calls + sums and [c.group for c in calls] == [0, 1, 2]
+    assert sorted(s.task for s in sums) == list(range(len(engine.reduction.spans)))
+    assert [s.after for s in sums] == sorted((s.after for s in sums), reverse=True)
+    assert forward.tasks == calls
 
 
 def raised_within(seconds, fn, *args):
@@ -446,7 +449,7 @@ def test_a_failed_call_ends_the_reduction_tasks_that_wait_for_it(workers):
         raise NetError("layer 'c1': made to fail")
     before_first_layer(net, hold_first_call(then=fail))
     pool = make_pool(workers, 2, [net])
-    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    engine = Engine(net, 5, pool, LocalCommunicator(pool))
     pool.start()
     try:
         for _ in range(2):
@@ -469,7 +472,7 @@ def test_a_worker_that_dies_in_its_call_ends_the_waiting_run():
         time.sleep(0.3)   # in the caller's call: the worker, if late to start, takes the other
     before_first_layer(net, lambda chunk: die())
     pool = make_pool("processes", 2, [net])
-    engine = Engine(net, 5, pool, ThreadCommunicator(pool))
+    engine = Engine(net, 5, pool, LocalCommunicator(pool))
     pool.start()
     try:
         error = raised_within(20, engine.run, batch, 2, 7)
@@ -486,14 +489,14 @@ def test_a_worker_waiting_for_progress_ends_when_the_main_process_is_killed():
     code = ("import os, signal, sys, threading, time\n"
             f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
             "from test_engine import before_first_layer, grouped_net_and_batch\n"
-            "from cgp.comm import ThreadCommunicator\n"
+            "from cgp.comm import LocalCommunicator\n"
             "from cgp.engine import Engine\n"
-            "from cgp.procs import make_pool\n"
+            "from cgp.runtime.procs import make_pool\n"
             "net, batch = grouped_net_and_batch()\n"
             "main = os.getpid()\n"
             "before_first_layer(net, lambda chunk: os.getpid() == main and time.sleep(60))\n"
             "pool = make_pool('processes', 2, [net])\n"
-            "engine = Engine(net, 5, pool, ThreadCommunicator(pool))\n"
+            "engine = Engine(net, 5, pool, LocalCommunicator(pool))\n"
             "pool.start()\n"
             "print(pool.procs[0].pid, flush=True)\n"
             "threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGKILL)).start()\n"
@@ -538,7 +541,7 @@ def test_calls_are_handed_out_largest_first(group, order):
     end are the small ones; every chunk in exactly one call."""
     net = Net(parse_net(GROUP_NET, "grouped.prototxt"), caffe_pb2.TRAIN, RunOptions())
     pool = Pool(1)
-    engine = Engine(net, 4, pool, ThreadCommunicator(pool), group=group)
+    engine = Engine(net, 4, pool, LocalCommunicator(pool), group=group)
     pool.close()
     assert [n for _, n in engine.bounds] == [2, 3, 3, 3]
     assert engine.groups == order
@@ -554,7 +557,7 @@ def test_engine_buffers_start_on_cache_lines():
     batch = {net.sources[0].tops[0]: rng.standard_normal((11, 2, 9, 9)),
              net.sources[0].tops[1]: rng.integers(0, 5, 11).astype(np.float64)}
     pool = Pool(2)
-    comm = ThreadCommunicator(pool)
+    comm = LocalCommunicator(pool)
     engine = Engine(net, 5, pool, comm)
     engine.run(batch, 0, 1)
     pool.close()
@@ -577,7 +580,7 @@ def test_a_batch_value_read_per_sample_keeps_one_chunk_per_call():
     net = Net(parse_net(text, "probs.prototxt"), caffe_pb2.TRAIN, RunOptions())
     assert not net.groupable and group_size(net, 4, 1) == 1
     pool = Pool(1)
-    assert len(Engine(net, 4, pool, ThreadCommunicator(pool), group=4).groups) == 4
+    assert len(Engine(net, 4, pool, LocalCommunicator(pool), group=4).groups) == 4
 
 
 @njit
@@ -619,7 +622,7 @@ def test_subnormals_flushed_or_kept_alike_for_any_thread_count():
     for flush in (True, False):
         for threads in (1, 2, 3):
             pool = Pool(threads, flush_denormals=flush)
-            engine = Engine(net, 5, pool, ThreadCommunicator(pool), group=1 + threads % 2)
+            engine = Engine(net, 5, pool, LocalCommunicator(pool), group=1 + threads % 2)
             grads[flush, threads] = engine.run(batch, 0, 7)[2].copy()
             pool.close()
     for flush in (True, False):
@@ -716,7 +719,7 @@ def test_the_callers_first_work_runs_after_its_first_task(workers):
     takes tasks; f in the caller's own floating-point mode, the tasks with subnormals
     flushed; f's exception comes after every task. A caller that finds no task left runs f
     all the same."""
-    from cgp.engine import CallersWork, _Run
+    from cgp.runtime.pool import CallersWork, _Run
     seen = aligned_zeros((40, 3), np.int64, shared=True)   # per task: done, worker, flushing
 
     def task(w, i):
@@ -759,35 +762,35 @@ def test_the_callers_first_work_runs_after_its_first_task(workers):
     assert ran == ["first"]
 
 
-@pytest.mark.parametrize("fuse", [True, False])
-def test_next_batch_is_read_during_the_update_and_only_once(fuse, mnist_dir):
-    """Trainer._read_ahead: step k reads step k + 1's batch during a pool run (its own, where
-    the update is fused into its reduction; else the update's); every batch is read once, and
-    one read ahead for a position the trainer then leaves (a jump back) is not used: the jump
-    gives the bits of a fresh run."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_next_batch_is_read_during_the_run_before_and_only_once(fused, mnist_dir):
+    """Trainer._work_ahead: iteration k reads iteration k + 1's batch during its own last
+    pool run (whether the update runs in its reduction tasks or after them); every batch is
+    read once, and one read ahead for a position the trainer then leaves (a jump back) is
+    not used: the jump gives the bits of a fresh run."""
     sp = solver("mnist")
     runs = []
     for jump in (False, True):
         trainer = Trainer(sp, None, RunConfig(threads=2, data_dir=str(mnist_dir)),
                           log=lambda line: None)
-        assert trainer.fuse   # the bundled solver's update can be fused
-        trainer.fuse = fuse
+        assert trainer.train_step.fused   # the bundled solver's update can be fused
+        trainer.train_step.fused = fused
         layer = trainer.net.sources[0].layer
         reads, load = [], layer.load
-        in_update = []
+        in_run = []
 
         def recording_load(position, iteration, seed, load=load, reads=reads):
-            reads.append((position, iteration, bool(in_update) and in_update[-1]))
+            reads.append((position, iteration, bool(in_run) and in_run[-1]))
             return load(position, iteration, seed)
         layer.load = recording_load
         run = trainer.pool.run
 
         def marking_run(*args, **kw):
-            in_update.append(kw.get("first") is not None)
+            in_run.append(kw.get("first") is not None)
             try:
                 return run(*args, **kw)
             finally:
-                in_update.clear()
+                in_run.clear()
         trainer.pool.run = marking_run
         for _ in range(3):
             trainer.step()
@@ -801,7 +804,7 @@ def test_next_batch_is_read_during_the_update_and_only_once(fuse, mnist_dir):
         runs.append(trainer.net.params.copy())
         trainer.close()
         if not jump:
-            # Iteration 0's batch at the start; then 1, 2 and 3's, each during an update.
+            # Iteration 0's batch at the start; then 1, 2 and 3's, each during a run.
             assert [r[:2] for r in reads] == [(0, 0), (64, 1), (128, 2), (192, 3)]
             assert [r[2] for r in reads] == [False, True, True, True]
         else:
@@ -809,11 +812,35 @@ def test_next_batch_is_read_during_the_update_and_only_once(fuse, mnist_dir):
     assert np.array_equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_training_through_the_reference_communicator_gives_the_same_bits(threads):
+    """The data-parallel step over the naive NumPy communicator (the whole gradient in one
+    task, from materialised chunk gradients) and over the
+    local one (factored weights, the update in the reduction's tasks): the same weights,
+    losses and solver history, step after step."""
+    net, batch = grouped_net_and_batch()
+    sp = solver("mnist", type="Adam", weight_decay=0.01)
+    results = []
+    for comm in (ReferenceCommunicator, LocalCommunicator):
+        net.init_params(5)
+        pool = Pool(threads)
+        engine = Engine(net, 5, pool, comm(pool))
+        assert bool(engine.factored) == (comm is LocalCommunicator)
+        step = DataParallelStep(engine, Solver(sp, net.lr_mult, net.decay_mult), engine.comm)
+        assert step.fused
+        losses = [step(it, lambda k: (batch, it), 7)[0] for it in range(4)]
+        results.append((losses, net.params.copy(), step.solver.histories[1].copy()))
+        pool.close()
+    assert results[0][0] == results[1][0] and results[0][0][0] != results[0][0][-1]
+    assert np.array_equal(results[0][1], results[1][1])
+    assert np.array_equal(results[0][2], results[1][2])
+
+
 def test_spin_waits_see_another_threads_write():
     """The watched value is read from memory on every pass (an atomic load), not once: a
     write from another thread ends the wait long before the reads run out."""
     import threading
-    from cgp.kernels import spin
+    from cgp.runtime import spin
     flags = np.zeros(2, np.int64)
     flags[1] = 7
     assert spin.wait_while(flags, 1, 5, 10) == 7    # not the value: at once
@@ -839,7 +866,7 @@ def _cpu_ns(thread):
 
 
 def test_pool_threads_spin_between_runs_and_rest_on_request():
-    """A pool thread keeps its CPU for a while after a run (kernels.spin), and gives it up
+    """A pool thread keeps its CPU for a while after a run (runtime.spin), and gives it up
     at once after rest(). Hundreds of runs in a row lose no wake-up."""
     import os
     import time

@@ -12,11 +12,11 @@ import numpy as np
 import psutil
 import pytest
 
-from cgp import procs
+from cgp.runtime import procs
 from cgp.equivalence import compare, train_run
 from cgp.errors import CgpError, NetError
-from cgp.layers import aligned_zeros
-from cgp.procs import ProcessPool
+from cgp.runtime.memory import aligned_zeros
+from cgp.runtime.procs import ProcessPool
 from cgp.train import RunConfig, Trainer
 from test_engine import solver
 
@@ -162,9 +162,9 @@ def test_an_error_stops_the_handing_out_of_tasks():
 
 
 def test_a_worker_late_to_leave_a_run_takes_no_task_of_the_next():
-    """A run's tickets carry its number (kernels.spin.take_ticket): once the next run is
+    """A run's tickets carry its number (runtime.spin.take_ticket): once the next run is
     posted, the old one's count can neither hand out a task nor take one of the new run."""
-    from cgp.kernels import spin
+    from cgp.runtime import spin
     flags = np.zeros(1, np.int64)
     flags[0] = 4 << 32
     assert [spin.take_ticket(flags, 0, 4, 2) for _ in range(3)] == [0, 1, -1]
@@ -174,10 +174,10 @@ def test_a_worker_late_to_leave_a_run_takes_no_task_of_the_next():
 
 
 def test_a_post_writes_the_run_and_wakes_the_sleepers_only():
-    """kernels.spin.post, all of a run's posting in one call: the ticket at the run's first
+    """runtime.spin.post, all of a run's posting in one call: the ticket at the run's first
     task, the run's fields, its argument bytes, the run number; the sleep marks of the
     sleeping workers cleared and those workers named, the others left alone."""
-    from cgp.kernels import spin
+    from cgp.runtime import spin
     flags = np.full(40, 9, np.int64)
     flags[20:40:8] = 0, 1, 0    # of three workers, the second sleeps
     args = np.zeros(8, np.uint8)
@@ -197,7 +197,7 @@ def _meet(arrived, threads):
 
     def task(w, i):
         arrived[1 + i] = os.getpid()
-        from cgp.kernels import spin
+        from cgp.runtime import spin
         spin.fetch_add(arrived, 0, 1)
         deadline = time.monotonic() + 10
         while spin.load(arrived, 0) < threads and time.monotonic() < deadline:
@@ -265,7 +265,7 @@ def test_the_callers_first_work_overlaps_the_workers_tasks():
     tasks; its exception comes after every task, and no worker's failure is left for the next
     run."""
     import time
-    from cgp.kernels import spin
+    from cgp.runtime import spin
     done = aligned_zeros(41, np.int64, shared=True)
 
     def task(w, i, fail):
@@ -305,7 +305,7 @@ def test_the_callers_first_work_overlaps_the_workers_tasks():
 
 def test_workers_end_when_the_main_process_is_killed():
     code = ("import os, sys, numpy as np\n"
-            "from cgp.procs import ProcessPool\n"
+            "from cgp.runtime.procs import ProcessPool\n"
             "pool = ProcessPool(2)\n"
             "pool.program(lambda w, i: None)\n"
             "pool.start()\n"

@@ -11,7 +11,7 @@ from google.protobuf import text_format
 from numba import njit
 
 from cgp.errors import PrototxtError
-from cgp.kernels import update
+from cgp.runtime import update
 from cgp.proto import caffe_pb2
 from cgp.solver import Solver, multistep_count
 
@@ -144,12 +144,12 @@ def test_clip_cases_do_what_their_names_say():
     w, grads = data()
     lr_mult, decay_mult = multipliers()
     triggered = Solver(rule_param("SGD", CASES["clip_triggered"]), lr_mult, decay_mult)
-    step = triggered.prepare(0, grads[0], [(0, N)])
+    step = triggered.prepare(0, triggered.squares(grads[0], [(0, N)]))
     assert step.grad_norm > 0.5 and step.clip_scale == np.float32(0.5) / np.float32(step.grad_norm)
     quiet = Solver(rule_param("SGD", CASES["clip_not_triggered"]), lr_mult, decay_mult)
-    assert quiet.prepare(0, grads[0], [(0, N)]).clip_scale == 1
+    assert quiet.prepare(0, quiet.squares(grads[0], [(0, N)])).clip_scale == 1
     off = Solver(rule_param("SGD"), lr_mult, decay_mult)
-    assert off.prepare(0, grads[0], [(0, N)]).grad_norm is None
+    assert not off.needs_norm and off.prepare(0).grad_norm is None
 
 
 # ------------------------------------------------------- float32 twin in Caffe's operation order
@@ -229,7 +229,7 @@ def test_slices_are_bitwise_identical_to_one_slice(type_):
     slices = [(0, 13), (13, 14), (14, N)]
     for it, g in enumerate(grads):
         g_whole, g_cut = g.copy(), g.copy()
-        step = whole.prepare(it, g_whole, slices)
+        step = whole.prepare(it, whole.squares(g_whole, slices))
         whole.apply(step, w_whole, g_whole, 0, N)
         for lo, hi in reversed(slices):         # order does not matter either
             cut.apply(step, w_cut, g_cut, lo, hi)
@@ -244,7 +244,7 @@ def test_apply_touches_only_its_slice():
     solver = Solver(rule_param("Adam", "weight_decay: 0.1"), lr_mult, decay_mult)
     w0, grads = data(3)
     w, g = w0.copy(), grads[0].copy()
-    solver.apply(solver.prepare(0, g, [(0, N)]), w, g, 10, 20)
+    solver.apply(solver.prepare(0), w, g, 10, 20)
     outside = np.r_[0:10, 20:N]
     np.testing.assert_array_equal(w[outside], w0[outside])
     np.testing.assert_array_equal(g[outside], grads[0][outside])
@@ -252,7 +252,7 @@ def test_apply_touches_only_its_slice():
 
 
 def test_claim_changes_nothing_and_compiles_to_a_prefetch():
-    """kernels.update.claim, which a fused update on two workers or more runs first: every
+    """runtime.update.claim, which a fused update on two workers or more runs first: every
     value stays, at any bounds (mid-line, empty, the last element), and the compiled loop
     holds a prefetch (PREFETCHW where the CPU has it), so it is not compiled away."""
     a = np.arange(3 * N, dtype=np.float32)
@@ -363,7 +363,7 @@ def test_adam_bias_correction():
     for it in (0, 1, 10, 1000):
         t = it + 1
         expected = math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
-        assert solver.prepare(it, np.zeros(N, np.float32), [(0, N)]).correction == \
+        assert solver.prepare(it).correction == \
             pytest.approx(expected, rel=1e-7)
 
 
@@ -438,21 +438,21 @@ def test_a_step_made_ahead_is_the_step_and_keeps_current_step_until_its_turn():
     for it in range(7):
         ahead.prepare_ahead(it + 1)
         assert ahead.current_step == plain.current_step
-        assert ahead.prepare(it + 1, None, [(0, n)]) == plain.prepare(it + 1, None, [(0, n)])
+        assert ahead.prepare(it + 1) == plain.prepare(it + 1)
         assert ahead.current_step == plain.current_step == (it + 1) // 3
     ahead.prepare_ahead(5)
-    assert ahead.prepare(2, None, [(0, n)]) == plain.prepare(2, None, [(0, n)])
-    assert ahead.current_step == 0 and ahead.prepare(5, None, [(0, n)]).it == 5
+    assert ahead.prepare(2) == plain.prepare(2)
+    assert ahead.current_step == 0 and ahead.prepare(5).it == 5
     # A policy that never sets current_step: one restored meanwhile (a .solverstate) stays.
     fixed = Solver(solver_param("type: 'SGD' base_lr: 0.1 lr_policy: 'fixed'"), ones, ones)
     fixed.prepare_ahead(4)
     fixed.current_step = 3
-    assert fixed.prepare(4, None, [(0, n)]).it == 4 and fixed.current_step == 3
+    assert fixed.prepare(4).it == 4 and fixed.current_step == 3
     clipped = Solver(solver_param("type: 'SGD' base_lr: 0.1 clip_gradients: 1 "
                                   "lr_policy: 'fixed'"), ones, ones)
     clipped.prepare_ahead(1)
     grads = np.full(n, 2, np.float32)
-    assert clipped.prepare(1, grads, [(0, n)]).clip_scale == np.float32(0.25)
+    assert clipped.prepare(1, clipped.squares(grads, [(0, n)])).clip_scale == np.float32(0.25)
 
 
 def test_a_slice_is_cut_where_the_multipliers_change():

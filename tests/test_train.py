@@ -51,31 +51,27 @@ def test_lenet_learns_real_mnist():
 
 @pytest.mark.parametrize("threads, workers", [(1, "threads"), (2, "threads"), (3, "threads"),
                                               (2, "processes")])
-@pytest.mark.parametrize("fuse", [True, False])
-def test_steps_with_merged_updates_match_step_after_step(threads, workers, fuse, mnist_dir):
-    """steps(n) runs each update in its own iteration's reduction tasks (fuse, the default:
-    each task updates the columns it has just summed), or else each update but the last
-    inside the next iteration's pool run (the calls' forward waits for the blocks of its
-    layers; on one worker, in runs of their own): bitwise the weights, solver history and
-    losses of n step() calls, each with its update in a run of its own; a run that each()
-    ends early leaves the weights up to date too. Adam and momentum SGD with weight decay.
-    (Without the waits the merged runs on several workers fail this; updating a task's
-    columns before summing them, or before every call has passed their layers, fails the
-    fused ones.)"""
+def test_updates_in_the_reduction_tasks_match_an_update_run(threads, workers, mnist_dir):
+    """Where the Step needs no gradient, each reduction task updates the columns it has just
+    summed (DataParallelStep.fused), with iter_size's sum over passes: bitwise the weights,
+    solver history and losses of an update run of its own after each iteration; a run that
+    each() ends early leaves the weights up to date too. Adam, and momentum SGD with weight
+    decay, with 1 and 2 passes. (Updating a task's columns before summing them, or before
+    every call has passed their layers, fails this.)"""
     from cgp.train import Trainer
-    for solver in ("SGD", "Adam"):
-        sp = lenet_solver(32, type=solver)
+    for sp in (lenet_solver(32, type="SGD"), lenet_solver(32, type="Adam"),
+               lenet_solver(16, iter_size=2)):
         config = RunConfig(threads=threads, workers=workers, data_dir=str(mnist_dir),
                            progress=False)
         trainers = [Trainer(sp, None, config, log=lambda line: None) for _ in range(2)]
-        assert trainers[1].fuse   # no clipping, one pass per iteration
-        trainers[0].fuse, trainers[1].fuse = False, fuse
+        assert trainers[0].train_step.fused and trainers[1].train_step.fused
+        trainers[0].train_step.fused = False
         try:
             single = [trainers[0].step()[0] for _ in range(5)]
-            merged = []
-            trainers[1].steps(3, lambda it, loss, outputs, rate: merged.append(loss))
-            trainers[1].steps(9, lambda it, loss, outputs, rate: merged.append(loss) or it == 4)
-            assert trainers[1].iter == 5 and merged == single
+            fused = []
+            trainers[1].steps(3, lambda it, loss, outputs, rate: fused.append(loss))
+            trainers[1].steps(9, lambda it, loss, outputs, rate: fused.append(loss) or it == 4)
+            assert trainers[1].iter == 5 and fused == single
             assert np.array_equal(trainers[0].net.params, trainers[1].net.params)
             for a, b in zip(trainers[0].solver.histories, trainers[1].solver.histories):
                 assert np.array_equal(a, b)
@@ -85,20 +81,21 @@ def test_steps_with_merged_updates_match_step_after_step(threads, workers, fuse,
 
 
 def test_updates_that_need_the_gradient_first_are_not_fused(mnist_dir):
-    """Clipping scales the step by the whole gradient's norm, and iter_size sums passes
-    first: such a solver's Step needs the gradient, so its updates are not fused, and
-    steps(n) still gives the bits of step() after step()."""
+    """Clipping scales the step by the whole gradient's norm: such a solver's Step needs the
+    gradient, so its update runs after the reduction, and steps(n) still gives the bits of
+    step() after step(), on 1 and 2 workers alike."""
     from cgp.train import Trainer
-    config = RunConfig(threads=2, data_dir=str(mnist_dir), progress=False)
-    for sp in (lenet_solver(32, clip_gradients=0.5), lenet_solver(16, iter_size=2)):
-        trainers = [Trainer(sp, None, config, log=lambda line: None) for _ in range(2)]
-        try:
-            assert not trainers[0].fuse and not trainers[1].fuse
-            single = [trainers[0].step()[0] for _ in range(3)]
-            losses = []
-            trainers[1].steps(3, lambda it, loss, outputs, rate: losses.append(loss))
-            assert losses == single
-            assert np.array_equal(trainers[0].net.params, trainers[1].net.params)
-        finally:
-            for t in trainers:
-                t.close()
+    sp = lenet_solver(16, clip_gradients=0.5, iter_size=2)
+    trainers = [Trainer(sp, None, RunConfig(threads=threads, data_dir=str(mnist_dir),
+                                            progress=False), log=lambda line: None)
+                for threads in (1, 2)]
+    try:
+        assert not trainers[0].train_step.fused and not trainers[1].train_step.fused
+        single = [trainers[0].step()[0] for _ in range(3)]
+        losses = []
+        trainers[1].steps(3, lambda it, loss, outputs, rate: losses.append(loss))
+        assert losses == single
+        assert np.array_equal(trainers[0].net.params, trainers[1].net.params)
+    finally:
+        for t in trainers:
+            t.close()

@@ -8,7 +8,7 @@ no result, so they are accepted and ignored.
 import numpy as np
 
 from cgp.kernels import conv as K
-from cgp.kernels.tile import lanes
+from cgp.runtime.simd import lanes
 from cgp.layers.base import Layer, check_axis, part_span, register
 
 

@@ -1,4 +1,4 @@
-"""Worker processes (`--workers processes`): a pool like cgp.engine.Pool whose workers are
+"""Worker processes (`--workers processes`): a pool like cgp.runtime.pool.Pool whose workers are
 forked processes, so no two workers ever wait for the same Python interpreter lock. Threads
 share one: the Python between kernel calls of all workers runs one at a time, which bounds
 the speedup as threads grow (bench/python_overhead.py).
@@ -10,7 +10,7 @@ workspaces and the compiled kernels. What crosses between processes lives in sha
 allocated before the fork (aligned_zeros(shared=True)): the parameters, the batch, chunk
 gradients and factors, loss shares, solver histories, and the pool's own counters. A run is
 posted and its end announced through those counters, which the waiting side watches (as
-Pool's threads do, kernels/spin.py) before it sleeps on a semaphore; no message crosses a
+Pool's threads do, cgp/runtime/spin.py) before it sleeps on a semaphore; no message crosses a
 pipe unless a task fails. Tasks are handed out in index order to whichever worker asks next,
 so which process runs which task is left to timing and never changes a bit.
 """
@@ -26,10 +26,10 @@ import warnings
 
 import numpy as np
 
-from cgp.engine import CallersWork, Pool, RunCancelled, spin_count
 from cgp.errors import CgpError
-from cgp.kernels import fpenv, spin
-from cgp.layers import aligned_zeros
+from cgp.runtime import fpenv, spin
+from cgp.runtime.memory import aligned_zeros
+from cgp.runtime.pool import CallersWork, Pool, RunCancelled, spin_count
 
 # Where the pool's counters sit in its shared int64 array; those that different workers write
 # at once each have a 64-byte cache line of their own.

@@ -8,7 +8,7 @@ sleeps between them pays that cost several times a step. OpenMP runtimes spin fo
 before they sleep for the same reason (KMP_BLOCKTIME). The spin runs in compiled code
 that releases the lock, so the thread it waits for is never held up by it.
 
-Also the atomic operations on shared counters by which cgp.procs.ProcessPool posts runs and
+Also the atomic operations on shared counters by which cgp.runtime.procs.ProcessPool posts runs and
 hands out tasks across processes (fetch_add, exchange, take_ticket, post).
 """
 from numba import njit, types

@@ -9,7 +9,7 @@ factored gradient), and any cut gives the same sums.
 """
 from numba import literally, njit
 
-from cgp.kernels.tile import SHAPES, VECTOR_BYTES, choose, folded_tile, lanes
+from cgp.runtime.simd import SHAPES, VECTOR_BYTES, choose, folded_tile, lanes
 
 # Elements a factored operand must extend past its last row (tiles read up to T - 1 past a
 # row of A and KV vectors past a row of B; counted in float32, which has the most lanes).

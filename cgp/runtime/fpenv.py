@@ -8,7 +8,7 @@ FTZ (flush results that would be subnormal to zero) and DAZ (read subnormal inpu
 TensorFlow sets both for its threads; Caffe and PyTorch leave them off by default.
 
 They are per thread, so the engine sets them in each of its workers and around work it runs
-in the calling thread (cgp.engine.Pool); every thread count runs the same arithmetic.
+in the calling thread (cgp.runtime.pool.Pool); every thread count runs the same arithmetic.
 """
 import platform
 

@@ -21,7 +21,7 @@ Elementwise only, so results are bitwise identical however [0, n) is cut into sl
 loops index views of the slice from 0: an index that may be negative (lo + i) costs Numba a
 wrap-around test per element, which keeps the loop from being vectorised.
 Also `claim`, a hint that asks for a slice's cache lines for writing before an update writes
-them (cgp.engine.Engine.fuse_updates); it changes no value.
+them (cgp.parallel.DataParallelStep, in the reduction's tasks); it changes no value.
 """
 import numpy as np
 from llvmlite import ir

@@ -1,0 +1,112 @@
+"""The data-parallel training step: the solver's update wrapped around the engine and the
+communicator, as ChainerMN's multi-node optimizer wraps a local one. The solver never sees
+chunks, workers or ranks.
+
+One step has one shape:
+  iter_size passes of the engine: its chunks' forward and backward, and the fixed-order sums
+    of the chunks this process owns (cgp.engine, cgp.comm);
+  the communicator's exchange: nothing on one machine; across ranks, the rest of the same
+    tree (the point between "local sums done" and "update");
+  the solver's update of the blocks of parameters this process updates;
+  the new parameters shared (nothing on one machine).
+
+Where the sums are the batch's as soon as each reduction task has run (one process) and the
+Step needs no gradient (no clip_gradients), the update of each task's columns runs inside
+that task (Engine.on_sums), with iter_size's sum over passes: the workers done with their
+calls update while the slowest finishes, with the summed gradient still in the cache of the
+core that summed it, and a step hands over to the workers once. Otherwise the update is a pool
+run of its own after the exchange. Every update is elementwise over its columns, so both give
+the same bits (a test compares them).
+"""
+from cgp.runtime.memory import aligned_zeros
+from cgp.runtime.update import claim
+from cgp.solver import Step
+
+
+class DataParallelStep:
+    """One training iteration of a solver over an engine's chunks (see the module)."""
+
+    def __init__(self, engine, solver, comm, iter_size=1):
+        """Before the pool starts: worker processes must inherit the update's functions."""
+        self.engine, self.solver, self.comm = engine, solver, comm
+        pool, net = engine.pool, engine.net
+        self.pool, self.params = pool, net.params
+        self.iter_size = iter_size
+        # The fixed blocks the update runs in, and over which the clipping norm is added up.
+        self.blocks = comm.update_blocks(net.n_params)
+        # The sum over iter_size passes (written by the reduction's tasks or the workers).
+        self.accum = (aligned_zeros(net.n_params, net.params.dtype, pool.shared_memory)
+                      if iter_size > 1 else None)
+        self.gradient = self.accum if self.accum is not None else engine.reduction.result
+        self.fused = engine.final_sums and not solver.needs_norm
+        # One worker has no other core to take the update's cache lines from.
+        engine.on_sums(self._columns, self._claim if pool.threads > 1 else None)
+        self._update = pool.program(self._update_block)
+        self._accumulate = pool.program(self._accumulate_block)
+        # A run takes its Step in plain form (Step.plain), made a Step again once per run in
+        # each process: the latest (plain, Step).
+        self._made = ((), None)
+
+    def __call__(self, it, batches, seed, first=None):
+        """Iteration `it`: returns (loss averaged over the passes, the last pass's outputs, the
+        learning rate). batches(k) -> (batch, iteration number of its data) for pass k;
+        first: the caller's own work during the last pass's run (Pool.run's)."""
+        step = self.solver.prepare(it) if self.fused else None
+        loss, size = 0.0, self.iter_size
+        for k in range(size):
+            last = k == size - 1
+            batch, data_iteration = batches(k)
+            fused = step.plain() if step is not None and last else None
+            arg = (k, fused) if self.accum is not None or fused is not None else None
+            outputs, pass_loss, _ = self.engine.run(batch, data_iteration, seed,
+                                                    first if last else None, arg)
+            loss += pass_loss
+            if not self.engine.final_sums:
+                self.comm.exchange(self.engine.reduction)
+                if self.accum is not None:
+                    self.pool.run(self._accumulate, len(self.blocks), k)
+        if step is None:
+            squares = (self.comm.gather_blocks(self.solver.squares(self.gradient, self.blocks))
+                       if self.solver.needs_norm else None)
+            step = self.solver.prepare(it, squares)
+            self.pool.run(self._update, len(self.blocks), step.plain())
+        self.comm.share(self.params)
+        return loss / size, outputs, step.rate
+
+    # -- what workers run ----------------------------------------------------------------
+    def _step_of(self, plain):
+        made = self._made
+        if made[0] is not plain:
+            made = self._made = (plain, Step.of(plain))
+        return made[1]
+
+    def _columns(self, worker, lo, hi, arg):
+        """Columns lo:hi of the batch's sum of pass k, in the reduction task that made them:
+        added to the passes before, and with the Step `fused` updated."""
+        k, fused = arg
+        if self.accum is not None:
+            self._add_pass(k, lo, hi)
+        if fused is not None:
+            self.solver.apply(self._step_of(fused), self.params, self.gradient, lo, hi)
+
+    def _claim(self, lo, hi, arg):
+        """Asks for the cache lines that the fused update will write (cgp.runtime.update.claim),
+        which every worker's calls have just read: taking them from the other cores then
+        overlaps the sum instead of stalling the update's stores."""
+        if arg[1] is not None:
+            for a in (self.params, *self.solver.histories):
+                claim(a, lo, hi)
+
+    def _add_pass(self, k, lo, hi):
+        grad = self.engine.reduction.result
+        if k == 0:
+            self.accum[lo:hi] = grad[lo:hi]
+        else:
+            self.accum[lo:hi] += grad[lo:hi]
+
+    def _accumulate_block(self, worker, i, k):
+        self._add_pass(k, *self.blocks[i])
+
+    def _update_block(self, worker, i, plain):
+        lo, hi = self.blocks[i]
+        self.solver.apply(self._step_of(plain), self.params, self.gradient, lo, hi)
