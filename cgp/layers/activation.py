@@ -7,15 +7,8 @@ arrays. Dropout draws its mask from a counter-based stream keyed by (seed, itera
 sample, layer index, element), so any split of the batch draws the same mask.
 """
 from cgp.kernels import activation as K
-from cgp.layers.base import Layer, register
+from cgp.layers.base import Layer, flat, register
 from cgp.proto import caffe_pb2
-
-
-def flat(a):
-    """a as a flat view; refuses arrays that would need a copy, whose writes would be lost."""
-    if not a.flags.c_contiguous:
-        raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
-    return a.reshape(-1)
 
 
 class _Elementwise(Layer):

@@ -238,6 +238,19 @@ class Layer:
             kernel(*args)
 
 
+def view(a, shape):
+    """a reshaped to `shape` without a copy; refuses an array that would need one, whose
+    writes would be lost."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
+    return a.reshape(shape)
+
+
+def flat(a):
+    """a as a flat view (see view)."""
+    return view(a, -1)
+
+
 def assign(target, value):
     """target[...] = value, as a call that a layer's forward_calls can hand over."""
     target[...] = value

@@ -7,15 +7,8 @@ Nothing here may mix samples, so the batch axis is never concatenated, flattened
 import math
 
 from cgp.kernels import elementwise as K
-from cgp.layers.base import Layer, assign, check_axis, register
+from cgp.layers.base import Layer, assign, check_axis, flat, register
 from cgp.proto import caffe_pb2
-
-
-def flat(a):
-    """a as a flat view; refuses arrays that would need a copy, whose writes would be lost."""
-    if not a.flags.c_contiguous:
-        raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
-    return a.reshape(-1)
 
 
 def _shape(shape):

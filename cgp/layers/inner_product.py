@@ -6,15 +6,7 @@ on its chunk (see cgp.kernels.fc). Axis 0 is refused.
 import numpy as np
 
 from cgp.kernels import fc as K
-from cgp.layers.base import Factors, Layer, assign, check_axis, part_span, register
-
-
-def matrix(a, rows, cols):
-    """a as a (rows, cols) view; refuses arrays that would need a copy, whose writes would be
-    lost."""
-    if not a.flags.c_contiguous:
-        raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
-    return a.reshape(rows, cols)
+from cgp.layers.base import Factors, Layer, assign, check_axis, part_span, register, view
 
 
 @register("InnerProduct")
@@ -63,7 +55,7 @@ class InnerProduct(Layer):
         m = chunk.n * self.rows
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
-        yield K.fc_forward, (matrix(bottom[0], m, self.C), w, b, matrix(top[0], m, self.K),
+        yield K.fc_forward, (view(bottom[0], (m, self.C)), w, b, view(top[0], (m, self.K)),
                              self.transpose, scratch["rows"])
 
     def factor_shape(self):
@@ -73,13 +65,13 @@ class InnerProduct(Layer):
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
         m = chunk.n * self.rows
-        x = matrix(bottom[0], m, self.C)
-        dy = matrix(top_diff[0], m, self.K)
+        x = view(bottom[0], (m, self.C))
+        dy = view(top_diff[0], (m, self.K))
         w, dw = params[0], param_diff[0]
         none = np.empty(0, x.dtype)
         # Without dx (or dw) the kernel never touches that argument; x stands in for the type.
         if bottom_diff[0] is not None:
-            yield K.fc_backward, (x, w, dy, matrix(bottom_diff[0], m, self.C), x, none,
+            yield K.fc_backward, (x, w, dy, view(bottom_diff[0], (m, self.C)), x, none,
                                   self.transpose, True, False, False, scratch["rows"])
         factored = isinstance(dw, Factors)
         starts = chunk.starts * self.rows

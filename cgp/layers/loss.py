@@ -5,27 +5,15 @@ its samples divided by the batch-wide normaliser, and the engine adds the shares
 that counts non-ignored labels needs the whole batch's labels, which the engine passes in
 chunk.batch_tops when the label blob comes from a data layer. Other losses live elsewhere.
 """
+from math import prod
+
 import numpy as np
 
 from cgp.kernels import loss as K
-from cgp.layers.base import Layer, check_axis, register
+from cgp.layers.base import Layer, check_axis, register, view
 from cgp.proto import caffe_pb2
 
 LossP = caffe_pb2.LossParameter
-
-
-def _count(dims):
-    n = 1
-    for d in dims:
-        n *= int(d)
-    return n
-
-
-def _view(a, shape):
-    """a reshaped without a copy; refuses arrays that would need one (writes would be lost)."""
-    if not a.flags.c_contiguous:
-        raise ValueError(f"expected a C-contiguous array, got strides {a.strides}")
-    return a.reshape(shape)
 
 
 class _ClassAxis(Layer):
@@ -34,15 +22,15 @@ class _ClassAxis(Layer):
 
     def _split_axis(self, shape, axis):
         self.axis = check_axis(self, axis, len(shape))
-        self.per_sample = _count(shape[1:self.axis])
+        self.per_sample = prod(shape[1:self.axis])
         self.classes = int(shape[self.axis])
-        self.inner = _count(shape[self.axis + 1:])
+        self.inner = prod(shape[self.axis + 1:])
 
     def _scores(self, a, n):
-        return _view(a, (n * self.per_sample, self.classes, self.inner))
+        return view(a, (n * self.per_sample, self.classes, self.inner))
 
     def _labels(self, a, n):
-        return _view(a, (n * self.per_sample, self.inner))
+        return view(a, (n * self.per_sample, self.inner))
 
     def _check_labels(self, shapes):
         """Caffe's rule: one label per (outer, inner) position. cgp also needs the labels'
@@ -51,11 +39,11 @@ class _ClassAxis(Layer):
         if labels[0] != scores[0]:
             raise self.error(f"scores {scores} and labels {labels} must have the same first "
                              f"(batch) dimension")
-        if _count(labels) != scores[0] * self.per_sample * self.inner:
+        if prod(labels) != scores[0] * self.per_sample * self.inner:
             raise self.error(
                 f"number of labels must match number of predictions: scores {scores} with class "
                 f"axis {self.axis} need {scores[0] * self.per_sample * self.inner} labels, "
-                f"labels {labels} hold {_count(labels)}")
+                f"labels {labels} hold {prod(labels)}")
 
     def _read_ignore(self, param):
         self.has_ignore = param.HasField("ignore_label")
