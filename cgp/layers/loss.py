@@ -83,12 +83,6 @@ class _ClassAxis(Layer):
         return counts
 
 
-def _refuse_cudnn(layer, engine):
-    if engine == caffe_pb2.SoftmaxParameter.CUDNN:
-        raise layer.error("engine CUDNN is not supported: cgp runs Caffe's CPU implementation "
-                          "(use engine DEFAULT or CAFFE)")
-
-
 @register("Softmax")
 class Softmax(_ClassAxis):
     """y = exp(x) / sum exp(x) along softmax_param.axis (default 1), with the maximum
@@ -96,7 +90,6 @@ class Softmax(_ClassAxis):
 
     def setup(self, bottom_shapes):
         shape = tuple(bottom_shapes[0])
-        _refuse_cudnn(self, self.lp.softmax_param.engine)
         self._split_axis(shape, self.lp.softmax_param.axis)
         return [shape]
 
@@ -143,7 +136,6 @@ class SoftmaxWithLoss(_ClassAxis):
 
     def setup(self, bottom_shapes):
         scores = tuple(bottom_shapes[0])
-        _refuse_cudnn(self, self.lp.softmax_param.engine)
         self._split_axis(scores, self.lp.softmax_param.axis)
         self._check_labels(bottom_shapes)
         p = self.lp.loss_param

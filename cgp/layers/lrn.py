@@ -1,7 +1,7 @@
 """The LRN layer: Caffe's local response normalisation, ACROSS_CHANNELS and WITHIN_CHANNEL.
 
 Each sample is normalised on its own, so chunks need nothing from each other. Only Caffe's
-CPU implementation's math; the cuDNN engines are refused.
+CPU implementation's math: the `engine` field (CUDNN included) is a hint cgp ignores.
 """
 from cgp.kernels import lrn as K
 from cgp.layers.base import Layer, register
@@ -29,9 +29,6 @@ class LRN(Layer):
         p = self.lp.lrn_param
         if p.local_size % 2 != 1:
             raise self.error(f"local_size must be odd, got {p.local_size}")
-        if p.engine == LRNP.CUDNN:
-            raise self.error("engine CUDNN is not supported: cgp runs Caffe's CPU implementation "
-                             "(use engine DEFAULT or CAFFE)")
         if p.norm_region not in (LRNP.ACROSS_CHANNELS, LRNP.WITHIN_CHANNEL):
             raise self.error(f"unknown norm_region {p.norm_region}")
         self.across = p.norm_region == LRNP.ACROSS_CHANNELS
