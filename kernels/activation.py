@@ -1,4 +1,4 @@
-"""Elementwise activation kernels: ReLU (leaky), Sigmoid, TanH and inverted Dropout.
+"""Elementwise activation kernels: ReLU (leaky), Sigmoid, TanH, AbsVal and inverted Dropout.
 
 Forward/backward pairs over preallocated arrays, Caffe's formulas. Dropout's mask comes from the
 counter-based stream in random.py; nothing here keeps state or allocates.
@@ -80,6 +80,22 @@ def tanh_backward(y, dy, dx):
     for i in range(y.size):
         t = y[i]
         dx[i] = dy[i] * (1 - t * t)
+
+
+@njit(cache=True, nogil=True)
+def absval_forward(x, y):
+    """x, y: (M,). y = |x|."""
+    for i in range(x.size):
+        y[i] = abs(x[i])
+
+
+@njit(cache=True, nogil=True)
+def absval_backward(x, dy, dx):
+    """x, dy, dx: (M,). dx = sign(x) * dy, sign 1, -1 or 0 (x = 0, also NaN), as Caffe's
+    sign then product: 0 * dy keeps the sign of zero and NaN of an infinite dy; overwrites dx."""
+    for i in range(x.size):
+        v, d = x[i], dy[i]
+        dx[i] = d if v > 0 else (-d if v < 0 else d * 0)
 
 
 @njit(cache=True, nogil=True)

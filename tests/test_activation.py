@@ -1,5 +1,5 @@
-"""ReLU, Sigmoid, TanH and Dropout against float64 NumPy references, finite differences and
-batch splits; Philox4x32-10 against Random123's known answers."""
+"""ReLU, Sigmoid, TanH, AbsVal and Dropout against float64 NumPy references, finite
+differences and batch splits; Philox4x32-10 against Random123's known answers."""
 import numpy as np
 import pytest
 
@@ -7,7 +7,9 @@ from cgp.errors import NetError
 from cgp.kernels import activation as K
 from cgp.runtime.philox import philox4x32_10, uniform, uniform_fill
 from cgp.layers import Chunk
+from cgp.net import Net, Workspace
 from cgp.proto import caffe_pb2
+from cgp.prototxt import parse_net
 from layer_check import (backward, build, check_forward, check_gradients,
                          check_split_invariance, forward)
 
@@ -40,6 +42,7 @@ def sigmoid_ref(x):
     ("ReLU", "relu_param { negative_slope: 0.25 }", relu_ref(0.25)),
     ("Sigmoid", "", sigmoid_ref),
     ("TanH", "", np.tanh),
+    ("AbsVal", "", np.abs),
 ])
 def test_activation(kind, extra, reference):
     x = away_from_zero(SHAPE)
@@ -102,6 +105,56 @@ def test_backward_uses_the_top():
         dx = np.full_like(x, 7.0)
         layer.backward([y], [dy], [x], [dx], [], [], {}, Chunk(n=1))
         np.testing.assert_allclose(dx, dy * grad(y))
+
+
+def test_absval_kink():
+    # dy/dx = sign(x), and 0 at x = 0 and -0 (Caffe's sign); the differences stepping around
+    # the kink, from either side, give -1 and 1.
+    layer = build(layer_text("AbsVal"), [(1, 5)])
+    x = np.array([[-2.0, 0.0, -0.0, 3.0, -0.5]])
+    dy = np.array([[2.0, 5.0, -5.0, 4.0, 3.0]])
+    tops, (dx,), _ = backward(layer, [x], [], [dy])
+    assert tops[0].tobytes() == np.array([[2.0, 0.0, 0.0, 3.0, 0.5]]).tobytes()
+    np.testing.assert_array_equal(dx, [[-2.0, 0.0, 0.0, 4.0, -3.0]])
+    check_gradients(layer, [np.array([[-1e-3, 1e-3, -2e-5, 2e-5, 0.7]])])
+
+
+def test_absval_named_in_place_keeps_its_bottom():
+    """A prototxt that names AbsVal's top like its bottom: |x| loses the sign that backward
+    needs, so the top gets its own buffer, and the net gives the bits of the net that names
+    the top apart."""
+    head = ('layer { name: "in" type: "Input" top: "data" top: "label" '
+            'input_param { shape { dim: 4 dim: 6 } shape { dim: 4 } } }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+            'inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1 } } }\n')
+    loss_text = ('layer { name: "loss" type: "SoftmaxWithLoss" bottom: "{}" bottom: "label" '
+                 'top: "loss" }')
+    texts = [head + 'layer { name: "abs" type: "AbsVal" bottom: "ip" top: "ip" }\n'
+             + loss_text.replace("{}", "ip"),
+             head + 'layer { name: "abs" type: "AbsVal" bottom: "ip" top: "abs" }\n'
+             + loss_text.replace("{}", "abs")]
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((4, 6)).astype(np.float32)
+    label = np.array([0, 1, 2, 1], np.float32)
+    results = []
+    for text in texts:
+        net = Net(parse_net(text), caffe_pb2.TRAIN)
+        ip, absval, loss = net.entries
+        assert absval.tops != absval.bottoms and loss.bottoms[0] == absval.tops[0]
+        net.init_params(3)
+        ws = Workspace(net, 4)
+        chunk = Chunk(n=4, batch=4)
+        views = net.param_views(net.params)
+        grads = np.zeros((1, net.n_params), np.float32)
+        out = net.forward(ws, chunk, {net.sources[0].tops[0]: data,
+                                      net.sources[0].tops[1]: label}, views)
+        net.backward(ws, chunk, out, views, net.param_views(grads))
+        # The gradient reached the InnerProduct through sign(x), not through sign(|x|).
+        x, dy = out[ip.tops[0]], ws.diff_views(4)[absval.tops[0]]
+        assert (x < 0).any()
+        np.testing.assert_array_equal(ws.diff_views(4)[ip.tops[0]], np.sign(x) * dy)
+        results.append((out[loss.tops[0]].tobytes(), grads.tobytes()))
+    assert results[0] == results[1]
 
 
 # -- Philox4x32-10 ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Activation layers: ReLU, Sigmoid, TanH and Dropout, with Caffe's formulas and parameters.
+"""Activation layers: ReLU, Sigmoid, TanH, AbsVal and Dropout, with Caffe's formulas and
+parameters.
 
 Each works elementwise on one bottom and one top of the same shape. Caffe nets often run them
 "in place" (top named like the bottom); the net builder gives every top its own buffer, except
@@ -68,6 +69,25 @@ class TanH(_Elementwise):
                        chunk):
         if bottom_diff[0] is not None:
             yield K.tanh_backward, (flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
+
+
+@register("AbsVal")
+class AbsVal(Layer):
+    """y = |x|; dy/dx = sign(x), 0 at x = 0 (Caffe's AbsValLayer). Backward reads the
+    bottom x, whose sign |x| has lost: the layer keeps in_place off, so a prototxt that names
+    its top like its bottom (which Caffe refuses for AbsVal) gets the top its own buffer."""
+
+    def setup(self, bottom_shapes):
+        return [tuple(bottom_shapes[0])]
+
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        yield K.absval_forward, (flat(bottom[0]), flat(top[0]))
+
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
+        if bottom_diff[0] is not None:
+            yield K.absval_backward, (flat(bottom[0]), flat(top_diff[0]),
+                                      flat(bottom_diff[0]))
 
 
 @register("Dropout")
