@@ -1,8 +1,214 @@
-"""The layer contract (cgp/layers/base.py): `engine:` is a hint cgp ignores."""
+"""The layer contract (cgp/layers/base.py): every registered layer hands its kernel calls over
+to the net or says that it runs each call; register() refuses a layer that would leave the
+bound calls unsaid; a `*_param` message a layer does not read is refused by name, in Caffe's
+example and model-zoo nets too; `engine:` is a hint cgp ignores."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from cgp.errors import NetError
+from cgp.layers import REGISTRY, Chunk, base, register
+from cgp.layers.activation import ReLU
+from cgp.layers.base import Layer
+from cgp.net import Net, Workspace, build_net
+from cgp.proto import caffe_pb2
+from cgp.prototxt import parse_net, parse_text
 from layer_check import backward, build, random_params
+
+INPUT = ('layer { name: "in" type: "Input" top: "data" top: "label" '
+         'input_param { shape { dim: 4 dim: 3 dim: 6 dim: 6 } shape { dim: 4 } } }\n')
+
+# Caffe's LayerParameter messages whose names end in _param (`param`, the ParamSpecs, is not one).
+PARAM_MESSAGES = [f.name for f in caffe_pb2.LayerParameter.DESCRIPTOR.fields
+                  if f.name.endswith("_param")]
+
+# A small net for each layer type that hands its calls over: INPUT, then the layer "l".
+HANDS_OVER = {
+    "AbsVal": 'type: "AbsVal" bottom: "data" top: "y"',
+    "Concat": 'type: "Concat" bottom: "data" bottom: "data" top: "y"',
+    "Convolution": 'type: "Convolution" bottom: "data" top: "y" '
+                   'convolution_param { num_output: 2 kernel_size: 3 }',
+    "Eltwise": 'type: "Eltwise" bottom: "data" bottom: "data" top: "y"',
+    "Flatten": 'type: "Flatten" bottom: "data" top: "y"',
+    "InnerProduct": 'type: "InnerProduct" bottom: "data" top: "y" '
+                    'inner_product_param { num_output: 3 }',
+    "LRN": 'type: "LRN" bottom: "data" top: "y" lrn_param { local_size: 3 }',
+    "Pooling": 'type: "Pooling" bottom: "data" top: "y" '
+               'pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
+    "ReLU": 'type: "ReLU" bottom: "data" top: "y"',
+    "Reshape": 'type: "Reshape" bottom: "data" top: "y" reshape_param { shape { dim: 0 dim: -1 } }',
+    "Sigmoid": 'type: "Sigmoid" bottom: "data" top: "y"',
+    "Softmax": 'type: "Softmax" bottom: "data" top: "y"',
+    "Split": 'type: "Split" bottom: "data" top: "y" top: "z"',
+    "TanH": 'type: "TanH" bottom: "data" top: "y"',
+}
+# Layers that run Python at every call (calls_each_time), and the data layers (is_source).
+EACH_TIME = {"Accuracy", "Dropout", "SoftmaxWithLoss"}
+SOURCES = {"Data", "Input"}
+
+
+def test_every_registered_type_is_walked():
+    """A new layer type lands in exactly one of the three groups above (and a layer that left
+    the bound calls would have to move here, in plain sight)."""
+    groups = [set(HANDS_OVER), EACH_TIME, SOURCES]
+    assert sorted(set.union(*groups)) == sorted(REGISTRY)
+    assert sum(len(g) for g in groups) == len(REGISTRY)
+
+
+@pytest.mark.parametrize("kind", sorted(HANDS_OVER))
+def test_layer_hands_its_kernel_calls_over(kind):
+    """forward_calls and backward_calls give (kernel, args) pairs on a real net's buffers
+    (the net binds those: cgp.net.BoundCall), and the calls run."""
+    net = Net(parse_net(INPUT + f'layer {{ name: "l" {HANDS_OVER[kind]} }}'), caffe_pb2.TRAIN)
+    [i] = [i for i, e in enumerate(net.entries) if e.layer.name == "l"]
+    entry, layer = net.entries[i], net.entries[i].layer
+    assert type(layer) is REGISTRY[kind]
+    assert not layer.calls_each_time and not layer.is_source and not layer.reduces_batch
+    net.init_params(1)
+    ws = Workspace(net, 4)
+    chunk = Chunk(n=4, batch=4)
+    inputs = {t: np.random.default_rng(0).standard_normal(net.blob_shapes[t]).astype(np.float32)
+              for t in net.sources[0].tops}
+    data, diff = net.call_views(ws, chunk, inputs), ws.diff_views(4)
+    params = net.param_views(net.params)[i]
+    grads = net.param_views(np.zeros((1, net.n_params), np.float32))[i]
+    bottom, top = [data[b] for b in entry.bottoms], [data[t] for t in entry.tops]
+    forward = layer.forward_calls(bottom, top, params, ws.scratch[i], chunk)
+    back = layer.backward_calls(top, [diff[t] for t in entry.tops], bottom,
+                                [diff[b] for b in entry.bottoms], params, grads, ws.scratch[i],
+                                chunk)
+    for calls in (forward, back):
+        assert calls is not None, f"{kind} hands no calls over"
+        calls = list(calls)
+        assert calls
+        for kernel, args in calls:
+            assert callable(kernel) and isinstance(args, tuple)
+            kernel(*args)
+
+
+@pytest.mark.parametrize("kind", sorted(EACH_TIME))
+def test_per_call_layers_declare_it(kind):
+    cls = REGISTRY[kind]
+    assert cls.calls_each_time and cls.forward is not Layer.forward
+    assert cls.forward_calls is Layer.forward_calls
+
+
+@pytest.mark.parametrize("kind", sorted(SOURCES))
+def test_sources_declare_it(kind):
+    assert REGISTRY[kind].is_source
+
+
+def _per_call(self, *args):
+    pass
+
+
+@pytest.mark.parametrize("attributes, message", [
+    # A hand-over layer changed to override forward: refused, not silently run per call.
+    (dict(forward=_per_call), "Quiet overrides forward/backward without declaring "
+                              "calls_each_time"),
+    (dict(backward=_per_call), "Quiet overrides forward/backward"),
+    (dict(calls_each_time=True), "Quiet declares calls_each_time: it must define forward and "
+                                 "backward"),
+    (dict(calls_each_time=True, forward=_per_call, backward=_per_call),
+     "Quiet declares calls_each_time and also defines forward_calls"),
+    (dict(reduces_batch=True), "Quiet has reduces_batch"),
+    (dict(params_read="relu_param"), "Quiet: params_read must be a tuple"),
+    (dict(params_read=("relu_parameter",)), "Quiet: params_read must be a tuple"),
+])
+def test_register_refuses_a_class_that_breaks_the_contract(monkeypatch, attributes, message):
+    monkeypatch.setattr(base, "REGISTRY", {})
+    cls = type("Quiet", (ReLU,), attributes)
+    with pytest.raises(TypeError, match=message):
+        register("Quiet")(cls)
+    assert base.REGISTRY == {}
+
+
+def test_register_refuses_a_layer_with_no_calls(monkeypatch):
+    monkeypatch.setattr(base, "REGISTRY", {})
+    with pytest.raises(TypeError, match="Empty must define forward_calls and backward_calls"):
+        register("Empty")(type("Empty", (Layer,), {}))
+
+
+def test_register_takes_a_declared_per_call_layer(monkeypatch):
+    monkeypatch.setattr(base, "REGISTRY", {})
+    cls = type("Said", (Layer,), dict(calls_each_time=True, forward=_per_call,
+                                      backward=_per_call))
+    assert register("Said")(cls) is cls and base.REGISTRY == {"Said": cls}
+
+
+# -- the *_param messages a layer reads ---------------------------------------------------
+
+def test_a_message_the_layer_does_not_read_is_refused_by_name():
+    text = INPUT + ('layer { name: "relu1" type: "ReLU" bottom: "data" top: "r" '
+                    'pooling_param { pool: MAX kernel_size: 2 } }')
+    with pytest.raises(NetError) as e:
+        build_net(parse_net(text), "net.prototxt")
+    assert str(e.value) == ("net.prototxt: layer 'relu1' (type ReLU): pooling_param is not read "
+                            "by ReLU layers (they read relu_param); remove it")
+
+
+def _layer_param(kind, message=None):
+    """A LayerParameter of type `kind` with as few bottoms and tops as it takes, and the
+    (empty) message `message` set."""
+    cls = REGISTRY[kind]
+    lp = caffe_pb2.LayerParameter(name="l", type=kind)
+    lp.bottom.extend(f"b{i}" for i in range(cls.bottoms[0]))
+    lp.top.extend(f"t{i}" for i in range(max(1, cls.tops[0])))
+    if message:
+        getattr(lp, message).SetInParent()
+    return lp
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRY))
+def test_each_layer_takes_the_messages_it_reads_and_refuses_others(kind):
+    cls = REGISTRY[kind]
+    for message in cls.params_read:
+        cls(_layer_param(kind, message))
+    unread = [m for m in PARAM_MESSAGES if m not in cls.params_read]
+    for message in unread:
+        with pytest.raises(NetError, match=rf"'l' \(type {kind}\): {message} is not read"):
+            cls(_layer_param(kind, message))
+
+
+# What each layer type reads in Caffe (its caffe.proto messages).
+CAFFE_READS = {
+    "AbsVal": (), "Accuracy": ("accuracy_param",), "Concat": ("concat_param",),
+    "Convolution": ("convolution_param",), "Data": ("data_param", "transform_param"),
+    "Dropout": ("dropout_param",), "Eltwise": ("eltwise_param",),
+    "Flatten": ("flatten_param",), "InnerProduct": ("inner_product_param",),
+    "Input": ("input_param",), "LRN": ("lrn_param",), "Pooling": ("pooling_param",),
+    "ReLU": ("relu_param",), "Reshape": ("reshape_param",), "Sigmoid": ("sigmoid_param",),
+    "Softmax": ("softmax_param",), "SoftmaxWithLoss": ("softmax_param", "loss_param"),
+    "Split": (), "TanH": ("tanh_param",),
+}
+
+
+def test_layers_read_what_caffe_reads():
+    assert {k: set(c.params_read) for k, c in REGISTRY.items()} == {
+        k: set(v) for k, v in CAFFE_READS.items()}
+
+
+def test_example_and_zoo_nets_pass_the_message_check(caffe_dir):
+    """Every layer of a supported type in the bundled models and in Caffe's example and
+    model-zoo nets sets only messages it reads (zoo nets with unsupported types fail on
+    the type, elsewhere)."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    paths = sorted(models.glob("*.prototxt")) + sorted(caffe_dir.rglob("*.prototxt"))
+    checked = 0
+    for path in paths:
+        if "solver" in path.name:
+            continue
+        param = parse_text(path.read_text(), caffe_pb2.NetParameter(), str(path))
+        for index, lp in enumerate(param.layer):
+            cls = REGISTRY.get(lp.type)
+            if cls is not None:
+                cls(lp, index=index)
+                checked += 1
+    assert checked > 1000
+
+
+# -- engine: a hint cgp ignores -----------------------------------------------------------
 
 SHAPE = (2, 3, 4, 4)
 # Layer text with {} where the engine goes, and its bottom shapes.
@@ -21,6 +227,12 @@ ENGINES = {
     "SoftmaxWithLoss": ('type: "SoftmaxWithLoss" bottom: "x" bottom: "label" top: "loss" '
                         'softmax_param { {} }', [(2, 3), (2,)]),
 }
+
+
+def test_every_layer_with_an_engine_field_is_tried():
+    with_engine = {kind for kind, cls in REGISTRY.items() for m in cls.params_read
+                   if "engine" in getattr(caffe_pb2.LayerParameter(), m).DESCRIPTOR.fields_by_name}
+    assert with_engine == {kind.split()[0] for kind in ENGINES}
 
 
 @pytest.mark.parametrize("engine", ["DEFAULT", "CAFFE", "CUDNN"])

@@ -24,6 +24,7 @@ class _Elementwise(Layer):
 class ReLU(_Elementwise):
     """y = x where x > 0, else negative_slope * x; backward uses the bottom x (the top y
     when it runs in place, as Caffe's does)."""
+    params_read = ("relu_param",)
 
     def setup(self, bottom_shapes):
         self.slope = float(self.lp.relu_param.negative_slope)
@@ -48,6 +49,7 @@ class ReLU(_Elementwise):
 @register("Sigmoid")
 class Sigmoid(_Elementwise):
     """y = 1 / (1 + exp(-x)); backward uses the top y, as Caffe does."""
+    params_read = ("sigmoid_param",)   # its engine only, which cgp ignores
 
     def forward_calls(self, bottom, top, params, scratch, chunk):
         yield K.sigmoid_forward, (flat(bottom[0]), flat(top[0]))
@@ -61,6 +63,7 @@ class Sigmoid(_Elementwise):
 @register("TanH")
 class TanH(_Elementwise):
     """y = tanh(x); backward uses the top y, as Caffe does."""
+    params_read = ("tanh_param",)      # its engine only, which cgp ignores
 
     def forward_calls(self, bottom, top, params, scratch, chunk):
         yield K.tanh_forward, (flat(bottom[0]), flat(top[0]))
@@ -73,9 +76,10 @@ class TanH(_Elementwise):
 
 @register("AbsVal")
 class AbsVal(Layer):
-    """y = |x|; dy/dx = sign(x), 0 at x = 0 (Caffe's AbsValLayer). Backward reads the
-    bottom x, whose sign |x| has lost: the layer keeps in_place off, so a prototxt that names
-    its top like its bottom (which Caffe refuses for AbsVal) gets the top its own buffer."""
+    """y = |x|; dy/dx = sign(x), 0 at x = 0 (Caffe's AbsValLayer). The minimal path of
+    cgp.layers.base, whose docstring shows this class. Backward reads the bottom x, whose sign
+    |x| has lost: the layer keeps in_place off, so a prototxt that names its top like its
+    bottom (which Caffe refuses for AbsVal) gets the top its own buffer."""
 
     def setup(self, bottom_shapes):
         return [tuple(bottom_shapes[0])]
@@ -99,6 +103,8 @@ class Dropout(_Elementwise):
     self.index, element), never by thread or chunk; it is kept in scratch["mask"] (scale or 0
     per element) for backward. Caffe's DropoutParameter has no other field (BVLC Caffe has no
     scale_train; its dropout always scales at train time)."""
+    params_read = ("dropout_param",)
+    calls_each_time = True   # the mask is keyed by the call's seed and iteration
 
     def setup(self, bottom_shapes):
         ratio = float(self.lp.dropout_param.dropout_ratio)

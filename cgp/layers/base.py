@@ -1,8 +1,96 @@
 """The layer contract and the registry of layers by Caffe type name.
 
-A layer holds its configuration and shapes only. Activations, gradients and scratch
-space live in buffers that the engine owns, one set per worker, so a single layer
-object serves every chunk of every iteration on every thread.
+A layer holds its configuration and shapes only. Activations, gradients and scratch space live
+in buffers that the engine owns, one set per worker, so a single layer object serves every
+chunk of every iteration on every thread.
+
+The minimal path: a layer with a forward and a backward kernel
+--------------------------------------------------------------
+A new layer is a pair of kernels (free @njit functions over preallocated flat arrays, in its
+family's file cgp/kernels/<family>.py), one registered class in cgp/layers/<family>.py, and a
+test of a few lines with the harness tests/layer_check.py. The class defines:
+
+    @register("CaffeType")   the layer's Caffe type name
+    params_read              the LayerParameter `*_param` messages it reads, e.g.
+                             ("convolution_param",); the net refuses any other one set in
+                             the prototxt, by name (default: none)
+    setup(bottom_shapes)     -> top shapes; checks self.lp and the bottom shapes, raising
+                             self.error(...) for a user's mistake
+    param_shapes()           learnable blobs, in Caffe's blob order, and param_fillers(),
+                             one FillerParameter each (only a layer that learns)
+    scratch_shapes(n)        work space for calls of up to n samples (only if needed)
+    forward_calls(bottom, top, params, scratch, chunk)
+    backward_calls(top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk)
+                             generators of (kernel, args) pairs, in call order
+
+Caffe's AbsVal, as cgp/layers/activation.py registers it (kernels: cgp/kernels/activation.py):
+
+    @register("AbsVal")
+    class AbsVal(Layer):
+        # y = |x|; dy/dx = sign(x), 0 at x = 0
+
+        def setup(self, bottom_shapes):
+            return [tuple(bottom_shapes[0])]
+
+        def forward_calls(self, bottom, top, params, scratch, chunk):
+            yield K.absval_forward, (flat(bottom[0]), flat(top[0]))
+
+        def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff,
+                           scratch, chunk):
+            if bottom_diff[0] is not None:
+                yield K.absval_backward, (flat(bottom[0]), flat(top_diff[0]),
+                                          flat(bottom_diff[0]))
+
+The net asks each worker's layers for their calls once, on that worker's buffers, and then
+makes only those calls at every step (cgp.net.BoundCall): no Python of the layer runs per
+call. What the calls may rely on, and what they must keep:
+- Every array has axis 0 = chunk.n samples: a C-contiguous view of a buffer sized for the
+  largest call. flat() and view() (below) reshape one without a copy, and refuse to copy.
+- The calls may depend on which arrays they get and on the call's layout (chunk.n, first,
+  batch, part_starts); never on the values in the arrays, nor on chunk.iteration, chunk.seed
+  or chunk.batch_tops: the same calls run again at every step on new values. Nothing is
+  kept in the layer object during a call: it serves every worker at once.
+- Accumulation: param_diff arrays are added to (+=), bottom_diff arrays overwritten;
+  bottom_diff[i] is None where no gradient flows into bottom i.
+- A call covers chunk.parts parts, consecutive chunks of the engine's fixed split (see
+  Chunk): param_diff[j] is (parts,) + blob j's shape, and part i's gradient, at [i], must be
+  what a call of part i alone would give, so that no result depends on how chunks are
+  grouped into calls. chunk.starts gives the parts' first samples; part_span() hands all
+  parts' gradients to one kernel (Convolution, InnerProduct).
+- Caffe's `engine` field (DEFAULT, CAFFE or CUDNN, in convolution_param, pooling_param,
+  relu_param, sigmoid_param, tanh_param, lrn_param and softmax_param) picks an implementation
+  in Caffe. In cgp it is a hint that is ignored, with any value: every layer runs cgp's CPU
+  kernels, which follow Caffe's CPU math. No layer reads or refuses it.
+
+Performance hooks (optional; Layer's class attributes, under "Performance hooks")
+--------------------------------------------------------------------------------
+- in_place, backward_reads_top: run in place where the prototxt names a top like its
+  bottom and sharing the buffers changes no bit (ReLU).
+- can_overwrite_param_diff: backward sets the parameter gradients instead of adding to them,
+  so the engine skips zeroing them (InnerProduct).
+- can_factor_param_diff, factor_shape(): the first parameter's gradient is handed over as
+  the two factors of a product that the engine forms while it sums the chunks (InnerProduct).
+- takes_parts, forward_parts/backward_parts: a batch-value layer takes every part of a call
+  at once rather than one at a time (SoftmaxWithLoss).
+
+The per-call protocol: calls_each_time = True
+---------------------------------------------
+A layer that must run Python at every call, because it reads the iteration or the seed
+(Dropout's mask), or values (SoftmaxWithLoss and Accuracy check the labels and count them
+over the batch), declares calls_each_time = True and defines forward(bottom, top, params,
+scratch, chunk) and backward(top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+chunk), which the net calls at every call with that call's chunk. Batch-value layers
+(reduces_batch: losses, accuracies) always run this way: the net calls them one part at a
+time, or with takes_parts once per call through forward_parts/backward_parts. register()
+refuses a class that overrides forward or backward without declaring calls_each_time, one that
+declares it and hands its calls over too, and one that does neither, so that no layer leaves
+the bound calls without saying so.
+
+Sources: is_source = True
+-------------------------
+Data layers (Data, Input) take no bottoms and make no per-chunk calls: the net runs
+load(start, iteration, seed) once per iteration on the whole batch, before the batch is cut
+into chunks, and sets `options` (cgp.net.RunOptions) before setup (see cgp/layers/data.py).
 """
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -11,14 +99,22 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from cgp.errors import NetError
+from cgp.proto import caffe_pb2
 from cgp.runtime.memory import aligned_zeros
 
 REGISTRY = {}
 
+# Every `*_param` message of Caffe's LayerParameter (`param`, the repeated ParamSpec, is not
+# one): what a layer's params_read names, and what the net refuses where a layer does not.
+PARAM_MESSAGES = tuple(f.name for f in caffe_pb2.LayerParameter.DESCRIPTOR.fields
+                       if f.name.endswith("_param"))
+
 
 def register(*type_names):
-    """Class decorator: make a layer available under its Caffe type name(s)."""
+    """Class decorator: make a layer available under its Caffe type name(s), once it keeps
+    the contract (check_contract)."""
     def add(cls):
+        check_contract(cls)
         for name in type_names:
             REGISTRY[name] = cls
         cls.type_name = type_names[0]
@@ -26,21 +122,201 @@ def register(*type_names):
     return add
 
 
+def check_contract(cls):
+    """Refuse, with a TypeError naming it, a layer class that would leave the bound calls
+    without saying so (the module's docstring), or that names a message that is not one of
+    LayerParameter's `*_param` messages."""
+    name = cls.__name__
+    unknown = [m for m in cls.params_read if m not in PARAM_MESSAGES]
+    if isinstance(cls.params_read, str) or unknown:
+        raise TypeError(f"layer class {name}: params_read must be a tuple of LayerParameter's "
+                        f"*_param message names, got {cls.params_read!r}")
+    if cls.is_source:
+        if cls.load is Layer.load:
+            raise TypeError(f"layer class {name}: a source (is_source) must define load()")
+        return
+    each_time = (cls.forward is not Layer.forward, cls.backward is not Layer.backward)
+    hands_over = (cls.forward_calls is not Layer.forward_calls,
+                  cls.backward_calls is not Layer.backward_calls)
+    if cls.calls_each_time:
+        if not all(each_time):
+            raise TypeError(f"layer class {name} declares calls_each_time: it must define "
+                            f"forward and backward")
+        if any(hands_over):
+            raise TypeError(f"layer class {name} declares calls_each_time and also defines "
+                            f"forward_calls/backward_calls: the net would bind those; keep one "
+                            f"protocol")
+    else:
+        if any(each_time):
+            raise TypeError(f"layer class {name} overrides forward/backward without declaring "
+                            f"calls_each_time = True: the net would call it at every call "
+                            f"instead of binding its kernel calls. Hand the calls over with "
+                            f"forward_calls/backward_calls, or declare the per-call protocol")
+        if not all(hands_over):
+            raise TypeError(f"layer class {name} must define forward_calls and backward_calls "
+                            f"(or declare calls_each_time = True and define forward and "
+                            f"backward)")
+        if cls.reduces_batch:
+            raise TypeError(f"layer class {name} has reduces_batch: the net calls batch-value "
+                            f"layers at every call; declare calls_each_time = True and define "
+                            f"forward and backward")
+    if cls.takes_parts and not (cls.reduces_batch and hasattr(cls, "forward_parts")
+                                and hasattr(cls, "backward_parts")):
+        raise TypeError(f"layer class {name} has takes_parts: it needs reduces_batch, "
+                        f"forward_parts and backward_parts")
+
+
 def supported_types():
     return sorted(REGISTRY)
 
 
-def alloc_scratch(layer, n, dtype):
-    """A layer's scratch buffers for chunks of up to n samples. scratch_shapes gives a
-    shape (the run's float dtype) or a (shape, dtype) pair, e.g. int32 argmax indices."""
-    buffers = {}
-    for name, spec in layer.scratch_shapes(n).items():
-        if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], tuple):
-            shape, kind = spec
-        else:
-            shape, kind = spec, dtype
-        buffers[name] = aligned_zeros(shape, kind)
-    return buffers
+class Layer:
+    """Base class of every layer; the module's docstring says what a subclass defines.
+
+    In forward/backward (or the calls they hand over) every array has axis 0 = chunk.n
+    samples (a view of a buffer sized for the largest call), except the tops of layers with
+    `reduces_batch` (losses, accuracy), whose shapes are exactly what setup returned; the net
+    calls those layers with one part (chunk) at a time, unless they take the parts at once
+    (takes_parts). A call covers chunk.parts parts (see Chunk): param_diff[j] is (parts,) +
+    blob j's shape, part i's gradient at [i], which must be what a call with part i alone
+    would give (or a Factors, see can_factor_param_diff).
+    Accumulation rule: param_diff arrays are *added to* (or set, when overwrite_param_diff is
+    on); bottom_diff arrays are *overwritten*. bottom_diff[i] is None when no gradient needs
+    to flow into bottom i.
+    """
+    # -- every layer ---------------------------------------------------------------------
+    type_name = "?"            # set by @register: the first Caffe type name
+    bottoms = (1, 1)           # allowed number of bottoms (min, max); max None = any
+    tops = (1, 1)              # allowed number of tops
+    # The LayerParameter `*_param` messages the layer reads (Caffe's: e.g. SoftmaxWithLoss
+    # reads softmax_param and loss_param); one it does not read, set in the prototxt, is
+    # refused. `engine` in those messages is a hint cgp ignores.
+    params_read = ()
+    reduces_batch = False      # tops are batch values (a loss, an accuracy), not per sample
+    default_loss_weight = 0.0  # Caffe gives loss layers weight 1 on their first top
+
+    # -- the per-call protocol and sources (the module's docstring) -------------------------
+    # The net calls forward and backward at every call, with that call's chunk, instead of
+    # binding kernel calls that forward_calls/backward_calls hand over once.
+    calls_each_time = False
+    # A data layer: load(start, iteration, seed) once per iteration on the whole batch.
+    is_source = False
+
+    # -- performance hooks (optional) ------------------------------------------------------
+    # In place, as Caffe runs a layer whose prototxt names its top like its bottom: a layer
+    # whose forward and backward give the same bits with top and bottom one buffer (and
+    # top diff and bottom diff another) says so with in_place; the net then gives the top
+    # its bottom's buffers where the layer that wrote the bottom does not read its own top
+    # again (backward_reads_top False) and no other layer reads the bottom. No second copy
+    # of the blob is then written and read back, each way (cifar10_quick's ReLUs: its
+    # steps 1.026x as fast, README's design notes). backward_reads_top False: this layer's
+    # backward never reads its own top, which an in-place layer after it may then rewrite.
+    in_place = False
+    backward_reads_top = True
+    # A layer whose backward can *set* its parameter gradients (bitwise as if it added them
+    # to zeros) says so; the net turns that on where no other layer shares those blobs, and
+    # the engine then skips zeroing them in each chunk's private buffer: one pass less over
+    # memory per chunk.
+    can_overwrite_param_diff = False
+    overwrite_param_diff = False
+    # A layer whose first parameter's gradient for a chunk is a product A^T @ B of two
+    # per-row matrices it holds in backward (InnerProduct: the output gradient and the input)
+    # says so with factor_shape(); the engine may then pass it, in place of that gradient's
+    # array, a Factors to copy A and B into, and forms the products itself while it sums
+    # the chunks, with the same bits and no per-chunk copy of the gradient in memory.
+    can_factor_param_diff = False
+    # A batch-value layer that can run every part of a call at once says so, and defines
+    # forward_parts / backward_parts: arguments as forward's and backward's, but with each
+    # batch-value top (and its diff) as (parts,) + the top's shape, part k's at [k], and
+    # scratch sized for the call. The net then calls it once per call rather than once per
+    # part: for LeNet's loss, half of a call's Python, which threads take in turn.
+    takes_parts = False
+
+    def __init__(self, lp, index=0, phase=0):
+        """lp: caffe_pb2.LayerParameter; index: position in the net (keys random
+        streams); phase: caffe_pb2.TRAIN (0) or caffe_pb2.TEST (1)."""
+        self.lp = lp
+        self.name = lp.name
+        self.index = index
+        self.phase = phase
+        self._check_counts(len(lp.bottom), self.bottoms, "bottom")
+        self._check_counts(len(lp.top), self.tops, "top")
+        self._check_params_read()
+
+    def _check_counts(self, count, allowed, what):
+        low, high = allowed
+        if count < low or (high is not None and count > high):
+            want = f"{low}" if low == high else f"{low} to {high if high is not None else 'any'}"
+            raise self.error(f"takes {want} {what}(s), got {count}")
+
+    def _check_params_read(self):
+        """A `*_param` message that this layer does not read is a mistake (another layer's
+        settings, or a type changed without them): refused by name, not ignored."""
+        for name in PARAM_MESSAGES:
+            if name not in self.params_read and self.lp.HasField(name):
+                reads = " and ".join(self.params_read) or "no *_param message"
+                raise self.error(f"{name} is not read by {self.type_name} layers (they read "
+                                 f"{reads}); remove it")
+
+    def error(self, message):
+        return NetError(f"layer '{self.name}' (type {self.type_name}): {message}")
+
+    # -- set up once -------------------------------------------------------------
+    def setup(self, bottom_shapes):
+        """-> top shapes. Shapes are full Caffe shapes with axis 0 the *global* batch N.
+        Validate the layer's parameters and bottom shapes here and raise self.error(...)."""
+        raise NotImplementedError
+
+    def param_shapes(self):
+        """[shape, ...]: the learnable blobs, in Caffe's blob order."""
+        return []
+
+    def param_fillers(self):
+        """[FillerParameter, ...]: one per learnable blob."""
+        return []
+
+    def scratch_shapes(self, n):
+        """{name: shape or (shape, dtype)}: per-worker scratch for calls of up to n samples;
+        a bare shape takes the run's float dtype."""
+        return {}
+
+    def factor_shape(self):
+        """(rows per sample, J, L) of a factored gradient A^T @ B (see can_factor_param_diff):
+        A is (rows, J) and B (rows, L) per sample, and the gradient is (J, L)."""
+        raise NotImplementedError
+
+    # -- per call ----------------------------------------------------------------
+    # A layer whose calls depend on nothing but its arrays (which buffers, not the values in
+    # them) and the call's layout (chunk.n, first, batch, part_starts; not its iteration,
+    # seed or batch_tops) yields them from forward_calls and backward_calls as (kernel,
+    # args) pairs, in order, and reads no array between them. A worker's calls repeat on
+    # the same arrays at every step, so the net keeps the pairs and makes only the calls
+    # (cgp.net.BoundCall): building the arguments at every call made most of a 4-sample
+    # LeNet call's fixed cost (104 - 160 us of it, 39 - 61 us since: README's design notes,
+    # bench/python_overhead.py). Layers that read the iteration, the seed or their data in
+    # Python (Dropout, the losses) declare calls_each_time and override forward and backward.
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        return None
+
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
+        return None
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        """The layer's forward now: its forward_calls made in order (or, with calls_each_time,
+        the layer's own)."""
+        for kernel, args in self.forward_calls(bottom, top, params, scratch, chunk):
+            kernel(*args)
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        for kernel, args in self.backward_calls(top, top_diff, bottom, bottom_diff, params,
+                                                param_diff, scratch, chunk):
+            kernel(*args)
+
+    # -- sources -----------------------------------------------------------------
+    def load(self, start, iteration, seed):
+        """A source's tops for the whole batch whose first record is `start`."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -101,142 +377,7 @@ class Factors(NamedTuple):
     b: np.ndarray
 
 
-def part_span(a):
-    """a: (parts, ...) per-part gradients, each part C-contiguous, at a fixed distance from
-    the next -> (one flat view from a[0] over all the parts, elements from a part to the
-    next), the form kernels take: a view of varying strides would compile a kernel for each
-    memory layout."""
-    size = a[0].size
-    step = a.strides[0] // a.itemsize if a.shape[0] > 1 else size
-    if not a[0].flags.c_contiguous or step < size:
-        raise ValueError(f"per-part gradients must be C-contiguous and apart, got strides "
-                         f"{a.strides}")
-    return np.lib.stride_tricks.as_strided(a[0], ((a.shape[0] - 1) * step + size,),
-                                           (a.itemsize,), writeable=True), step
-
-
-class Layer:
-    """Base class. Subclasses register with @register("CaffeType") and override:
-
-    setup(bottom_shapes) -> top_shapes
-        Shapes are full Caffe shapes with axis 0 the *global* batch N. Validate the
-        layer's parameters and bottom shapes here and raise self.error(...).
-    param_shapes() -> [shape, ...]   learnable blobs, in Caffe's blob order
-    param_fillers() -> [FillerParameter, ...]   one per learnable blob
-    scratch_shapes(n) -> {name: shape or (shape, dtype)}   per-worker scratch for chunks
-        of up to n samples; a bare shape takes the run's float dtype
-    forward(bottom, top, params, scratch, chunk)
-    backward(top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk)
-        or, for a layer whose kernel calls follow from its arrays and the call's layout alone,
-        forward_calls / backward_calls (below), which forward and backward then run.
-
-    In forward/backward every array has axis 0 = chunk.n samples (a view of a buffer
-    sized for the largest call), except the tops of layers with `reduces_batch`
-    (losses, accuracy) whose shapes are exactly what setup returned; the net calls those
-    layers with one part (chunk) at a time, unless they take the parts at once (takes_parts).
-    A call covers chunk.parts parts (see Chunk): param_diff[j] is (parts,) + blob j's shape,
-    part i's gradient at [i], which must be what a call with part i alone would give (or a
-    Factors, see can_factor_param_diff).
-    Accumulation rule: param_diff arrays are *added to* (or set, when
-    overwrite_param_diff is on); bottom_diff arrays are *overwritten*.
-    bottom_diff[i] is None when no gradient needs to flow into bottom i.
-    """
-    type_name = "?"
-    bottoms = (1, 1)           # allowed number of bottoms (min, max); max None = any
-    tops = (1, 1)              # allowed number of tops
-    reduces_batch = False      # tops are batch values (a loss, an accuracy), not per sample
-    # A batch-value layer that can run every part of a call at once says so, and defines
-    # forward_parts / backward_parts: arguments as forward's and backward's, but with each
-    # batch-value top (and its diff) as (parts,) + the top's shape, part k's at [k], and
-    # scratch sized for the call. The net then calls it once per call rather than once per
-    # part: for LeNet's loss, half of a call's Python, which threads take in turn.
-    takes_parts = False
-    # A layer whose backward can *set* its parameter gradients (bitwise as if it added them
-    # to zeros) says so; the net turns that on where no other layer shares those blobs, and
-    # the engine then skips zeroing them in each chunk's private buffer: one pass less over
-    # memory per chunk.
-    can_overwrite_param_diff = False
-    overwrite_param_diff = False
-    # A layer whose first parameter's gradient for a chunk is a product A^T @ B of two
-    # per-row matrices it holds in backward (InnerProduct: the output gradient and the input)
-    # says so with factor_shape(); the engine may then pass it, in place of that gradient's
-    # array, a Factors to copy A and B into, and forms the products itself while it sums
-    # the chunks, with the same bits and no per-chunk copy of the gradient in memory.
-    can_factor_param_diff = False
-    default_loss_weight = 0.0  # Caffe gives loss layers weight 1 on their first top
-    # In place, as Caffe runs a layer whose prototxt names its top like its bottom: a layer
-    # whose forward and backward give the same bits with top and bottom one buffer (and
-    # top diff and bottom diff another) says so with in_place; the net then gives the top
-    # its bottom's buffers where the layer that wrote the bottom does not read its own top
-    # again (backward_reads_top False) and no other layer reads the bottom. No second copy
-    # of the blob is then written and read back, each way (cifar10_quick's ReLUs: its
-    # steps 1.026x as fast, README's design notes).
-    in_place = False
-    backward_reads_top = True
-
-    def __init__(self, lp, index=0, phase=0):
-        """lp: caffe_pb2.LayerParameter; index: position in the net (keys random
-        streams); phase: caffe_pb2.TRAIN (0) or caffe_pb2.TEST (1)."""
-        self.lp = lp
-        self.name = lp.name
-        self.index = index
-        self.phase = phase
-        self._check_counts(len(lp.bottom), self.bottoms, "bottom")
-        self._check_counts(len(lp.top), self.tops, "top")
-
-    def _check_counts(self, count, allowed, what):
-        low, high = allowed
-        if count < low or (high is not None and count > high):
-            want = f"{low}" if low == high else f"{low} to {high if high is not None else 'any'}"
-            raise self.error(f"takes {want} {what}(s), got {count}")
-
-    def error(self, message):
-        return NetError(f"layer '{self.name}' (type {self.type_name}): {message}")
-
-    # -- set up once -------------------------------------------------------------
-    def setup(self, bottom_shapes):
-        raise NotImplementedError
-
-    def param_shapes(self):
-        return []
-
-    def param_fillers(self):
-        return []
-
-    def scratch_shapes(self, n):
-        return {}
-
-    def factor_shape(self):
-        """(rows per sample, J, L) of a factored gradient A^T @ B (see can_factor_param_diff):
-        A is (rows, J) and B (rows, L) per sample, and the gradient is (J, L)."""
-        raise NotImplementedError
-
-    # -- per chunk ---------------------------------------------------------------
-    # A layer whose calls depend on nothing but its arrays (which buffers, not the values in
-    # them) and the call's layout (chunk.n, first, batch, part_starts; not its iteration,
-    # seed or batch_tops) yields them from forward_calls and backward_calls as (kernel,
-    # args) pairs, in order, and reads no array between them. A worker's calls repeat on
-    # the same arrays at every step, so the net keeps the pairs and makes only the calls
-    # (cgp.net.BoundCall): building the arguments at every call made most of a 4-sample
-    # LeNet call's fixed cost (104 - 160 us of it, 39 - 61 us since: README's design notes,
-    # bench/python_overhead.py). Layers that read the iteration, the seed or their data in Python
-    # (Dropout, the losses) return None and override forward and backward.
-    def forward_calls(self, bottom, top, params, scratch, chunk):
-        return None
-
-    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
-                       chunk):
-        return None
-
-    def forward(self, bottom, top, params, scratch, chunk):
-        for kernel, args in self.forward_calls(bottom, top, params, scratch, chunk):
-            kernel(*args)
-
-    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
-        for kernel, args in self.backward_calls(top, top_diff, bottom, bottom_diff, params,
-                                                param_diff, scratch, chunk):
-            kernel(*args)
-
+# -- helpers for layer files -------------------------------------------------------------
 
 def view(a, shape):
     """a reshaped to `shape` without a copy; refuses an array that would need one, whose
@@ -256,6 +397,20 @@ def assign(target, value):
     target[...] = value
 
 
+def part_span(a):
+    """a: (parts, ...) per-part gradients, each part C-contiguous, at a fixed distance from
+    the next -> (one flat view from a[0] over all the parts, elements from a part to the
+    next), the form kernels take: a view of varying strides would compile a kernel for each
+    memory layout."""
+    size = a[0].size
+    step = a.strides[0] // a.itemsize if a.shape[0] > 1 else size
+    if not a[0].flags.c_contiguous or step < size:
+        raise ValueError(f"per-part gradients must be C-contiguous and apart, got strides "
+                         f"{a.strides}")
+    return np.lib.stride_tricks.as_strided(a[0], ((a.shape[0] - 1) * step + size,),
+                                           (a.itemsize,), writeable=True), step
+
+
 def check_axis(layer, axis, ndim):
     """Caffe's canonical axis (negative counts from the end), refusing the batch axis:
     an op along axis 0 would couple the samples that chunks keep apart."""
@@ -266,3 +421,18 @@ def check_axis(layer, axis, ndim):
         raise layer.error("axis 0 (the batch axis) is not supported: cgp splits the batch "
                           "into independent chunks")
     return axis
+
+
+# -- scratch buffers ---------------------------------------------------------------------
+
+def alloc_scratch(layer, n, dtype):
+    """A layer's scratch buffers for chunks of up to n samples. scratch_shapes gives a
+    shape (the run's float dtype) or a (shape, dtype) pair, e.g. int32 argmax indices."""
+    buffers = {}
+    for name, spec in layer.scratch_shapes(n).items():
+        if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], tuple):
+            shape, kind = spec
+        else:
+            shape, kind = spec, dtype
+        buffers[name] = aligned_zeros(shape, kind)
+    return buffers

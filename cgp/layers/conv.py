@@ -55,6 +55,7 @@ class Convolution(Layer):
     """
     bottoms = (1, None)
     tops = (1, None)
+    params_read = ("convolution_param",)
     backward_reads_top = False
 
     def setup(self, bottom_shapes):

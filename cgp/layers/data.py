@@ -56,6 +56,7 @@ LEGACY_TRANSFORM = ("scale", "mean_file", "crop_size", "mirror")
 class DataLayer(Layer):
     bottoms = (0, 0)
     tops = (1, 2)
+    params_read = ("data_param", "transform_param")
     is_source = True
     options = None  # RunOptions, set by the net before setup
 
@@ -175,6 +176,7 @@ class InputLayer(Layer):
     """Blobs the caller fills (deploy nets); zeros until set with `values`."""
     bottoms = (0, 0)
     tops = (1, None)
+    params_read = ("input_param",)
     is_source = True
     options = None
 

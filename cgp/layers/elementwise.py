@@ -20,6 +20,7 @@ class Concat(Layer):
     """Joins N bottoms along concat_param.axis (default 1; the old concat_dim also works).
     The bottoms' shapes must agree on every other axis."""
     bottoms = (1, None)
+    params_read = ("concat_param",)
 
     def setup(self, bottom_shapes):
         cp = self.lp.concat_param
@@ -72,6 +73,7 @@ class Eltwise(Layer):
     one shape. MAX keeps the winning bottom's index in scratch["argmax"]; ties go as in Caffe
     (bottom 1 over bottom 0, then the earlier bottom)."""
     bottoms = (2, None)
+    params_read = ("eltwise_param",)
 
     def setup(self, bottom_shapes):
         ep = self.lp.eltwise_param
@@ -160,6 +162,7 @@ class _Copy(Layer):
 @register("Flatten")
 class Flatten(_Copy):
     """Merges axes flatten_param.axis .. end_axis (defaults 1 and -1) into one; a copy."""
+    params_read = ("flatten_param",)
 
     def setup(self, bottom_shapes):
         fp = self.lp.flatten_param
@@ -179,6 +182,7 @@ class Reshape(_Copy):
     """Caffe's Reshape: reshape_param.shape replaces axes axis .. axis + num_axes - 1 (default:
     all); a dim of 0 copies the bottom's dim, one dim of -1 is inferred. The batch axis must
     keep its size (write dim: 0 for it), so that each sample stays whole; a copy."""
+    params_read = ("reshape_param",)
 
     def setup(self, bottom_shapes):
         rp = self.lp.reshape_param

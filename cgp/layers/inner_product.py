@@ -20,6 +20,7 @@ class InnerProduct(Layer):
     input gradient; the forward pass of a transposed weight): its rows transposed, and the
     weight's last columns (see cgp.kernels.fc.rows_axpy).
     """
+    params_read = ("inner_product_param",)
     can_overwrite_param_diff = True
     can_factor_param_diff = True
     backward_reads_top = False

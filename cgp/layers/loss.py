@@ -87,6 +87,7 @@ class _ClassAxis(Layer):
 class Softmax(_ClassAxis):
     """y = exp(x) / sum exp(x) along softmax_param.axis (default 1), with the maximum
     subtracted first. Scratch "work": one (I,) plane of maxima and sums."""
+    params_read = ("softmax_param",)
 
     def setup(self, bottom_shapes):
         shape = tuple(bottom_shapes[0])
@@ -130,7 +131,9 @@ class SoftmaxWithLoss(_ClassAxis):
     """
     bottoms = (2, 2)
     tops = (1, 2)
+    params_read = ("softmax_param", "loss_param")   # Caffe's inner Softmax reads the first
     reduces_batch = True
+    calls_each_time = True   # it checks the labels, and may count the whole batch's
     takes_parts = True
     default_loss_weight = 1.0
 
@@ -232,7 +235,9 @@ class Accuracy(_ClassAxis):
     """
     bottoms = (2, 2)
     tops = (1, 2)
+    params_read = ("accuracy_param",)
     reduces_batch = True
+    calls_each_time = True   # it checks the labels, and may count the whole batch's
 
     def setup(self, bottom_shapes):
         scores = tuple(bottom_shapes[0])

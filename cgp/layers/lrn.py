@@ -20,6 +20,7 @@ class LRN(Layer):
     (forward writes both, backward reads them), and "plane", one work plane: a padded plane
     for WITHIN_CHANNEL's window sums, an (H, W) one for ACROSS_CHANNELS' backward.
     """
+    params_read = ("lrn_param",)
 
     def setup(self, bottom_shapes):
         shape = tuple(bottom_shapes[0])

@@ -51,6 +51,7 @@ class Pooling(Layer):
     each row and column, "cover" (int32).
     """
     tops = (1, 2)
+    params_read = ("pooling_param",)
     backward_reads_top = False
 
     def setup(self, bottom_shapes):
