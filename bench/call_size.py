@@ -35,7 +35,7 @@ def main():
     small = bounds[0][1]
     with threadpool_limits(limits=1):
         trainer.step()
-        batch = trainer._batch(net, 0, 0)
+        batch = trainer._batch(trainer.engine, 0, 0)
         ws = engine.workspaces[0]
         # (chunks, samples, calls per round): about as many samples each way.
         sizes = [(bounds[:1], small, 4 * len(bounds)), (bounds, samples, 4)]

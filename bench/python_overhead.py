@@ -52,7 +52,7 @@ def main():
     samples = engine.samples(engine.groups[0])[1]
     with threadpool_limits(limits=1):
         trainer.step()
-        batch = trainer._batch(net, 0, 0)
+        batch = trainer._batch(trainer.engine, 0, 0)
         ws = engine.workspaces[0]
 
         def bind(bounds, views):

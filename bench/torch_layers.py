@@ -32,7 +32,7 @@ def main():
         net, n = data.net, data.net.batch_size
         torch.set_num_threads(1)
         trainer = torch_ref.TorchTrainer(net, data.sp, args.layout)
-        batches = [data._batch(net, i * n, i) for i in range(args.steps + 3)]
+        batches = [data._batch(data.engine, i * n, i) for i in range(args.steps + 3)]
         for batch in batches[:3]:
             trainer.step(batch)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:

@@ -27,7 +27,7 @@ def child(args):
                       log=lambda line: None)
     net = trainer.net
     copy = torch_ref.TorchTrainer(net, read_solver(path))
-    batches = [trainer._batch(net, i * net.batch_size, i)
+    batches = [trainer._batch(trainer.engine, i * net.batch_size, i)
                for i in range(args.warmup + args.steps)]
     for batch in batches[:args.warmup]:
         copy.step(batch)

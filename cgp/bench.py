@@ -462,7 +462,7 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
     def run(iterations):
         for _ in range(iterations):
             it = state["iter"]
-            trainer.step(data_trainer._batch(net, it * net.batch_size, it))
+            trainer.step(data_trainer._batch(data_trainer.engine, it * net.batch_size, it))
             state["iter"] += 1
 
     def save():

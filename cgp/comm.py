@@ -77,20 +77,61 @@ def split(ranges, cuts):
     return out
 
 
+def subtrees(lo, hi, chunks):
+    """Chunks lo..hi cut into whole subtrees of the tree over `chunks` chunks, in order, each
+    as (first chunk, past its last). A node of that tree (tree_sum's stride-doubling tree)
+    covers chunks [c, min(c + w, chunks)) where its width w, a power of two, divides c; each
+    piece here is the widest node that starts where the last ended and fits. Summed alone, a
+    piece gives the bits of that node of the whole tree; merge_pairs adds the pieces up the
+    rest of the way."""
+    nodes, c = [], lo
+    while c < hi:
+        width = 1
+        while width < chunks and c % (2 * width) == 0 and min(c + 2 * width, chunks) <= hi:
+            width *= 2
+        nodes.append((c, min(c + width, chunks)))
+        c = nodes[-1][1]
+    return nodes
+
+
+def merge_pairs(nodes, chunks):
+    """The additions that finish the tree from whole subtrees covering all `chunks` chunks in
+    order (`nodes`, as subtrees() gives them): (dst, src) indices into nodes, to be made in
+    order, each `dst += src`, leaving the sum of every chunk in nodes[0]. Level by level, as
+    tree_sum: a node of width w starting at c, a multiple of 2w, adds the node after it."""
+    at = {c0: (i, c1) for i, (c0, c1) in enumerate(nodes)}   # first chunk -> (index, past)
+    pairs, stride = [], 1
+    while stride < chunks:
+        for c in range(0, chunks - stride, 2 * stride):
+            left = at.get(c)
+            if left is not None and left[1] == c + stride:   # else inside a wider node
+                right = at.pop(c + stride)
+                pairs.append((left[0], right[0]))
+                at[c] = (left[0], right[1])
+        stride *= 2
+    return pairs
+
+
 class Communicator(Protocol):
-    """What the engine and the data-parallel step ask of a communicator. A run of the engine
-    computes the chunks owned(K) and runs plan()'s tasks, each once its columns are written;
-    then the step calls exchange(), updates update_blocks() with the solver, and share()s."""
+    """What the engine and the data-parallel step ask of a communicator. Processes (ranks)
+    compute contiguous ranges of the K chunks, in order. A run of the engine computes the
+    chunks owned(K) and runs plan()'s tasks, each once its columns are written; the step then
+    calls exchange(), updates update_blocks() with the solver, and share()s the result."""
 
     takes_factors: bool   # whether plan() takes FactoredGrad blocks
     final_in_task: bool   # whether a task's columns hold the batch's sum once it has run
+    leader: bool          # whether this process writes snapshots and prints progress
+
+    def partition(self, chunks):
+        """Every process's range of chunks, lo..hi of `chunks`, in process order."""
 
     def owned(self, chunks):
-        """The range of chunks, lo..hi of `chunks`, that this process computes."""
+        """This process's range of chunks: its entry of partition()."""
 
-    def plan(self, bufs, factored=(), cuts=()):
-        """A Reduction: the fixed-order sum of bufs' rows (one per owned chunk) and of the
-        factored blocks, cut into tasks once, each ending at the columns `cuts` too."""
+    def plan(self, bufs, chunks, factored=(), cuts=()):
+        """A Reduction: the fixed-order sum of bufs' rows (one per owned chunk of `chunks`)
+        and of the factored blocks, cut into tasks once, each ending at the columns `cuts`
+        too."""
 
     def exchange(self, reduction):
         """The step between "local sums done" and "update": makes the reduction's result
@@ -102,11 +143,20 @@ class Communicator(Protocol):
     def share(self, params):
         """After the update of update_blocks(): every process holds all the new params."""
 
-    def gather(self, shares, owned):
-        """Fills the rows of a (K, m) array that the chunks of other processes wrote."""
+    def gather(self, array, parts):
+        """array's rows parts[i] (ranges, in process order) were written by process i: fills
+        in those of the others."""
 
-    def gather_blocks(self, values):
-        """Per-block values of this process's update_blocks() -> those of every block."""
+    def gather_blocks(self, values, n):
+        """Per-block values (float) of this process's update_blocks(n) -> those of every
+        block, in order."""
+
+    def collect(self, array):
+        """Gives the leader every process's update_blocks() columns of a (n,) array (the
+        solver's histories, before the leader snapshots them)."""
+
+    def any(self, flag):
+        """Whether any process's flag is true (every process must ask, at the same point)."""
 
 
 class Reduction:
@@ -137,10 +187,14 @@ class LocalCommunicator:
 
     takes_factors = True
     final_in_task = True
+    leader = True
 
     def __init__(self, pool):
         self.pool = pool
         self._scratch = {}
+
+    def partition(self, chunks):
+        return [range(chunks)]
 
     def owned(self, chunks):
         return range(chunks)
@@ -155,7 +209,7 @@ class LocalCommunicator:
                                   aligned_zeros((threads, outer_stack_size(k)), dtype))
         return self._scratch[key]
 
-    def plan(self, bufs, factored=(), cuts=()):
+    def plan(self, bufs, chunks=None, factored=(), cuts=()):
         """The reduction of bufs and factored (as in reduce), cut into its tasks once, for a
         caller that reduces the same buffers every iteration (the engine): a Reduction.
         cuts: columns where a task must end besides every sum_block columns (the engine's
@@ -180,7 +234,7 @@ class LocalCommunicator:
         """bufs: (K, P), one row per chunk; factored: FactoredGrad blocks of the gradient that
         the rows of bufs leave out. Returns the sum, written into row 0, in one fixed tree
         over chunk index for every element."""
-        return self.plan(bufs, factored)()
+        return self.plan(bufs, len(bufs), factored)()
 
     def exchange(self, reduction):
         """Nothing to exchange: every chunk is here."""
@@ -191,11 +245,17 @@ class LocalCommunicator:
     def share(self, params):
         """Nothing to share: every worker reads these parameters."""
 
-    def gather(self, shares, owned):
+    def gather(self, array, parts):
         """Nothing to gather: every row is this process's."""
 
-    def gather_blocks(self, values):
+    def gather_blocks(self, values, n):
         return list(values)
+
+    def collect(self, array):
+        """Nothing to collect: this process updates every column."""
+
+    def any(self, flag):
+        return bool(flag)
 
 
 class ReferenceCommunicator(LocalCommunicator):
@@ -205,7 +265,7 @@ class ReferenceCommunicator(LocalCommunicator):
 
     takes_factors = False
 
-    def plan(self, bufs, factored=(), cuts=()):
+    def plan(self, bufs, chunks=None, factored=(), cuts=()):
         if factored:
             raise ValueError("ReferenceCommunicator sums materialised chunk gradients only")
 

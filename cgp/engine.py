@@ -122,8 +122,11 @@ class Engine:
         self.net, self.pool, self.comm = net, pool, comm
         shared = pool.shared_memory
         self.bounds = chunk_bounds(net.batch_size, chunks)
-        # The chunks this process computes, lo..hi of K, and their bounds.
+        # The chunks each process computes, lo..hi of K, and their samples; this one's.
+        self.parts = comm.partition(len(self.bounds))
         self.owned = comm.owned(len(self.bounds))
+        self.sample_parts = [self._samples_of(part) for part in self.parts]
+        self.rows = self.sample_parts[self.parts.index(self.owned)]
         own = self.bounds[self.owned.start:self.owned.stop]
         if group is None:
             group = group_size(net, chunks, pool.threads)
@@ -149,9 +152,10 @@ class Engine:
             self.chunk_grads = aligned_zeros((len(own), net.n_params), self.dtype, shared)
             self.group_grad_views = [net.param_views(self.chunk_grads[c0:c1])
                                      for c0, c1 in self.groups]
-            if factor and comm.takes_factors:
+            if factor and comm.takes_factors and own:
                 self.factored = [self._factor(index, shared) for index in net.factorable]
-            self.reduction = comm.plan(self.chunk_grads, self.factored, self._owner_cuts())
+            self.reduction = comm.plan(self.chunk_grads, len(self.bounds), self.factored,
+                                       self._owner_cuts())
             self.progress = aligned_zeros(len(net.entries), np.int64, shared)
             # The last entries' sums first: backward reaches them first.
             after = [self._first_writer(lo, hi) for lo, hi in self.reduction.spans]
@@ -166,7 +170,7 @@ class Engine:
             tracked.setdefault(blob, net.blob_names[blob])
         self.tracked = list(tracked.items())
         # Every chunk's share of them, this process's rows written by its calls and the
-        # others' by the communicator (comm.gather).
+        # others' by the communicator (Communicator.gather).
         self.shares = aligned_zeros((len(self.bounds), len(self.tracked)), np.float64, shared)
         # What run() adds up after its calls, made once: the shares in the run's dtype, their
         # totals, and (index into tracked, loss weight) of each loss.
@@ -175,13 +179,19 @@ class Engine:
         self._losses = [(j, self.dtype.type(net.loss_weights[blob]))
                         for j, (blob, _) in enumerate(self.tracked)
                         if blob in net.loss_weights]
-        # The batch as the calls read it, in two sets: while a run's calls read one, the
-        # caller may copy the next batch into the other (stage()). Calls thus always read the
-        # same arrays, which their bound layer calls keep (below).
-        self.inputs = [{t: aligned_zeros(net.blob_shapes[t], self.dtype, shared)
+        # This process's samples of the batch as the calls read them, in two sets: while a
+        # run's calls read one, the caller may copy the next batch into the other (stage()).
+        # Calls thus always read the same arrays, which their bound layer calls keep (below).
+        self.inputs = [{t: aligned_zeros((len(self.rows),) + net.blob_shapes[t][1:],
+                                         self.dtype, shared)
                         for t in net.source_names} for _ in range(2)]
-        # What losses that count the batch's labels read (Chunk.batch_tops), for each set.
-        self._batch_tops = [net.batch_tops(inputs) for inputs in self.inputs]
+        # What losses that count the batch's labels read (Chunk.batch_tops), for each set:
+        # the inputs themselves where this process computes every chunk, else whole-batch
+        # copies that the communicator completes with the other processes' samples.
+        whole = len(self.parts) == 1
+        self._batch = [{t: inputs[t] if whole else aligned_zeros(net.blob_shapes[t], self.dtype)
+                        for t in net.batch_read} for inputs in self.inputs]
+        self._batch_tops = [net.batch_tops(batch) for batch in self._batch]
         self._slot = 0          # the set of inputs that the latest run read
         self._staged = None     # (batch, its set) copied by stage() for the next run
         # Per worker, the layer calls of each (group, set of inputs), bound at its first call
@@ -240,8 +250,8 @@ class Engine:
 
     # -- a run ---------------------------------------------------------------------------
     def run(self, batch, iteration, seed, first=None, sums_arg=None):
-        """One forward (and backward) of the batch: source blob id -> whole-batch array (this
-        process's chunks read their samples of it). Returns ({output name: value}, loss,
+        """One forward (and backward) of the batch: source blob id -> array of this process's
+        samples of the batch (self.rows: the whole batch on one machine). Returns ({output name: value}, loss,
         gradient or None): values and loss summed over every chunk of the batch in chunk
         order; the gradient is the reduction's result (the batch's sum where final_sums, else
         this process's part of it, which the communicator's exchange completes).
@@ -263,7 +273,7 @@ class Engine:
                           first=first)
         elif first is not None:
             first()
-        self.comm.gather(self.shares, self.owned)
+        self.comm.gather(self.shares, self.parts)
         # Shares add up in chunk order, in the dtype of the blobs they came from.
         totals = self._totals
         self._shares[...] = self.shares
@@ -281,11 +291,24 @@ class Engine:
         self._staged = (batch, self._copy_in(batch))
 
     def _copy_in(self, batch):
-        """Copies batch into the set of inputs that the latest run did not read; returns it."""
+        """Copies batch (this process's samples: self.rows of the batch) into the set of
+        inputs that the latest run did not read; returns it. Where other processes compute
+        the other samples, the blobs read batch-wide are completed with theirs (a collective
+        of the communicator's: every process stages and runs alike)."""
         slot = 1 - self._slot
         for b, a in batch.items():
             self.inputs[slot][b][...] = a   # cast to the run's dtype as it is copied
+        if len(self.parts) > 1:
+            for b, whole in self._batch[slot].items():
+                whole[self.rows.start:self.rows.stop] = self.inputs[slot][b]
+                self.comm.gather(whole, self.sample_parts)
         return slot
+
+    def _samples_of(self, chunks):
+        """The samples of a range of chunks, as a range of the batch."""
+        first = self.bounds[chunks.start][0] if chunks.start < len(self.bounds) else \
+            self.net.batch_size
+        return range(first, first + sum(n for _, n in self.bounds[chunks.start:chunks.stop]))
 
     def _task(self, worker, i, iteration, seed, slot, sums_arg):
         """Task i of a run, as the list says; slot: the set of inputs the calls read."""
@@ -306,7 +329,8 @@ class Engine:
         if bound is None:
             ws = self.workspaces[worker]
             bound = self._bound[worker][g, slot] = net.bind(
-                ws, chunk, net.call_views(ws, chunk, self.inputs[slot]), self.params,
+                ws, chunk, net.call_views(ws, chunk, self.inputs[slot], self.rows.start),
+                self.params,
                 self.group_grad_views[g] if self.backward else None)
         bound.forward(chunk)
         k0 = self.owned.start

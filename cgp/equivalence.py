@@ -68,7 +68,7 @@ def step_against_float64(sp, solver_path, config):
         w0 = net.params.astype(np.float64)
         params64 = w0.copy()
         with threadpool_limits(limits=1):
-            batch = trainer._batch(net, 0, 0)
+            batch = trainer._batch(trainer.engine, 0, 0)
             pool = Pool(1, flush_denormals=config.denormals == "flush")
             engine64 = Engine(net, config.chunks, pool, make_communicator(pool), params=params64)
             _, loss64, grad64 = engine64.run(batch, 0, trainer.seed)

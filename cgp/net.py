@@ -118,6 +118,10 @@ class Net:
         # Source blob id -> the data layer's prototxt top name, which losses look labels up by.
         self.source_names = {t: name for e in self.sources
                              for name, t in zip(e.layer.lp.top, e.tops)}
+        # Source blobs that a layer reads for the whole batch, not per chunk (labels that a
+        # loss counts: Layer.batch_bottoms), by the name it looks them up by.
+        names = {e.layer.lp.bottom[i] for e in self.entries for i in e.layer.batch_bottoms}
+        self.batch_read = {t for t, name in self.source_names.items() if name in names}
         self.batch_size = self._batch_size()
         self._layout_params()
         self.loss_weights = self._loss_weights()
@@ -384,19 +388,21 @@ class Net:
         return out
 
     # -- one call: a run of chunks ------------------------------------------------
-    def call_views(self, ws, chunk, batch_data):
+    def call_views(self, ws, chunk, batch_data, first=0):
         """Per-blob data views for a call of `chunk`'s samples in workspace ws, the source
-        blobs viewed in batch_data (source blob id -> whole-batch array)."""
+        blobs viewed in batch_data (source blob id -> array of the batch's samples from
+        sample `first` on: the whole batch, or the part this process computes)."""
         data = ws.views(chunk.n)
-        lo, hi = chunk.first, chunk.first + chunk.n
+        lo, hi = chunk.first - first, chunk.first - first + chunk.n
         for blob, array in batch_data.items():
             data[blob] = array[lo:hi]
         return data
 
     def batch_tops(self, batch):
-        """batch (source blob id -> array) keyed by the data layers' top names instead, as
-        Chunk.batch_tops takes it."""
-        return {self.source_names[t]: a for t, a in batch.items()}
+        """What layers read of the whole batch (Layer.batch_bottoms): batch's arrays (source
+        blob id -> whole-batch array) of those blobs, keyed by the data layers' top names,
+        as Chunk.batch_tops takes them."""
+        return {self.source_names[t]: a for t, a in batch.items() if t in self.batch_read}
 
     def bind(self, ws, chunk, data, params, param_diffs=None, plan=None):
         """The layer calls of calls laid out as `chunk` on these arrays (see BoundCall).

@@ -66,7 +66,8 @@ class DataParallelStep:
                 if self.accum is not None:
                     self.pool.run(self._accumulate, len(self.blocks), k)
         if step is None:
-            squares = (self.comm.gather_blocks(self.solver.squares(self.gradient, self.blocks))
+            squares = (self.comm.gather_blocks(self.solver.squares(self.gradient, self.blocks),
+                                               len(self.params))
                        if self.solver.needs_norm else None)
             step = self.solver.prepare(it, squares)
             self.pool.run(self._update, len(self.blocks), step.plain())

@@ -249,17 +249,18 @@ class Trainer:
         size = self.sp.iter_size
         return ((it - self.data_origin) * size + k) * self.net.batch_size, it * size + k
 
-    def _batch(self, net, position, iteration):
-        """Source blob id -> whole-batch array, for the batch at a record position: the one
-        read ahead (_work_ahead) when it is that one."""
-        key = (net, position, iteration, self.seed)
+    def _batch(self, engine, position, iteration):
+        """Source blob id -> array of the engine's samples (Engine.rows: the whole batch but
+        where other ranks compute the rest) of the batch at a record position: the one read
+        ahead (_work_ahead) when it is that one."""
+        key = (engine, position, iteration, self.seed)
         if self._ahead is not None and self._ahead[0] == key:
             batch, self._ahead = self._ahead[1], None
             return batch
         batch = {}
-        for entry in net.sources:
-            for blob, array in zip(entry.tops, entry.layer.load(position, iteration, self.seed)):
-                batch[blob] = array
+        for entry in engine.net.sources:
+            arrays = entry.layer.load(position, iteration, self.seed, engine.rows)
+            batch.update(zip(entry.tops, arrays))
         return batch
 
     def _work_ahead(self, it):
@@ -274,10 +275,10 @@ class Trainer:
         self.solver.prepare_ahead(it)
         position, iteration = self._pass(it, 0)
         try:
-            batch = self._batch(self.net, position, iteration)
+            batch = self._batch(self.engine, position, iteration)
         except Exception:   # noqa: BLE001  (raised again where the batch is needed)
             return
-        self._ahead = ((self.net, position, iteration, self.seed), batch)   # as _batch asks
+        self._ahead = ((self.engine, position, iteration, self.seed), batch)   # as _batch asks
         self.engine.stage(batch)
 
     def tests_before(self, it):
@@ -319,7 +320,7 @@ class Trainer:
     def _pass_batch(self, it, k):
         """(batch, iteration number of its data) of pass k of training iteration it."""
         position, iteration = self._pass(it, k)
-        return self._batch(self.net, position, iteration), iteration
+        return self._batch(self.engine, position, iteration), iteration
 
     def test(self, index=0):
         """One test pass of test net `index`: (outputs averaged over test_iter batches, the
@@ -334,7 +335,7 @@ class Trainer:
             self._act_on_request()
             if self._stop:
                 return None
-            batch = self._batch(net, (first + k) * net.batch_size, first + k)
+            batch = self._batch(engine, (first + k) * net.batch_size, first + k)
             outputs, batch_loss, _ = engine.run(batch, first + k, self.seed)
             loss += batch_loss
             for name, value in outputs.items():
@@ -415,7 +416,7 @@ class Trainer:
             # forward pass (the first of iter_size).
             with threadpool_limits(limits=1):
                 position, iteration = self._pass(self.iter, 0)
-                _, loss, _ = self.engine.run(self._batch(self.net, position, iteration),
+                _, loss, _ = self.engine.run(self._batch(self.engine, position, iteration),
                                              iteration, self.seed)
             self.log(f"Iteration {self.iter}, loss = {fmt(self._smoothed(loss))}")
         # Caffe tests at the end only on a test_interval boundary; cgp always reports

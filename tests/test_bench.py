@@ -416,7 +416,7 @@ def test_torch_lenet_has_cgp_loss_and_gradient(mnist_dir):
 
     trainer = mnist_trainer(mnist_dir, chunks=4)
     try:
-        batch = trainer._batch(trainer.net, 0, 0)
+        batch = trainer._batch(trainer.engine, 0, 0)
         with threadpool_limits(limits=1):
             _, loss, grad = trainer.engine.run(batch, 0, trainer.seed)
         for layout in ("channels_last", "contiguous"):
@@ -438,7 +438,7 @@ def test_torch_training_state_is_restored(mnist_dir):
     torch.set_num_threads(1)   # a fixed reduction order
     try:
         copy = TorchTrainer(trainer.net, trainer.sp)
-        batches = [trainer._batch(trainer.net, i * 64, i) for i in range(3)]
+        batches = [trainer._batch(trainer.engine, i * 64, i) for i in range(3)]
         copy.step(batches[0])
         saved = copy.save()
         losses = []

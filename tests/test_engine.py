@@ -779,9 +779,9 @@ def test_next_batch_is_read_during_the_run_before_and_only_once(fused, mnist_dir
         reads, load = [], layer.load
         in_run = []
 
-        def recording_load(position, iteration, seed, load=load, reads=reads):
+        def recording_load(position, iteration, seed, rows, load=load, reads=reads):
             reads.append((position, iteration, bool(in_run) and in_run[-1]))
-            return load(position, iteration, seed)
+            return load(position, iteration, seed, rows)
         layer.load = recording_load
         run = trainer.pool.run
 

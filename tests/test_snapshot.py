@@ -486,6 +486,6 @@ def test_closing_display_is_one_forward_pass(mnist_dir):
     passes = []
     for k in range(2):
         position, iteration = t._pass(t.iter, k)
-        passes.append(t.engine.run(t._batch(t.net, position, iteration), iteration, t.seed)[1])
+        passes.append(t.engine.run(t._batch(t.engine, position, iteration), iteration, t.seed)[1])
     assert fmt(passes[0]) != fmt(sum(passes) / 2)
     assert lines[-2] == f"Iteration 1, loss = {fmt(passes[0])}"

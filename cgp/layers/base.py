@@ -88,9 +88,9 @@ the bound calls without saying so.
 
 Sources: is_source = True
 -------------------------
-Data layers (Data, Input) take no bottoms and make no per-chunk calls: the net runs
-load(start, iteration, seed) once per iteration on the whole batch, before the batch is cut
-into chunks, and sets `options` (cgp.net.RunOptions) before setup (see cgp/layers/data.py).
+Data layers (Data, Input) take no bottoms and make no per-chunk calls: the trainer runs
+load(start, iteration, seed, rows) once per iteration on the batch (or on the samples `rows`
+that this process computes), before the batch is cut into chunks, and sets `options` (cgp.net.RunOptions) before setup (see cgp/layers/data.py).
 """
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -194,12 +194,15 @@ class Layer:
     params_read = ()
     reduces_batch = False      # tops are batch values (a loss, an accuracy), not per sample
     default_loss_weight = 0.0  # Caffe gives loss layers weight 1 on their first top
+    # Bottoms (by index) whose whole batch the layer reads from chunk.batch_tops, as a loss
+    # that counts the batch's labels does: the engine provides them batch-wide.
+    batch_bottoms = ()
 
     # -- the per-call protocol and sources (the module's docstring) -------------------------
     # The net calls forward and backward at every call, with that call's chunk, instead of
     # binding kernel calls that forward_calls/backward_calls hand over once.
     calls_each_time = False
-    # A data layer: load(start, iteration, seed) once per iteration on the whole batch.
+    # A data layer: load(start, iteration, seed, rows) once per iteration on the batch.
     is_source = False
 
     # -- performance hooks (optional) ------------------------------------------------------
@@ -213,6 +216,7 @@ class Layer:
     # backward never reads its own top, which an in-place layer after it may then rewrite.
     in_place = False
     backward_reads_top = True
+
     # A layer whose backward can *set* its parameter gradients (bitwise as if it added them
     # to zeros) says so; the net turns that on where no other layer shares those blobs, and
     # the engine then skips zeroing them in each chunk's private buffer: one pass less over
@@ -314,8 +318,9 @@ class Layer:
             kernel(*args)
 
     # -- sources -----------------------------------------------------------------
-    def load(self, start, iteration, seed):
-        """A source's tops for the whole batch whose first record is `start`."""
+    def load(self, start, iteration, seed, rows=None):
+        """A source's tops for the batch whose first record is `start`: the whole batch, or
+        its samples `rows` (a range) alone, reading only their records (a rank's share)."""
         raise NotImplementedError
 
 

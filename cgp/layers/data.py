@@ -119,23 +119,26 @@ class DataLayer(Layer):
     def close(self):
         self.records.close()
 
-    def load(self, start, iteration, seed):
+    def load(self, start, iteration, seed, rows=None):
         """The batch of records start, start+1, ... (wrapping around the data set, as
-        Caffe's reader does), transformed: [data (N, C, H', W') float32, label (N,)].
+        Caffe's reader does), transformed: [data (N, C, H', W') float32, label (N,)]; or of
+        the batch's samples `rows` (a range) alone, which reads only their records.
         Caffe's order of operations per element: (value - mean) * scale, in float32."""
-        images, labels = self.records.read(start, self.batch)
+        rows = range(self.batch) if rows is None else rows
+        images, labels = self.records.read(start + rows.start, len(rows))
         n = len(images)
         data = np.empty(images.shape, np.float32)
         K.transform(images.reshape(n, -1), self._mean_row, self._scale, data.reshape(n, -1))
-        data = self._crop_and_mirror(data, iteration, seed)
+        data = self._crop_and_mirror(data, iteration, seed, rows.start)
         tops = [np.ascontiguousarray(data)]
         if len(self.lp.top) == 2:
             tops.append(np.array(labels, np.float32))   # a copy: records may be a view
         return tops
 
-    def _crop_and_mirror(self, data, iteration, seed):
+    def _crop_and_mirror(self, data, iteration, seed, first=0):
         """Caffe's DataTransformer: a random crop in TRAIN and the centre crop in TEST; a
-        random mirror in both phases (Caffe mirrors at test time too when mirror is set)."""
+        random mirror in both phases (Caffe mirrors at test time too when mirror is set).
+        data's samples are the batch's from sample `first` on."""
         tp = self.lp.transform_param
         train = self.phase == caffe_pb2.TRAIN
         if not (self.crop or tp.mirror):
@@ -148,7 +151,7 @@ class DataLayer(Layer):
             # never depend on how the batch is cut or which thread reads it. Caffe's order
             # of draws: the mirror coin, then the crop offsets.
             rng = np.random.Generator(np.random.Philox(
-                key=[seed & (2**64 - 1), self.index], counter=[iteration, s, 0, 0]))
+                key=[seed & (2**64 - 1), self.index], counter=[iteration, first + s, 0, 0]))
             flip = bool(rng.integers(0, 2)) if tp.mirror else False
             top, left = 0, 0
             if self.crop:
@@ -192,5 +195,5 @@ class InputLayer(Layer):
     def __len__(self):
         return self.values[0].shape[0]
 
-    def load(self, start, iteration, seed):
-        return self.values
+    def load(self, start, iteration, seed, rows=None):
+        return self.values if rows is None else [v[rows.start:rows.stop] for v in self.values]

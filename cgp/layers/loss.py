@@ -129,6 +129,7 @@ class SoftmaxWithLoss(_ClassAxis):
     Scratch: "prob" (the probabilities, for backward), "work" (one (I,) plane) and "scales"
     (each part's gradient scale, in the run's dtype).
     """
+    batch_bottoms = (1,)   # the labels, where a count over the whole batch's is needed
     bottoms = (2, 2)
     tops = (1, 2)
     params_read = ("softmax_param", "loss_param")   # Caffe's inner Softmax reads the first
@@ -233,6 +234,7 @@ class Accuracy(_ClassAxis):
     class's correct count over its number of labels in the whole batch (0 for a class with
     none), which needs the whole batch's labels (chunk.batch_tops). No backward.
     """
+    batch_bottoms = (1,)   # the labels, where a count over the whole batch's is needed
     bottoms = (2, 2)
     tops = (1, 2)
     params_read = ("accuracy_param",)

@@ -159,3 +159,16 @@ def sum_rows(rows, total):
     for k in range(rows.shape[0]):
         for j in range(total.shape[0]):
             total[j] = total[j] + rows[k, j]
+
+
+@njit(cache=True, nogil=True)
+def merge_rows(rows, pairs, lo, hi):
+    """rows: (S, P) partial sums of whole subtrees of the chunk tree; pairs: (M, 2) int64.
+    For each (dst, src) in order: rows[dst, lo:hi] += rows[src, lo:hi]: the additions that
+    complete the tree from those subtrees (cgp.comm.merge_pairs), each element the same
+    float additions tree_sum would make."""
+    for m in range(pairs.shape[0]):
+        d = rows[pairs[m, 0], lo:hi]
+        s = rows[pairs[m, 1], lo:hi]
+        for j in range(hi - lo):
+            d[j] += s[j]
