@@ -8,7 +8,7 @@ loss, then each output's mean (with its loss weight for losses). Not here: train
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp.comm import make_communicator
+from cgp.comm import LocalCommunicator
 from cgp.engine import Engine
 from cgp.errors import CgpError
 from cgp.net import RunOptions, build_net
@@ -46,7 +46,7 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
     load_all_weights(net, weights, log)
     pool = make_pool(workers or default_workers(), threads, [net], affinity, flush_denormals)
     try:
-        engine = Engine(net, chunks, pool, make_communicator(pool), backward=False)
+        engine = Engine(net, chunks, pool, LocalCommunicator(pool), backward=False)
         pool.start()
         if not engine.tracked:
             raise CgpError(f"model {model}: the TEST net has no scalar outputs (loss, accuracy) "

@@ -153,12 +153,22 @@ def cmd_train(args, log=print):
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
     try:
-        net = trainer.net
+        net, engine = trainer.net, trainer.engine
+        ranks = len(engine.parts)
+        where = (f"{args.threads} {worker_noun(config.workers, args.threads)}" if ranks == 1
+                 else f"{ranks} ranks x {args.threads} "
+                      f"{worker_noun(config.workers, args.threads)}")
         log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
-            f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
-            f"{worker_noun(config.workers, args.threads)}, seed {trainer.seed}"
+            f"{net.batch_size} in {len(engine.bounds)} chunks on {where}, seed {trainer.seed}"
             f"{'' if args.seed is not None or sp.random_seed >= 0 else ' (no random_seed set)'}"
             f", {denormals_text(trainer.pool.flush)}")
+        if ranks > 1:
+            sent, received = trainer.comm.bytes_per_step()
+            log("cgp: chunks by rank: " + ", ".join(
+                f"{r}: {p.start}-{p.stop - 1}" if len(p) else f"{r}: none"
+                for r, p in enumerate(engine.parts))
+                + f"; per step each rank sends up to {sent / 2**20:.2f} MiB and receives up to "
+                  f"{received / 2**20:.2f} MiB (gradient {4 * net.n_params / 2**20:.2f} MiB)")
         log(f"cgp: {trainer.memory_line}")
         if args.snapshot:
             trainer.restore(args.snapshot)
@@ -191,16 +201,21 @@ def add_equivalence(sub):
     add_run_options(p, threads_list=True)
     p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
     p.add_argument("--iters", type=int, default=100, help="iterations per run (default 100)")
+    p.add_argument("--ranks", default="1",
+                   help="comma-separated numbers of MPI ranks: every thread count also runs on "
+                        "each, launched with mpirun on this machine (default 1: no MPI; "
+                        "pip install -e \".[mpi]\")")
     p.set_defaults(run=cmd_equivalence)
 
 
-def thread_list(text):
+def thread_list(text, option="--threads"):
     try:
         values = [int(t) for t in str(text).split(",") if t.strip()]
     except ValueError:
-        raise CgpError(f"--threads wants a comma-separated list of counts, e.g. 1,2,4; got {text!r}")
+        raise CgpError(f"{option} wants a comma-separated list of counts, e.g. 1,2,4; got "
+                       f"{text!r}")
     if not values or min(values) < 1:
-        raise CgpError(f"--threads counts must be at least 1; got {text!r}")
+        raise CgpError(f"{option} counts must be at least 1; got {text!r}")
     return values
 
 
@@ -229,13 +244,16 @@ def cmd_equivalence(args, log=print):
     path = solver_file(args)
     sp = read_solver(path)
     threads = thread_list(args.threads)
+    ranks = thread_list(args.ranks, "--ranks")
     workers = worker_list(args.workers)
     config = RunConfig(chunks=args.chunks, seed=args.seed, data_dir=args.data_dir,
                        download=not args.no_download, affinity=args.affinity,
                        denormals=args.denormals)
     log(f"cgp equivalence: {path}, {args.iters} iterations, {args.chunks} chunks, "
-        f"threads {','.join(map(str, threads))} in {' and '.join(workers)}")
-    return equivalence.run(sp, path, config, threads, args.iters, log=log, workers=workers)
+        f"threads {','.join(map(str, threads))} in {' and '.join(workers)}"
+        + (f", on {','.join(map(str, ranks))} MPI ranks" if ranks != [1] else ""))
+    return equivalence.run(sp, path, config, threads, args.iters, log=log, workers=workers,
+                           ranks=ranks)
 
 
 def add_test(sub):
@@ -297,6 +315,9 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    from cgp import mpi
+    if mpi.launched():
+        return main_rank(args, mpi)
     try:
         return args.run(args)
     except CgpError as e:
@@ -305,3 +326,24 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("cgp: interrupted", file=sys.stderr)
         return 130
+
+
+def main_rank(args, mpi):
+    """One rank of an MPI job (mpirun -np R python -m cgp train ...): rank 0 prints; any
+    error, in any rank, ends the whole job with its message (mpi.abort), where returning
+    would leave the other ranks waiting for this one for ever."""
+    world = mpi.world()
+    if args.command != "train":
+        mpi.abort(world, 2, f"cgp {args.command} runs in one process; only cgp train runs "
+                            "under mpirun")
+    log = print if world.Get_rank() == 0 else (lambda line: None)
+    try:
+        return args.run(args, log=log)
+    except CgpError as e:
+        mpi.abort(world, 2, str(e))
+    except KeyboardInterrupt:
+        mpi.abort(world, 130, "interrupted")
+    except BaseException:   # noqa: BLE001  (a bug: its traceback, then the whole job ends)
+        import traceback
+        traceback.print_exc()
+        mpi.abort(world, 1, "ended by the error above")

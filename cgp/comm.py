@@ -11,9 +11,9 @@ whose gradient is a product A^T @ B (InnerProduct), as its factors: the product 
 formed inside the reduction, with the same bits, and never stored once per chunk.
 
 The protocol that cgp.engine and cgp.parallel rely on is Communicator below;
-make_communicator() picks the implementation: LocalCommunicator (the threads or worker
-processes of one machine), ReferenceCommunicator (plain NumPy, the naive twin that tests
-compare with).
+cgp.parallel.make_communicator() picks the implementation: LocalCommunicator (the threads or
+worker processes of one machine) or, under mpirun, cgp.mpi.MPICommunicator; the naive twin
+that tests compare with is ReferenceCommunicator.
 """
 from typing import NamedTuple, Protocol
 
@@ -155,8 +155,9 @@ class Communicator(Protocol):
         """Gives the leader every process's update_blocks() columns of a (n,) array (the
         solver's histories, before the leader snapshots them)."""
 
-    def any(self, flag):
-        """Whether any process's flag is true (every process must ask, at the same point)."""
+    def max(self, value):
+        """The largest of every process's int value (every process must ask, at the same
+        point): how processes agree, e.g. to stop at one iteration."""
 
 
 class Reduction:
@@ -254,8 +255,8 @@ class LocalCommunicator:
     def collect(self, array):
         """Nothing to collect: this process updates every column."""
 
-    def any(self, flag):
-        return bool(flag)
+    def max(self, value):
+        return value
 
 
 class ReferenceCommunicator(LocalCommunicator):
@@ -272,14 +273,6 @@ class ReferenceCommunicator(LocalCommunicator):
         def task(w):
             bufs[0] = reference_reduce(bufs)
         return Reduction(self.pool, [task], [(0, bufs.shape[1])], bufs[0])
-
-
-COMMUNICATORS = {"local": LocalCommunicator, "reference": ReferenceCommunicator}
-
-
-def make_communicator(pool, kind="local"):
-    """The communicator of a run on `pool`: the one place where it is chosen."""
-    return COMMUNICATORS[kind](pool)
 
 
 def reference_reduce(bufs):

@@ -5,16 +5,22 @@ SGD step with a float64 run of the same net.
 It trains through the same Trainer as `cgp train`: there is no second engine.
 """
 import hashlib
-from dataclasses import dataclass, replace
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
+from google.protobuf import text_format
 from threadpoolctl import threadpool_limits
 
-from cgp.comm import make_communicator
+from cgp.comm import LocalCommunicator
 from cgp.engine import Engine
 from cgp.errors import CgpError
 from cgp.runtime.pool import Pool
-from cgp.train import Trainer
+from cgp.train import RunConfig, Trainer
 
 # A float32 step against the float64 reference: relative to the largest update.
 STEP_TOLERANCE = 1e-3
@@ -28,6 +34,7 @@ class Outcome:
     params: np.ndarray
     losses: list
     accuracy: dict
+    ranks: int = 1
 
 
 def train_run(sp, solver_path, config, iters, log=lambda line: None):
@@ -45,9 +52,44 @@ def train_run(sp, solver_path, config, iters, log=lambda line: None):
     return Outcome(config.threads, config.workers, digest, params, losses, accuracy)
 
 
+def mpi_run(sp, solver_path, config, ranks, iters):
+    """train_run on `ranks` MPI ranks of this machine (mpirun, cgp.mpi.local_job): each rank
+    runs this module (main_rank below), rank 0 writes the outcome, read back here."""
+    from cgp import mpi
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        (folder / "solver.prototxt").write_text(text_format.MessageToString(sp))
+        (folder / "spec.json").write_text(json.dumps({
+            "solver_path": None if solver_path is None else str(solver_path),
+            "config": asdict(config), "iters": iters}))
+        argv, env = mpi.local_job(ranks, ["-m", "cgp.equivalence", str(folder)])
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not (folder / "outcome.json").exists():
+            raise CgpError(f"{ranks} MPI ranks: {' '.join(argv)} ended with status "
+                           f"{done.returncode}:\n{done.stderr[-2000:]}")
+        outcome = json.loads((folder / "outcome.json").read_text())
+        params = np.load(folder / "params.npy", allow_pickle=False)
+    return Outcome(config.threads, config.workers, outcome["sha256"], params,
+                   outcome["losses"], outcome["accuracy"], ranks)
+
+
+def main_rank(folder):
+    """One rank of mpi_run: trains as its spec says; rank 0 writes the outcome."""
+    from cgp.prototxt import parse_solver
+    folder = Path(folder)
+    spec = json.loads((folder / "spec.json").read_text())
+    sp = parse_solver((folder / "solver.prototxt").read_text(), "solver.prototxt")
+    outcome = train_run(sp, spec["solver_path"], RunConfig(**spec["config"]), spec["iters"])
+    from cgp import mpi
+    if mpi.world().Get_rank() == 0:
+        np.save(folder / "params.npy", outcome.params, allow_pickle=False)
+        (folder / "outcome.json").write_text(json.dumps(
+            {"sha256": outcome.sha256, "losses": outcome.losses, "accuracy": outcome.accuracy}))
+
+
 def compare(outcomes):
-    """Rows of (threads, workers, sha256, max |dw| vs the first, losses identical, accuracy,
-    bitwise the same) and whether every run matched the first bit for bit."""
+    """Rows of (ranks, threads, workers, sha256, max |dw| vs the first, losses identical,
+    accuracy, bitwise the same) and whether every run matched the first bit for bit."""
     first = outcomes[0]
     rows, ok = [], True
     for o in outcomes:
@@ -55,7 +97,7 @@ def compare(outcomes):
         same_losses = o.losses == first.losses
         same = o.sha256 == first.sha256 and same_losses
         ok &= same
-        rows.append((o.threads, o.workers, o.sha256, dw, same_losses, o.accuracy, same))
+        rows.append((o.ranks, o.threads, o.workers, o.sha256, dw, same_losses, o.accuracy, same))
     return rows, ok
 
 
@@ -70,7 +112,7 @@ def step_against_float64(sp, solver_path, config):
         with threadpool_limits(limits=1):
             batch = trainer._batch(trainer.engine, 0, 0)
             pool = Pool(1, flush_denormals=config.denormals == "flush")
-            engine64 = Engine(net, config.chunks, pool, make_communicator(pool), params=params64)
+            engine64 = Engine(net, config.chunks, pool, LocalCommunicator(pool), params=params64)
             _, loss64, grad64 = engine64.run(batch, 0, trainer.seed)
             loss32, _, _ = trainer.step()
         # The first step of Caffe's SGD from zero history: w -= lr*lr_mult*(g + wd*decay_mult*w).
@@ -84,33 +126,36 @@ def step_against_float64(sp, solver_path, config):
     return error, loss32, loss64
 
 
-def run(sp, solver_path, config, threads_list, iters, log=print, workers=None):
+def run(sp, solver_path, config, threads_list, iters, log=print, workers=None, ranks=(1,)):
     """The whole harness; returns the process exit status (0: all equivalent). workers:
     every thread count runs with its workers as each of these (RunConfig.workers; default
-    config's)."""
+    config's); ranks: and on each of these numbers of MPI ranks (mpirun on this machine)."""
     workers = workers or (config.workers,)
     if not threads_list:
         raise CgpError("--threads needs at least one thread count")
     if iters < 1:
         raise CgpError(f"--iters must be at least 1, got {iters}")
     outcomes = []
-    for kind in workers:
-        for threads in threads_list:
-            outcomes.append(train_run(sp, solver_path,
-                                      replace(config, threads=threads, workers=kind), iters))
-            log(f"{kind} {threads:>3}: trained {iters} iterations, last iteration's loss "
-                f"{outcomes[-1].losses[-1]:.6g}")
+    for count in ranks:
+        for kind in workers:
+            for threads in threads_list:
+                run_config = replace(config, threads=threads, workers=kind)
+                outcomes.append(train_run(sp, solver_path, run_config, iters) if count == 1
+                                else mpi_run(sp, solver_path, run_config, count, iters))
+                log(f"{count} rank(s) x {threads} {kind}: trained {iters} iterations, last "
+                    f"iteration's loss {outcomes[-1].losses[-1]:.6g}")
     rows, ok = compare(outcomes)
     log("")
-    log(f"{'threads':>7}  {'workers':<9}  {'sha256 of parameters':<64}  {'max|dw|':>9}  "
-        f"{'losses':>9}  test of the final weights")
-    for threads, kind, digest, dw, same_losses, accuracy, _ in rows:
+    log(f"{'ranks':>5}  {'threads':>7}  {'workers':<9}  {'sha256 of parameters':<64}  "
+        f"{'max|dw|':>9}  {'losses':>9}  test of the final weights")
+    for count, threads, kind, digest, dw, same_losses, accuracy, _ in rows:
         acc = ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items()) or "-"
-        log(f"{threads:>7}  {kind:<9}  {digest}  {dw:9.3g}  "
+        log(f"{count:>5}  {threads:>7}  {kind:<9}  {digest}  {dw:9.3g}  "
             f"{'identical' if same_losses else 'DIFFER':>9}  {acc}")
     status = 0 if ok else 1
     log("")
-    log("bitwise identical across thread counts"
+    across = "thread counts" + (" and rank counts" if len(ranks) > 1 or ranks[0] > 1 else "")
+    log(f"bitwise identical across {across}"
         + (", in " + " and in ".join(workers) if len(workers) > 1 else "") + ": "
         + ("yes" if ok else "NO"))
     plain_sgd = (sp.type == "SGD" and sp.iter_size == 1 and sp.clip_gradients < 0
@@ -125,3 +170,7 @@ def run(sp, solver_path, config, threads_list, iters, log=print, workers=None):
             + ("ok" if passed else "FAILED"))
         status = status or (0 if passed else 1)
     return status
+
+
+if __name__ == "__main__":
+    main_rank(sys.argv[1])

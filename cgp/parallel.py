@@ -18,9 +18,20 @@ core that summed it, and a step hands over to the workers once. Otherwise the up
 run of its own after the exchange. Every update is elementwise over its columns, so both give
 the same bits (a test compares them).
 """
+from cgp import mpi
+from cgp.comm import LocalCommunicator
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.update import claim
 from cgp.solver import Step
+
+
+def make_communicator(pool):
+    """The communicator of a run on `pool`, chosen in this one place: one rank of an MPI job
+    where an MPI launcher started this process as one of several (cgp.mpi), else the
+    workers of this machine alone."""
+    if mpi.launched():
+        return mpi.MPICommunicator(pool, mpi.world())
+    return LocalCommunicator(pool)
 
 
 class DataParallelStep:

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 from threadpoolctl import threadpool_limits
 
-from cgp.comm import make_communicator
+from cgp.parallel import make_communicator
 from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
 from cgp.net import RunOptions, build_net
@@ -61,6 +61,7 @@ class RunConfig:
 
 
 SIGNAL_EFFECTS = ("stop", "snapshot", "none")
+REQUESTS = (None, "snapshot", "stop")   # what a signal asks of training, weakest first
 WORKERS = ("threads", "processes")
 
 
@@ -212,7 +213,7 @@ class Trainer:
                               config.affinity, config.denormals == "flush")
         # Histories in shared memory where workers write them (processes).
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory)
-        comm = make_communicator(self.pool)
+        self.comm = comm = make_communicator(self.pool)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm)
         self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False)
@@ -370,7 +371,7 @@ class Trainer:
         if 0 < self.max_iter <= self.iter:   # resumed past the end: Caffe says nothing
             self.log(f"Note: resumed at iteration {self.iter}, max_iter is {self.max_iter}: "
                      "nothing to train")
-        if sp.snapshot or sp.snapshot_after_train:   # found out now, not after the training
+        if (sp.snapshot or sp.snapshot_after_train) and self.comm.leader:   # found out now
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
             last = time.perf_counter()
@@ -391,7 +392,7 @@ class Trainer:
                                  f"{loss_note(self.net, name, value)}")
                     self.log(f"Iteration {it}, lr = {fmt(rate)}")
                     last, last_iter = now, self.iter
-                return self._request is not None   # a signal's request: acted on now
+                return self._agree() is not None   # a signal's request: acted on now
 
             while self.iter < self.max_iter and not self._stop:
                 if self._due(sp.test_interval) and (self.iter > 0 or sp.test_initialization):
@@ -428,13 +429,20 @@ class Trainer:
         return self.last_test
 
     def _act_on_request(self, snapshot_due=False):
-        """Takes what a signal asked for since the last call: a snapshot is written (once,
-        also when one is due anyway), a stop sets _stop."""
-        request, self._request = self._request, None
+        """Takes what a signal asked for since the last call (_agree): a snapshot is written
+        (once, also when one is due anyway), a stop sets _stop."""
+        request, self._request = self._agree(), None
         if snapshot_due or request == "snapshot":
             self.snapshot()
         if request == "stop":
             self._stop = True
+
+    def _agree(self):
+        """The request that every process acts on now: the strongest any of them has (under
+        MPI a signal may reach one rank only, or the ranks at different iterations), so that
+        all stop, or snapshot, at the same iteration."""
+        self._request = REQUESTS[self.comm.max(REQUESTS.index(self._request))]
+        return self._request
 
     def _due(self, interval):
         return bool(self.test_nets) and interval > 0 and self.iter % interval == 0
@@ -511,9 +519,12 @@ class Trainer:
         .caffemodel path."""
         base = f"{self.snapshot_prefix()}_iter_{self.iter}"
         model = Path(base + ".caffemodel")
-        write_caffemodel(model, self.net)
-        write_solverstate(Path(base + ".solverstate"), self.iter, model, self.solver, self.net,
-                          resume=self.resume_state())
+        for history in self.solver.histories:   # each process holds its columns' (MPI)
+            self.comm.collect(history)
+        if self.comm.leader:
+            write_caffemodel(model, self.net)
+            write_solverstate(Path(base + ".solverstate"), self.iter, model, self.solver,
+                              self.net, resume=self.resume_state())
         self.log(f"Snapshotting to binary proto file {model}")
         self.log(f"Snapshotting solver state to binary proto file {base}.solverstate")
         self.weights_path = model
