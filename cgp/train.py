@@ -231,6 +231,7 @@ class Trainer:
         self._stop = False
         self._ahead = None        # (what _batch was asked, the batch) read ahead by step()
         self._request = None      # what a signal asked for: "stop" or "snapshot"
+        self._told_to_stop = False   # a signal asked this process to stop
         # Caffe's solver field `weights` (the command line's --weights replaces it).
         base = Path(solver_path).parent if solver_path else None
         for names in sp.weights:
@@ -407,8 +408,8 @@ class Trainer:
                 self.steps(n, done)
                 self._act_on_request(snapshot_due=bool(sp.snapshot)
                                      and self.iter % sp.snapshot == 0)
-        if sp.snapshot_after_train and (not sp.snapshot or self.iter % sp.snapshot != 0):
-            self.snapshot()
+            if sp.snapshot_after_train and (not sp.snapshot or self.iter % sp.snapshot != 0):
+                self.snapshot()   # a stop asked meanwhile changes nothing
         if self._stop:
             self.log("Optimization stopped early.")
             return self.last_test
@@ -463,10 +464,11 @@ class Trainer:
                     effect = effects[signum]
                     if effect == "none":
                         return
-                    if signum == signal.SIGINT and effect == "stop" and (
-                            trainer._request == "stop" or trainer._stop):
+                    if signum == signal.SIGINT and effect == "stop" and trainer._told_to_stop:
                         raise KeyboardInterrupt
-                    trainer._request = effect
+                    # This process's own stop (another rank's reaches it through _agree).
+                    trainer._told_to_stop |= effect == "stop"
+                    trainer._request = max(trainer._request, effect, key=REQUESTS.index)
                     name = signal.Signals(signum).name
                     trainer.log(f"{name}: {'stopping' if effect == 'stop' else 'snapshotting'} "
                                 "after this iteration" + (" (Ctrl-C again to abort)"

