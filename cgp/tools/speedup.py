@@ -3,25 +3,25 @@ optionally of the same network in PyTorch, measured in one run so the ratios are
 
 The configurations (each thread count; PyTorch in both memory formats) are timed round-robin,
 the order rotated every repetition, so slow drift on a shared machine hits them all alike;
-each figure is the median over the repetitions. Results go to JSON, CSV and (with matplotlib)
-a PNG, named by model and UTC time, with a description of the machine. Not here: the kernels.
+each figure is the median over the repetitions (the statistics: cgp.tools.stats). Results go
+to JSON, CSV and (with matplotlib) a PNG, named by model and UTC time, with a description of
+the machine (cgp.tools.machine). Not here: the kernels.
 """
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# csv, json, platform, shlex and statistics are imported where used: the command line
-# imports this module for its options on every run, and `cgp train` should start fast.
+from cgp.options import (EPILOG, add_denormals_option, add_workers_option, check_threads,
+                         solver_file, thread_list, worker_list)
+from cgp.tools.machine import (MATMUL_SIZE, ForeignLoad, machine_info, matmul_gflops,
+                               steal_seconds)
+from cgp.tools.stats import summarise, table
 
-SIMD_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq",
-              "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
-              "asimd", "sve", "sve2")
-
+# csv, json and statistics are imported where used: the command line imports this module for
+# its options on every run, and `cgp train` should start fast.
 
 def add_bench(sub):
-    from cgp.cli import EPILOG, add_denormals_option, add_workers_option
     p = sub.add_parser("bench", help="measure training speed")
     kinds = p.add_subparsers(dest="bench", required=True)
     s = kinds.add_parser(
@@ -75,136 +75,6 @@ def default_threads():
     return counts + [cores]
 
 
-# -- the machine -------------------------------------------------------------------
-def cpuinfo():
-    """(model name, set of flags) from /proc/cpuinfo; (platform's guess, empty) elsewhere."""
-    import platform
-    model, flags = None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("model name", "hardware", "cpu model") and model is None:
-                    model = value.strip()
-                elif key in ("flags", "features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return model or platform.processor() or platform.machine(), flags
-
-
-def source_revision():
-    """The git commit of the cgp source that runs, "+changes" added when its tracked files
-    differ from it; None outside a git checkout (an installed copy)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    if not (root / ".git").exists():
-        return None
-
-    def git(*args):
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              timeout=30)
-    try:
-        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain",
-                                                     "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):   # no git
-        return None
-    if head.returncode or status.returncode:
-        return None
-    return head.stdout.strip() + ("+changes" if status.stdout.strip() else "")
-
-
-def machine_info(extra_versions=()):
-    """What the numbers depend on: CPU, cores, memory, SIMD, library versions (cgp's own
-    with its commit), BLAS, the command."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    import numba
-    import numpy
-    import psutil
-    import scipy
-    from threadpoolctl import threadpool_info
-
-    model, flags = cpuinfo()
-    try:
-        cgp_version = version("cgp")
-    except PackageNotFoundError:
-        cgp_version = None
-    versions = {"cgp": cgp_version, "cgp_commit": source_revision(),
-                "python": platform.python_version(), "numpy": numpy.__version__,
-                "numba": numba.__version__, "scipy": scipy.__version__}
-    versions.update(extra_versions)
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    return {
-        "cpu": model,
-        "physical_cores": psutil.cpu_count(logical=False),
-        "logical_cores": psutil.cpu_count(logical=True),
-        "usable_cores": affinity,
-        "memory_bytes": psutil.virtual_memory().total,
-        "simd": [f for f in SIMD_FLAGS if f in flags],
-        "platform": platform.platform(),
-        "versions": versions,
-        "blas": threadpool_info(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "command": command_line(),
-    }
-
-
-class ForeignLoad:
-    """How many cores other processes kept busy while we measured: the machine's busy CPU
-    time less this process's and its children's (worker processes, --ceiling copies), over
-    the wall time. Near 0 on a quiet machine; on a shared
-    one, thread counts above the idle cores time the neighbours, not cgp. In a virtual
-    machine, also `steal`: how many of its CPUs' worth of time the hypervisor gave to other
-    guests while ours wanted to run (Linux reports it), which no process inside can see."""
-
-    def __enter__(self):
-        import psutil
-        self._process = psutil.Process()
-        self._start = self._sample()
-        self.cores = self.steal = None
-        return self
-
-    def _sample(self):
-        import psutil
-        t = psutil.cpu_times()
-        steal = getattr(t, "steal", 0.0)
-        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0) - steal
-        return time.perf_counter(), busy, self._ours(), steal
-
-    def _ours(self):
-        """CPU seconds of this process and its children, live or ended and waited for."""
-        import psutil
-        t = self._process.cpu_times()
-        seconds = t.user + t.system + t.children_user + t.children_system
-        for child in self._process.children(recursive=True):
-            try:
-                c = child.cpu_times()
-            except psutil.Error:   # it ended since the listing
-                continue
-            seconds += c.user + c.system
-        return seconds
-
-    def __exit__(self, *exc):
-        wall, busy, mine, steal = (b - a for a, b in zip(self._start, self._sample()))
-        self.cores = max(0.0, (busy - mine) / wall) if wall > 0 else 0.0
-        self.steal = max(0.0, steal / wall) if wall > 0 else 0.0
-
-
-def command_line():
-    import shlex
-    argv = list(sys.argv)
-    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "cgp":
-        argv[0:1] = ["python", "-m", "cgp"]
-    return shlex.join(argv)
-
-
 # -- arithmetic rate -----------------------------------------------------------------
 # Layers counted in a training step's floating-point work: the standard count is the
 # multiply-adds of convolutions and inner products, two FLOPs each; the other layers add
@@ -232,26 +102,6 @@ def training_flops(net):
         total += 2 * macs * passes
     return total
 
-
-MATMUL_SIZE = 1024
-
-
-def matmul_gflops(size=MATMUL_SIZE, products=3):
-    """NumPy's single-threaded float32 matrix product rate on this machine, in GFLOP/s
-    (2 n^3 FLOPs per n x n product), over `products` products after one untimed."""
-    import numpy as np
-    from threadpoolctl import threadpool_limits
-
-    a = np.random.default_rng(0).random((size, size), dtype=np.float32)
-    out = np.empty_like(a)
-    with threadpool_limits(limits=1):
-        np.matmul(a, a, out=out)
-        started = time.perf_counter()
-        for _ in range(products):
-            np.matmul(a, a, out=out)
-        return products * 2 * size ** 3 / (time.perf_counter() - started) / 1e9
-
-
 # -- timing ------------------------------------------------------------------------
 @dataclass
 class Config:
@@ -276,14 +126,6 @@ class Config:
     def label(self):
         return self.impl + (f"/{self.layout}" if self.layout else "") + f" x{self.threads}"
 
-
-def steal_seconds():
-    """CPU seconds the hypervisor has withheld from this (virtual) machine since boot, summed
-    over its CPUs (Linux's steal time; 0 where the OS does not report it)."""
-    import psutil
-    return getattr(psutil.cpu_times(), "steal", 0.0)
-
-
 def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None,
                 lead_in=0):
     """Warm every configuration up, then time `repeats` rounds; round r runs the
@@ -293,7 +135,8 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
     gradients turning denormal, say) cannot make later repetitions slower than earlier ones.
     Each timing starts after `lead_in` untimed iterations: interleaving leaves a CPU idle
     while other configurations run, and a CPU back from idling runs slower for several
-    iterations (bench/idle_ramp.py), which training, its CPUs never idle, does not pay.
+    iterations (bench/idle_ramp.py, at git tag bench-experiments-2026-11), which training,
+    its CPUs never idle, does not pay.
     Each timing also records the steal time over it, as a share of all CPUs' time."""
     cpus = os.cpu_count() or 1
     for c in configs:
@@ -361,8 +204,8 @@ class Copies:
     def __init__(self, n, own):
         import multiprocessing
 
-        from cgp.runtime import procs
         from cgp.errors import CgpError
+        from cgp.runtime import procs
         if not procs.available():
             raise CgpError("--ceiling needs an OS that can fork() (Linux, macOS)")
         self.own, self.pipes, self.workers = own, [], []
@@ -451,7 +294,8 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
     flush: PyTorch's subnormals as cgp's (--denormals), set with its own switch
     (torch.set_flush_denormal) for each timing: kept, as PyTorch's default, its training
     slowed to a sixth once subnormals appeared (cifar10_quick on generated data, after 35
-    steps: bench/torch_subnormals.py), which cgp's default arithmetic never pays."""
+    steps: bench/torch_subnormals.py, at git tag bench-experiments-2026-11), which cgp's
+    default arithmetic never pays."""
     from contextlib import contextmanager
 
     from cgp.runtime import fpenv
@@ -482,145 +326,6 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
         finally:
             fpenv.restore(caller)
     return Config("torch", threads, layout, run=run, context=context, save=save, restore=restore)
-
-
-def median_ci(values, level=0.95):
-    """A distribution-free confidence interval for the median of `values` (independent
-    draws): (lo, hi), the order statistics whose ranks the binomial distribution gives, so
-    that the true median lies between them with at least that probability. None when there
-    are too few values for the level (at 95 %, fewer than 6)."""
-    from math import comb
-
-    n = len(values)
-    # k: how many values may lie below lo (and above hi) while both tails of
-    # Binomial(n, 1/2) beyond them stay within (1 - level) / 2.
-    tail, k = 0.0, -1
-    while k + 1 < n and tail + comb(n, k + 1) / 2 ** n <= (1 - level) / 2:
-        k += 1
-        tail += comb(n, k) / 2 ** n
-    if k < 0:
-        return None
-    ordered = sorted(values)
-    return ordered[k], ordered[n - 1 - k]
-
-
-def _paired(rates, base):
-    """The per-round ratios rates / base: their median and its 95 % interval (or None)."""
-    import statistics
-
-    ratios = [r / b for r, b in zip(rates, base)]
-    ci = median_ci(ratios)
-    return statistics.median(ratios), ci and [round(ci[0], 4), round(ci[1], 4)]
-
-
-# A timing is "quiet" when the hypervisor withheld at most this share of the CPUs' time.
-QUIET_STEAL = 0.01
-
-
-def summarise(configs):
-    """Rows per configuration with median, spread and speedup over the 1-thread median of
-    the same implementation and layout (the ceiling's: over cgp's); cgp rows also get
-    cgp/torch against the faster PyTorch layout, and their share of the ceiling, at that
-    thread count. Ratios also come paired: the median of the ratios
-    within each round, with its 95 % confidence interval, and over the quiet rounds alone:
-    those where neither timing lost more than QUIET_STEAL of the CPUs to the hypervisor."""
-    import statistics
-
-    rows = []
-    for c in configs:
-        # The ceiling's copies are cgp's 1-thread training: its speedup is over that.
-        base = next(b for b in configs if b.threads == 1 and (
-            b.impl == "cgp" if c.impl == "ceiling" else (b.impl, b.layout) == (c.impl, c.layout)))
-        median = statistics.median(c.rates)
-        speedup = median / statistics.median(base.rates)
-        # The same ratio taken within each round, whose timings lie minutes closer together:
-        # on a shared machine it is less swayed by a slow spell than the ratio of medians.
-        paired, paired_ci = _paired(c.rates, base.rates)
-        quiet = [i for i, (s, b) in enumerate(zip(c.steals, base.steals))
-                 if max(s, b) <= QUIET_STEAL]
-        quiet_paired, quiet_ci = (_paired([c.rates[i] for i in quiet],
-                                          [base.rates[i] for i in quiet]) if quiet
-                                  else (None, None))
-        rows.append({"impl": c.impl, "layout": c.layout, "threads": c.threads,
-                     "images_per_s": [round(r, 2) for r in c.rates],
-                     "steal": [round(x, 4) for x in c.steals],
-                     "quiet_rounds": len(quiet),
-                     "quiet_paired_speedup": quiet_paired and round(quiet_paired, 4),
-                     "quiet_paired_speedup_ci": quiet_ci,
-                     "median": round(median, 2), "min": round(min(c.rates), 2),
-                     "max": round(max(c.rates), 2), "speedup": round(speedup, 4),
-                     "efficiency": round(speedup / c.threads, 4),
-                     "paired_speedup": round(paired, 4), "paired_speedup_ci": paired_ci})
-    best = {}   # threads -> the faster torch row
-    for row in rows:
-        if row["impl"] == "torch" and (row["threads"] not in best
-                                       or row["median"] > best[row["threads"]]["median"]):
-            best[row["threads"]] = row
-    for row, c in zip(rows, configs):
-        if row["impl"] == "cgp" and row["threads"] in best:
-            t = best[row["threads"]]
-            row["cgp_over_torch"] = round(row["median"] / t["median"], 4)
-            paired, paired_ci = _paired(c.rates, t["images_per_s"])
-            row["paired_cgp_over_torch"] = round(paired, 4)
-            row["paired_cgp_over_torch_ci"] = paired_ci
-    ceiling = {c.threads: c for c in configs if c.impl == "ceiling"}
-    for row, c in zip(rows, configs):
-        if row["impl"] == "cgp" and row["threads"] in ceiling:
-            top = ceiling[row["threads"]]
-            row["share_of_ceiling"] = round(row["median"] / statistics.median(top.rates), 4)
-            paired, paired_ci = _paired(c.rates, top.rates)
-            row["paired_share_of_ceiling"] = round(paired, 4)
-            row["paired_share_of_ceiling_ci"] = paired_ci
-    return rows, best
-
-
-def _with_ci(value, ci):
-    """'1.71 (1.62-1.78)': a paired ratio and its 95 % interval, when there is one."""
-    return f"{value:.2f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
-
-
-def table(rows, best):
-    """The printed table: a line per cgp row, then the quiet rounds' speedups. A workers
-    column appears when the run timed more than one kind (cgp_config)."""
-    cgp = [r for r in rows if r["impl"] == "cgp"]
-    kinds = len({r["layout"] for r in cgp}) > 1
-
-    def workers(row):
-        return f"{row['layout'] or 'threads':<9}  " if kinds else ""
-    lines = [f"{'threads':>7}  {'workers':<9}  " * kinds + f"{'cgp img/s':>10}  {'min-max':>15}  "
-             f"{'speedup':>7}  {'efficiency':>10}  {'paired (95% CI)':>16}"
-             + (f"  {'torch img/s':>11}  {'layout':<13}  {'cgp/torch':>9}  "
-                f"{'paired (95% CI)':>16}" if best else "")]
-    for row in cgp:
-        line = (f"{row['threads']:>7}  {workers(row)}{row['median']:>10.1f}  "
-                f"{row['min']:>7.0f}-{row['max']:<7.0f}  {row['speedup']:>7.2f}  "
-                f"{100 * row['efficiency']:>9.0f}%  "
-                f"{_with_ci(row['paired_speedup'], row['paired_speedup_ci']):>16}")
-        t = best.get(row["threads"])
-        if t:
-            line += (f"  {t['median']:>11.1f}  {t['layout']:<13}  {row['cgp_over_torch']:>9.2f}"
-                     f"  {_with_ci(row['paired_cgp_over_torch'], row['paired_cgp_over_torch_ci']):>16}")
-        lines.append(line)
-    for top in (r for r in rows if r["impl"] == "ceiling"):
-        reached = "; ".join(
-            f"cgp{' as ' + (r['layout'] or 'threads') if kinds else ''} reaches "
-            f"{r['share_of_ceiling']:.2f} of it, paired "
-            f"{_with_ci(r['paired_share_of_ceiling'], r['paired_share_of_ceiling_ci'])}"
-            for r in cgp if r["threads"] == top["threads"])
-        lines.append(f"machine ceiling, {top['threads']} copies of the 1-thread training at "
-                     f"once, each in a process of its own: {top['median']:.1f} img/s in all, "
-                     f"speedup {top['speedup']:.2f}, paired "
-                     f"{_with_ci(top['paired_speedup'], top['paired_speedup_ci'])}; {reached}")
-    for row in (r for r in cgp if r["threads"] > 1):
-        rounds = len(row["images_per_s"])
-        quiet = (f"paired speedup there {_with_ci(row['quiet_paired_speedup'], row['quiet_paired_speedup_ci'])}"
-                 if row["quiet_rounds"] else "none")
-        lines.append(f"quiet rounds, {row['threads']} threads"
-                     f"{' as ' + (row['layout'] or 'threads') if kinds else ''} (the hypervisor "
-                     f"withheld at most {100 * QUIET_STEAL:g}% of the CPUs' time in both "
-                     f"timings): {row['quiet_rounds']} of {rounds}; {quiet}")
-    return lines
-
 
 # -- output ------------------------------------------------------------------------
 def write_results(out, stem, report, rows, log):
@@ -693,7 +398,6 @@ def model_name(args, path):
 def cmd_speedup(args, log=print):
     import statistics
 
-    from cgp.cli import check_threads, solver_file, thread_list, worker_list
     from cgp.errors import CgpError
     from cgp.prototxt import read_solver
     from cgp.train import RunConfig, Trainer
@@ -710,7 +414,7 @@ def cmd_speedup(args, log=print):
             raise CgpError(f"--{name.replace('_', '-')} must be at least 0")
     torch_ref = None
     if args.compare == "torch":
-        from cgp import torch_ref
+        from cgp.tools import torch_ref
     check_threads(max(threads), log, "threads" if "threads" in workers else None)
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     started = time.gmtime()
