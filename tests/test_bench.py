@@ -100,13 +100,17 @@ def test_training_flops_count_each_pass_that_runs(mnist_dir):
 
 
 def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
+    """Without --out, the results go to ./cgp-results/ under the working directory, never
+    into the package's folders."""
     out = subprocess.run(
         [sys.executable, "-m", "cgp", "bench", "speedup", "mnist", "--threads", "2",
          "--iters", "1", "--repeats", "2", "--warmup", "1", "--data-dir", str(mnist_dir),
-         "--ceiling", "--out", str(tmp_path / "res")], capture_output=True, text=True)
+         "--ceiling"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "speedup" in out.stdout and "efficiency" in out.stdout
-    [report_path] = (tmp_path / "res").glob("speedup_mnist_*Z.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["cgp-results"]
+    [report_path] = (tmp_path / "cgp-results").glob("speedup_mnist_*Z.json")
+    assert f"wrote {Path('cgp-results') / report_path.name}" in out.stdout
     report = json.loads(report_path.read_text())
     assert report["model"] == "mnist" and report["net"] == "LeNet" and report["batch"] == 64
     assert report["threads"] == [1, 2]   # 1 is added: the baseline

@@ -5,7 +5,7 @@ The configurations (each thread count; PyTorch in both memory formats) are timed
 the order rotated every repetition, so slow drift on a shared machine hits them all alike;
 each figure is the median over the repetitions (the statistics: cgp.tools.stats). Results go
 to JSON, CSV and (with matplotlib) a PNG, named by model and UTC time, with a description of
-the machine (cgp.tools.machine). Not here: the kernels.
+the machine (cgp.tools.machine), into ./cgp-results/ or --out. Not here: the kernels.
 """
 import os
 import time
@@ -20,6 +20,10 @@ from cgp.tools.stats import summarise, table
 
 # csv, json and statistics are imported where used: the command line imports this module for
 # its options on every run, and `cgp train` should start fast.
+
+# Where the results go by default: a folder of the working directory, never the package's.
+OUT = "cgp-results"
+
 
 def add_bench(sub):
     p = sub.add_parser("bench", help="measure training speed")
@@ -60,8 +64,9 @@ def add_bench(sub):
                         "copies of the 1-thread training at once, each in a process of its "
                         "own (fork: Linux, macOS; N copies of the net in memory), in the same "
                         "rounds; reports each speedup also as a share of it")
-    s.add_argument("--out", default="bench/results",
-                   help="folder for the JSON, CSV and PNG results (default bench/results)")
+    s.add_argument("--out", default=OUT,
+                   help=f"folder for the JSON, CSV and PNG results (default ./{OUT}/ under "
+                        "the working directory)")
     s.set_defaults(run=cmd_speedup)
 
 
