@@ -14,14 +14,21 @@ import argparse
 from cgp.tools.fake_data import write_cifar
 
 
-def main():
+def parse_args(argv=None):
+    """The options of the command line (argv: sys.argv's); exits with a usage message on a
+    wrong one."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", help="folder to write cifar-10-batches-bin/ into")
     parser.add_argument("--per-batch", type=int, default=1000,
                         help="images per batch file (default 1000)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.per_batch < 1:
         parser.error("--per-batch must be at least 1")
+    return args
+
+
+def main():
+    args = parse_args()
     root = write_cifar(args.dir, per_batch=args.per_batch)
     print(f"wrote {6 * args.per_batch} generated images to {root / 'cifar-10-batches-bin'}")
 

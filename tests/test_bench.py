@@ -532,15 +532,3 @@ def test_speedup_compares_with_torch(capsys, tmp_path, mnist_dir):
     [cgp_row] = [r for r in report["results"] if r["impl"] == "cgp"]
     assert cgp_row["cgp_over_torch"] > 0
 
-
-def test_fake_cifar10_writes_the_official_format(tmp_path):
-    """bench/fake_cifar10.py, which the README's cifar10_quick timings ran on, writes files
-    that cgp's CIFAR-10 reader loads: every split, the asked-for size, labels 0 - 9."""
-    script = Path(__file__).resolve().parents[1] / "bench" / "fake_cifar10.py"
-    subprocess.run([sys.executable, str(script), str(tmp_path), "--per-batch", "7"], check=True,
-                   capture_output=True)
-    from cgp.datasets import cifar10
-    images, labels = cifar10.load("train", tmp_path)
-    assert images.shape == (35, 3, 32, 32) and labels.shape == (35,)
-    assert set(np.unique(labels)) <= set(range(10))
-    assert cifar10.load("test", tmp_path)[0].shape == (7, 3, 32, 32)
