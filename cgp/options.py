@@ -72,9 +72,9 @@ def physical_cores():
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
-# Thread workers beyond which more ran slower on the 16-core machine measured (README, "On 16
-# cores": LeNet 2.21x one thread at 4 threads, 2.08x at 8, 0.78x at 16): they share one
-# interpreter lock, which each call's Python takes.
+# Thread workers beyond which more ran slower on the 16-core machine measured (bench/README.md,
+# "On 16 cores": LeNet 2.21x one thread at 4 threads, 2.08x at 8, 0.78x at 16): they share
+# one interpreter lock, which each call's Python takes.
 THREAD_WORKERS_SCALE = 4
 
 
