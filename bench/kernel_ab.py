@@ -13,9 +13,11 @@ two gave the same bits.
     python bench/kernel_ab.py --base REV [--layers cifar2,cifar3,pool2,ip1sum] [--samples 12]
                               [--rounds 60]
 
-The base revision's kernels/conv.py, pool.py, reduce.py, fc.py and tile.py are taken with `git show`
-into a temporary folder and imported from there (the rest of the package is the working
-tree's). `--base torch` times PyTorch's convolution instead (1 thread, channels_last, the
+The base revision's files (BASE_FILES: the kernels and the runtime modules they import) are
+taken with `git show` into a temporary folder and imported from there, each importing the
+others' copies (the rest of the package is the working tree's); REV may also be a folder that
+holds a revision's files at their paths (a checkout, or `git archive REV | tar -x -C DIR`).
+`--base torch` times PyTorch's convolution instead (1 thread, channels_last, the
 same data: forward, and the backward kernels alone, through autograd on a kept graph), for
 convolution layers only, and prints how far the results differ rather than whether the bits
 are the same (the working tree's parts added up, as PyTorch sums the whole call).
@@ -27,6 +29,7 @@ hold subnormal floats, which tiles read in lanes they never store and which then
 multiply-add.
 """
 import argparse
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -36,10 +39,18 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+# The working tree's kernels, and where the base revision's are, with the modules they import
+# (in import order: each file may import those before it). Where a module moves, both change:
+# before 9287f70, simd.py and reduce.py were kernels/tile.py and kernels/reduce.py.
 from cgp.engine import chunk_bounds
-from cgp.kernels import conv, fc, lrn, pool, reduce
-from cgp.layers import aligned_zeros
-from interleave import import_revisions  # bench/, on the path when run as a script
+from cgp.kernels import conv, fc, lrn, pool
+from cgp.runtime import reduce
+from cgp.runtime.memory import aligned_zeros
+
+BASE_FILES = {"simd": "cgp/runtime/simd.py", "elementwise": "kernels/elementwise.py",
+              "conv": "kernels/conv.py", "pool": "kernels/pool.py",
+              "reduce": "cgp/runtime/reduce.py", "fc": "kernels/fc.py", "lrn": "kernels/lrn.py"}
+ROOT = Path(__file__).resolve().parent.parent
 
 # name: (C, H, W, K, R, S, pad): the stride-1 convolutions of the shipped nets.
 LAYERS = {"lenet1": (1, 28, 28, 20, 5, 5, 0), "lenet2": (20, 12, 12, 50, 5, 5, 0),
@@ -63,13 +74,41 @@ KNOWN = list(LAYERS) + list(POOLS) + list(INNER) + list(REDUCTIONS) + list(NORMS
 
 
 def base_modules(rev, folder):
-    """The revision's kernels/conv.py, pool.py, reduce.py, fc.py and lrn.py, importing its own
-    tile.py and elementwise.py, as modules base_conv, base_pool, base_reduce, base_fc and
+    """The revision's conv, pool, reduce, fc and lrn kernels, importing its own simd and
+    elementwise (BASE_FILES), as modules base_conv, base_pool, base_reduce, base_fc and
     base_lrn."""
-    m = import_revisions(rev, ["cgp/runtime/simd.py", "kernels/elementwise.py", "kernels/conv.py",
-                               "kernels/pool.py", "cgp/runtime/reduce.py", "kernels/fc.py",
-                               "kernels/lrn.py"], folder)
+    m = import_revision(rev, BASE_FILES, folder)
     return m["conv"], m["pool"], m["reduce"], m["fc"], m["lrn"]
+
+
+def import_revision(rev, files, folder):
+    """The modules in `files` ({name: path from the repository root}) as of git revision
+    `rev`, or as they are in folder `rev`, imported in that order from copies in `folder` as
+    base_<name>. A copy's imports of the others (`from cgp.runtime.simd import`) are
+    rewritten to the copies, so the revision's modules use each other, not the working
+    tree's. Returns {name: module}; raises subprocess.CalledProcessError, with git's
+    message, where git has no such file (OSError where the folder has none)."""
+    sys.path.insert(0, str(folder))
+    # kernels/x.py is installed as cgp.kernels.x, cgp/x/y.py is cgp.x.y.
+    dotted = {name: "cgp." + path[:-len(".py")].replace("/", ".").removeprefix("cgp.")
+              for name, path in files.items()}
+    modules = {}
+    for name, path in files.items():
+        if Path(rev).is_dir():
+            text = (Path(rev) / path).read_text()
+        else:
+            text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout
+        for other in files:
+            text = text.replace(f"from {dotted[other]} import", f"from base_{other} import")
+        copy = Path(folder) / f"base_{name}.py"
+        copy.write_text(text)
+        spec = importlib.util.spec_from_file_location(f"base_{name}", copy)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"base_{name}"] = module   # for the copies that import it
+        spec.loader.exec_module(module)
+        modules[name] = module
+    return modules
 
 
 def normal(rng, shape):
@@ -302,7 +341,9 @@ def lrn_runs(module, shape, n, seed=0):
     return {"forward": forward, "backward": backward}
 
 
-def main():
+def parse_args(argv=None):
+    """The options of the command line (argv: sys.argv's); exits with a usage message on a
+    wrong one."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True,
                         help="git revision to compare against, or torch")
@@ -311,16 +352,22 @@ def main():
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--torch-samples", type=int, default=None,
                         help="samples per PyTorch call with --base torch (default --samples)")
-    args = parser.parse_args()
-    layers = args.layers.split(",")
-    unknown = [name for name in layers if name not in KNOWN]
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.layers.split(",") if name not in KNOWN]
     if unknown:
         parser.error(f"unknown layers {unknown}; known: {', '.join(KNOWN)}")
     with_torch = args.base == "torch"
-    if with_torch and any(name not in LAYERS for name in layers):
+    if with_torch and any(name not in LAYERS for name in args.layers.split(",")):
         parser.error(f"--base torch times convolutions only: {', '.join(LAYERS)}")
     if args.torch_samples is not None and not with_torch:
         parser.error("--torch-samples goes with --base torch")
+    return args
+
+
+def main():
+    args = parse_args()
+    layers = args.layers.split(",")
+    with_torch = args.base == "torch"
     torch_samples = args.torch_samples or args.samples
     with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
         try:
@@ -329,6 +376,8 @@ def main():
                     args.base, Path(folder))
         except subprocess.CalledProcessError as err:
             sys.exit(f"kernel_ab: git show {args.base}: {err.stderr.strip()}")
+        except OSError as err:
+            sys.exit(f"kernel_ab: {args.base}: {err}")
         print(f"base {args.base} against the working tree, {args.samples} samples per call"
               f"{f' ({torch_samples} for PyTorch)' if torch_samples != args.samples else ''}, "
               f"{args.rounds} rounds; ms per 100 samples (per batch for the reductions)")

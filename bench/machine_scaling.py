@@ -102,7 +102,9 @@ def run(workload, processes, copies_each, seconds):
     return [int(n) for p in procs for n in p.communicate()[0].split()]
 
 
-def main():
+def parse_args(argv=None):
+    """The options of the command line (argv: sys.argv's); exits with a usage message on a
+    wrong one."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8)
     parser.add_argument("--copies", default="2", help="comma-separated copy counts")
@@ -111,11 +113,16 @@ def main():
     parser.add_argument("--in", dest="within", choices=("processes", "threads"),
                         default="processes")
     parser.add_argument("--rounds", type=int, default=1)
-    args = parser.parse_args()
-    names = args.workload.split(",")
-    unknown = sorted(set(names) - set(LOOPS))
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.workload.split(",")) - set(LOOPS))
     if unknown:
         parser.error(f"unknown workload {', '.join(unknown)}; known: {', '.join(sorted(LOOPS))}")
+    return args
+
+
+def main():
+    args = parse_args()
+    names = args.workload.split(",")
     copies = [int(n) for n in args.copies.split(",")]
     ratios = {(name, n): [] for name in names for n in copies}
     for r in range(args.rounds):

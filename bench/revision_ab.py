@@ -1,23 +1,24 @@
 """Interleaved A/B of whole training steps against another git revision of the whole package
 (cgp/, kernels/, models/, datasets/: layers, kernels and runtime alike), each side in a
-process of its own, which imports that side's package: where a change spans a layer and its
-kernels, swapping modules into one process (step_kernels_ab.py, runtime_ab.py) cannot pair
-the old with the old. The two processes train from one seed and take turns: each round
-times `--steps` steps of one and then of the other (the order alternating from round to
-round), so a change of the machine's speed hits both alike. A process keeps a speed of its
+process of its own, which imports that side's package, so that each revision's layers run
+with its own kernels and runtime. The two processes train from one seed and take turns:
+each round times `--steps` steps of one and then of the other (the order alternating from
+round to round), so a change of the machine's speed hits both alike. A process keeps a speed of its
 own, though (where its memory landed): with the same code on both sides, pairs of processes
 read 0.94 – 1.03. So --pairs pairs run one after another. Prints the median time of a step
 for each side, the working tree's speed as the median over the pairs of each pair's median
 per-round ratio, with every pair's, and whether the two ended with bitwise equal weights.
+Each side uses only what every revision's trainer offers: Trainer, RunConfig, steps(n) and
+net.params. This is the check that a restructure keeps the speed.
 
-    python bench/revision_ab.py --base REV [mnist|cifar10] [--threads 1] [--group N]
+    python bench/revision_ab.py --base REV [mnist|cifar10] [--threads 1] [--chunks 16]
                                 [--workers processes] [--pairs 5] [--rounds 15] [--steps 8]
                                 [--data-dir DIR]
 
-REV is a git revision, or a folder that holds one's files at their paths (`git archive REV
-cgp kernels models datasets | tar -x -C DIR`). Its copy compiles its own kernels on first use
-(Numba's cache then keeps them for the run). --group N makes calls of N chunks:
-`--threads 1 --group 1` runs a 16-worker step's 16 one-chunk calls one after another.
+REV is a git revision, or a folder that holds one's files at their paths: a checkout, or
+`git archive REV cgp kernels models datasets | tar -x -C DIR` (a lent machine's copy has no
+git history). A revision from git compiles its own kernels on first use (Numba's cache then
+keeps them for the run); a folder's copy brings the Numba cache it holds.
 """
 import argparse
 import hashlib
@@ -58,11 +59,15 @@ def child(args):
     from threadpoolctl import threadpool_limits
 
     import cgp
-    # bench/, on the path; it imports this side's package
-    from interleave import grouped_trainer
+    from cgp import models
+    from cgp.prototxt import read_solver
+    from cgp.train import RunConfig, Trainer
 
-    trainer = grouped_trainer(args.model, args.threads, args.group, args.data_dir,
-                              args.workers)
+    path = models.solver_path(args.model)
+    trainer = Trainer(read_solver(path), path,
+                      RunConfig(threads=args.threads, chunks=args.chunks, progress=False,
+                                data_dir=args.data_dir, workers=args.workers),
+                      log=lambda line: None)
     with threadpool_limits(limits=1):
         for line in sys.stdin:
             if line.strip() == "end":
@@ -72,10 +77,17 @@ def child(args):
             started = time.perf_counter()
             trainer.steps(int(line))   # as training runs them
             seconds = time.perf_counter() - started
-            if hasattr(trainer.pool, "rest"):   # no spinning while the other side runs
-                trainer.pool.rest()
+            rest(trainer)
             print(json.dumps({"seconds": seconds}), flush=True)
     trainer.close()
+
+
+def rest(trainer):
+    """Sends the trainer's waiting workers to sleep where its pool can (Pool.rest): they must
+    not spin on the CPUs while the other side is timed. A trainer without one is left be."""
+    pool = getattr(trainer, "pool", None)
+    if hasattr(pool, "rest"):
+        pool.rest()
 
 
 def ask(side, command):
@@ -88,13 +100,15 @@ def ask(side, command):
     return json.loads(line)
 
 
-def main():
+def parse_args(argv=None):
+    """The options of the command line (argv: sys.argv's); exits with a usage message on a
+    wrong one."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="mnist")
     parser.add_argument("--base", required=True,
                         help="git revision to compare against, or a folder of its files")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--group", type=int, default=None)
+    parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--workers", default="processes", choices=("threads", "processes"))
     parser.add_argument("--pairs", type=int, default=5,
                         help="pairs of processes, one pair after another")
@@ -102,14 +116,17 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     if args.child:
         return child(args)
     forwarded = [args.model, "--base", args.base, "--threads", str(args.threads),
-                 "--workers", args.workers, "--child"]
-    for option in ("group", "data_dir"):
-        if getattr(args, option) is not None:
-            forwarded += ["--" + option.replace("_", "-"), str(getattr(args, option))]
+                 "--chunks", str(args.chunks), "--workers", args.workers, "--child"]
+    if args.data_dir is not None:
+        forwarded += ["--data-dir", args.data_dir]
     times, ratios = [[], []], []
     with tempfile.TemporaryDirectory() as folder:
         try:
@@ -141,8 +158,8 @@ def main():
                 row.extend(more)
     base_ms, own_ms = (1e3 * statistics.median(t) / args.steps for t in times)
     same = ends[0]["sha256"] == ends[1]["sha256"]
-    print(f"{args.model}, {args.threads} worker(s) ({args.workers}"
-          f"{f', {args.group} chunk(s) per call' if args.group else ''}), {args.pairs} pair(s) "
+    print(f"{args.model}, {args.threads} worker(s) ({args.workers}, {args.chunks} chunks), "
+          f"{args.pairs} pair(s) "
           f"of processes, {args.rounds} rounds of {args.steps} steps each: {args.base} "
           f"{base_ms:.2f} ms, working tree {own_ms:.2f} ms per step; working tree "
           f"x{statistics.median(ratios):.3f} as fast (each pair: "

@@ -41,8 +41,7 @@ def measure(model, threads, chunks, steps, data_dir):
                                 data_dir=data_dir),
                       log=lambda line: None)
     try:
-        processes = [psutil.Process()] + [psutil.Process(p.pid)
-                                          for p in getattr(trainer.pool, "procs", [])]
+        processes = [psutil.Process()] + psutil.Process().children()   # the worker processes
         times = np.empty(steps)
         with threadpool_limits(limits=1):
             trainer.steps(10)   # warm: the first steps after the workers start run slow
@@ -58,14 +57,20 @@ def measure(model, threads, chunks, steps, data_dir):
     return times, stolen / wall, switched / steps
 
 
-def main():
+def parse_args(argv=None):
+    """The options of the command line (argv: sys.argv's); exits with a usage message on a
+    wrong one."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="mnist")
     parser.add_argument("--threads", default="1,16")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--data-dir", default=None)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     print(f"{args.model}, {args.chunks} chunks: {args.steps} steps at each worker count, each "
           f"timed (ms)")
     print("workers  median    mean     p90     p99     max  tail share  steal (CPUs)  "

@@ -1,65 +1,14 @@
 """The command line: `python -m cgp train ...` and friends. Parses options, builds the
 objects and prints results; user mistakes end in one message and exit status 2."""
 import argparse
-import os
 import sys
 import time
 
-import psutil
-
-from cgp.bench import add_bench
 from cgp.errors import CgpError
+from cgp.options import (EPILOG, add_run_options, check_threads, solver_file, thread_list,
+                         worker_kind, worker_list)
 from cgp.timing import add_time, compile_notice
-
-EPILOG = "Models: mnist (LeNet), cifar10 (cifar10_quick), cifar10_full; or --solver FILE."
-
-
-def add_denormals_option(p):
-    p.add_argument("--denormals", choices=("flush", "keep"), default="flush",
-                   help="subnormal floats (below 1.2e-38): 'flush' them to zero (default, as "
-                        "TensorFlow does; arithmetic on them is many times slower) or 'keep' "
-                        "them (IEEE, as Caffe). Results depend on this, never on --threads")
-
-
-WORKERS = ("threads", "processes")
-
-
-def add_workers_option(p, listed=False):
-    """--workers; None when not given: cgp.runtime.procs.default_workers() (imported only to run)."""
-    if listed:
-        p.add_argument("--workers", default=None,
-                       help="'threads', 'processes' or both, comma-separated: every thread count "
-                            "runs with its workers as each (default: processes on Linux, "
-                            "threads elsewhere)")
-    else:
-        p.add_argument("--workers", choices=WORKERS, default=None,
-                       help="run the --threads workers as forked processes (Linux, macOS), "
-                            "which never wait for each other's Python interpreter lock, or as "
-                            "threads of this process (default: processes on Linux, threads "
-                            "elsewhere). Results are identical either way")
-
-
-def add_run_options(p, threads_list=False):
-    """How a run executes: --threads and --affinity never change what it computes;
-    --chunks and --denormals do, the same for every thread count."""
-    if threads_list:
-        p.add_argument("--threads", default="1,2,3,4",
-                       help="comma-separated thread counts to compare (default 1,2,3,4)")
-    else:
-        p.add_argument("--threads", type=int, default=1,
-                       help="workers (default 1; processes or threads: --workers); results are "
-                            "identical for any value")
-    p.add_argument("--chunks", type=int, default=16,
-                   help="fixed pieces each batch is cut into (default 16). Results depend on "
-                        "this, never on --threads; at most this many threads do useful work")
-    p.add_argument("--affinity", action="store_true",
-                   help="pin each worker to its own core (Linux)")
-    add_workers_option(p, listed=threads_list)
-    add_denormals_option(p)
-    p.add_argument("--data-dir", default=None,
-                   help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
-    p.add_argument("--no-download", action="store_true",
-                   help="never download a missing data set")
+from cgp.tools.speedup import add_bench
 
 
 def add_train(sub):
@@ -90,44 +39,6 @@ def denormals_text(flush):
     if fpenv.SUPPORTED:
         return "subnormals flushed to zero"
     return "subnormals kept: flushing them needs an x86-64 CPU"
-
-
-def solver_file(args):
-    from cgp.models import solver_path
-    if args.solver and args.model:
-        raise CgpError("give a model name or --solver, not both")
-    if args.solver:
-        return args.solver
-    if args.model:
-        return str(solver_path(args.model))
-    raise CgpError("name a model (mnist, cifar10, cifar10_full) or give --solver FILE")
-
-
-def physical_cores():
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-# Thread workers beyond which more ran slower on the 16-core machine measured (README, "On 16
-# cores": LeNet 2.21x one thread at 4 threads, 2.08x at 8, 0.78x at 16): they share one
-# interpreter lock, which each call's Python takes.
-THREAD_WORKERS_SCALE = 4
-
-
-def check_threads(threads, log, workers=None):
-    """Warns of a --threads that cannot be faster: more than the physical cores, or, with
-    workers "threads", more than THREAD_WORKERS_SCALE; refuses fewer than 1, before any
-    work (loading weights, building nets)."""
-    if threads < 1:
-        raise CgpError(f"--threads must be at least 1, got {threads}")
-    cores = physical_cores()
-    if threads > cores:
-        log(f"Warning: --threads {threads} exceeds the {cores} physical cores of this "
-            "machine; results stay identical, speed will not improve")
-    if workers == "threads" and threads > THREAD_WORKERS_SCALE:
-        log(f"Warning: --threads {threads} with --workers threads: past "
-            f"{THREAD_WORKERS_SCALE} threads, workers that share the interpreter lock ran "
-            "slower, not faster, on 16 cores; --workers processes scales further, with "
-            "identical results")
 
 
 def cmd_train(args, log=print):
@@ -206,34 +117,6 @@ def add_equivalence(sub):
                         "each, launched with mpirun on this machine (default 1: no MPI; "
                         "pip install -e \".[mpi]\")")
     p.set_defaults(run=cmd_equivalence)
-
-
-def thread_list(text, option="--threads"):
-    try:
-        values = [int(t) for t in str(text).split(",") if t.strip()]
-    except ValueError:
-        raise CgpError(f"{option} wants a comma-separated list of counts, e.g. 1,2,4; got "
-                       f"{text!r}")
-    if not values or min(values) < 1:
-        raise CgpError(f"{option} counts must be at least 1; got {text!r}")
-    return values
-
-
-def worker_kind(value):
-    """The kind of worker of a run's --workers; None (not given): the default kind."""
-    from cgp.runtime.procs import default_workers
-    return value or default_workers()
-
-
-def worker_list(text):
-    """The kinds of worker that a listed --workers names; None: the default kind."""
-    if text is None:
-        return [worker_kind(None)]
-    kinds = [w.strip() for w in str(text).split(",") if w.strip()]
-    if not kinds or not set(kinds) <= set(WORKERS):
-        raise CgpError(f"--workers wants threads, processes or both, comma-separated; got "
-                       f"{text!r}")
-    return list(dict.fromkeys(kinds))
 
 
 def cmd_equivalence(args, log=print):

@@ -12,7 +12,7 @@ COMPILING = "compiling kernels (first run only; cached afterwards)"
 
 
 def add_time(sub):
-    from cgp.cli import add_denormals_option, add_workers_option
+    from cgp.options import add_denormals_option, add_workers_option
     p = sub.add_parser(
         "time", help="time forward and backward of every layer (Caffe's `caffe time`)",
         description="Average forward and backward milliseconds per layer and per iteration, "
@@ -237,7 +237,7 @@ def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True,
 def cmd_time(args, log=print):
     from threadpoolctl import threadpool_limits
 
-    from cgp.cli import worker_kind
+    from cgp.options import worker_kind
     from cgp.errors import CgpError
     from cgp.net import RunOptions, build_net
     from cgp.runtime.procs import worker_noun

@@ -13,7 +13,8 @@ from numba import njit
 from threadpoolctl import threadpool_limits
 
 from cgp import cli
-from cgp.bench import Config, default_threads, summarise, table, training_flops
+from cgp.tools.speedup import Config, default_threads, training_flops
+from cgp.tools.stats import summarise, table
 from cgp.models import FOLDER, solver_path
 from cgp.net import Net, RunOptions
 from cgp.prototxt import parse_net, read_net, read_solver
@@ -99,13 +100,17 @@ def test_training_flops_count_each_pass_that_runs(mnist_dir):
 
 
 def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
+    """Without --out, the results go to ./cgp-results/ under the working directory, never
+    into the package's folders."""
     out = subprocess.run(
         [sys.executable, "-m", "cgp", "bench", "speedup", "mnist", "--threads", "2",
          "--iters", "1", "--repeats", "2", "--warmup", "1", "--data-dir", str(mnist_dir),
-         "--ceiling", "--out", str(tmp_path / "res")], capture_output=True, text=True)
+         "--ceiling"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "speedup" in out.stdout and "efficiency" in out.stdout
-    [report_path] = (tmp_path / "res").glob("speedup_mnist_*Z.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["cgp-results"]
+    [report_path] = (tmp_path / "cgp-results").glob("speedup_mnist_*Z.json")
+    assert f"wrote {Path('cgp-results') / report_path.name}" in out.stdout
     report = json.loads(report_path.read_text())
     assert report["model"] == "mnist" and report["net"] == "LeNet" and report["batch"] == 64
     assert report["threads"] == [1, 2]   # 1 is added: the baseline
@@ -157,14 +162,14 @@ def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
 
 
 def test_speedup_interleaves_in_rotated_order(monkeypatch):
-    from cgp import bench
+    from cgp.tools import speedup
     order = []
     configs = [Config("cgp", t) for t in (1, 2, 4)]
     for c in configs:
         c.run = lambda n, c=c: order.append(c.threads) if n else None
         c.context = lambda: threadpool_limits(limits=None)
         c.save = c.restore = lambda: None
-    bench.interleaved(configs, iters=1, repeats=3, warmup=0, images_per_iter=1,
+    speedup.interleaved(configs, iters=1, repeats=3, warmup=0, images_per_iter=1,
                       log=lambda s: None)
     assert order == [1, 2, 4, 2, 4, 1, 4, 1, 2]
     rows, best = summarise(configs)
@@ -174,7 +179,7 @@ def test_speedup_interleaves_in_rotated_order(monkeypatch):
 def test_each_timing_starts_after_its_lead_in():
     """Every timing restores the state, runs lead_in untimed iterations and then the timed
     ones, and pauses the configuration's workers after it, untimed too."""
-    from cgp import bench
+    from cgp.tools import speedup
     events = []
     configs = [Config("cgp", t) for t in (1, 2)]
     for c in configs:
@@ -186,7 +191,7 @@ def test_each_timing_starts_after_its_lead_in():
         c.save = lambda: None
         c.restore = lambda c=c: events.append((c.threads, "restore"))
         c.pause = lambda c=c: time.sleep(0.2) or events.append((c.threads, "pause"))
-    bench.interleaved(configs, iters=1, repeats=2, warmup=0, images_per_iter=1,
+    speedup.interleaved(configs, iters=1, repeats=2, warmup=0, images_per_iter=1,
                       log=lambda s: None, lead_in=2)
     timing = [[(t, "restore"), (t, "run", 2), (t, "run", 1), (t, "pause")] for t in (1, 2)]
     assert events[4:] == timing[0] + timing[1] + timing[1] + timing[0]
@@ -213,7 +218,7 @@ def test_median_ci_takes_the_binomial_order_statistics():
     """The interval's ranks follow Binomial(n, 1/2): for 6 values only the extremes give 95 %
     (each tail 1/64), for 31 the 10th and 22nd values (tails 0.015, while adding the 11th
     would make them 0.035), and for 5 values no interval reaches 95 %."""
-    from cgp.bench import median_ci
+    from cgp.tools.stats import median_ci
 
     assert median_ci([3, 1, 2, 6, 5, 4]) == (1, 6)
     assert median_ci(list(range(31, 0, -1))) == (10, 22)
@@ -246,7 +251,7 @@ def test_paired_ratios_come_with_their_interval():
 def test_quiet_rounds_leave_out_timings_the_hypervisor_cut_into():
     """Rounds where either timing lost more than QUIET_STEAL of the CPUs to steal time are left
     out of the quiet-round speedup, and only those."""
-    from cgp.bench import QUIET_STEAL
+    from cgp.tools.stats import QUIET_STEAL
 
     one, two = Config("cgp", 1), Config("cgp", 2)
     one.rates = [100.0] * 8
@@ -264,7 +269,7 @@ def test_quiet_rounds_leave_out_timings_the_hypervisor_cut_into():
 
 def test_every_timing_trains_from_the_same_state(mnist_dir):
     """restore() rewinds weights, solver history and iteration: repetitions do equal work."""
-    from cgp.bench import cgp_config
+    from cgp.tools.speedup import cgp_config
 
     trainer = mnist_trainer(mnist_dir, threads=2)
     try:
@@ -298,7 +303,7 @@ def test_ceiling_is_over_cgp_one_thread_and_cgp_gets_its_share():
 def test_ceiling_copies_train_what_cgp_trains(mnist_dir):
     """Each copy, in a process of its own, ends on the very weights that cgp's 2-thread
     training reaches from the same seed: the ceiling times the same work."""
-    from cgp.bench import Copies, cgp_config
+    from cgp.tools.speedup import Copies, cgp_config
 
     # As in bench speedup: the copies' trainer keeps its parameters in private memory,
     # which each forked copy then has to itself.
@@ -333,7 +338,7 @@ def test_foreign_load_leaves_out_our_own_children():
     """Worker processes and --ceiling copies are ours: their CPU time is not the neighbours'."""
     import multiprocessing
 
-    from cgp.bench import ForeignLoad
+    from cgp.tools.machine import ForeignLoad
     with ForeignLoad() as load:
         before = load._ours()
         child = multiprocessing.get_context("fork").Process(target=_spin, args=(0.3,))
@@ -412,7 +417,7 @@ def test_compile_notice_only_when_numba_compiles():
 # -- the PyTorch copy ----------------------------------------------------------------
 def test_torch_lenet_has_cgp_loss_and_gradient(mnist_dir):
     pytest.importorskip("torch")
-    from cgp.torch_ref import TorchNet
+    from cgp.tools.torch_ref import TorchNet
 
     trainer = mnist_trainer(mnist_dir, chunks=4)
     try:
@@ -431,7 +436,7 @@ def test_torch_lenet_has_cgp_loss_and_gradient(mnist_dir):
 
 def test_torch_training_state_is_restored(mnist_dir):
     torch = pytest.importorskip("torch")
-    from cgp.torch_ref import TorchTrainer
+    from cgp.tools.torch_ref import TorchTrainer
 
     trainer = mnist_trainer(mnist_dir)
     threads = torch.get_num_threads()
@@ -457,9 +462,9 @@ def test_torch_timings_treat_subnormals_as_cgp_does(mnist_dir, flush):
     (--denormals flush, the default), kept where they are kept, and gives the caller its
     own mode back; a product that underflows shows which mode PyTorch computed in."""
     torch = pytest.importorskip("torch")
-    from cgp import torch_ref
-    from cgp.bench import torch_config
     from cgp.runtime import fpenv
+    from cgp.tools import torch_ref
+    from cgp.tools.speedup import torch_config
 
     trainer = mnist_trainer(mnist_dir)
     before = fpenv.set_flush(not flush)   # the caller in the other mode
@@ -485,7 +490,7 @@ def test_torch_copy_of_every_supported_layer():
     from cgp.engine import Engine
     from cgp.runtime.pool import Pool
     from cgp.timing import fill_inputs
-    from cgp.torch_ref import TorchNet
+    from cgp.tools.torch_ref import TorchNet
 
     net = Net(parse_net(ALL_KINDS), caffe_pb2.TRAIN)
     net.init_params(5)
@@ -506,7 +511,7 @@ def test_torch_copy_of_every_supported_layer():
 def test_torch_refuses_other_layers_by_name():
     pytest.importorskip("torch")
     from cgp.errors import CgpError
-    from cgp.torch_ref import TorchNet
+    from cgp.tools.torch_ref import TorchNet
 
     net = Net(parse_net(DEPLOY), caffe_pb2.TEST)
     with pytest.raises(CgpError, match="Softmax.*supported: Convolution"):
@@ -527,15 +532,3 @@ def test_speedup_compares_with_torch(capsys, tmp_path, mnist_dir):
     [cgp_row] = [r for r in report["results"] if r["impl"] == "cgp"]
     assert cgp_row["cgp_over_torch"] > 0
 
-
-def test_fake_cifar10_writes_the_official_format(tmp_path):
-    """bench/fake_cifar10.py, which the README's cifar10_quick timings ran on, writes files
-    that cgp's CIFAR-10 reader loads: every split, the asked-for size, labels 0 - 9."""
-    script = Path(__file__).resolve().parents[1] / "bench" / "fake_cifar10.py"
-    subprocess.run([sys.executable, str(script), str(tmp_path), "--per-batch", "7"], check=True,
-                   capture_output=True)
-    from cgp.datasets import cifar10
-    images, labels = cifar10.load("train", tmp_path)
-    assert images.shape == (35, 3, 32, 32) and labels.shape == (35,)
-    assert set(np.unique(labels)) <= set(range(10))
-    assert cifar10.load("test", tmp_path)[0].shape == (7, 3, 32, 32)

@@ -167,7 +167,7 @@ def test_unwritable_outputs_are_found_before_the_work(tmp_path, mnist_dir):
 
 
 def test_thread_workers_past_their_scale_are_warned_of():
-    from cgp.cli import THREAD_WORKERS_SCALE, check_threads
+    from cgp.options import THREAD_WORKERS_SCALE, check_threads
     lines = []
     check_threads(THREAD_WORKERS_SCALE + 1, lines.append, "threads")
     assert any("--workers processes scales further" in line for line in lines)

@@ -1,0 +1,530 @@
+"""`cgp bench speedup`: training throughput of one solver at several thread counts, and
+optionally of the same network in PyTorch, measured in one run so the ratios are fair.
+
+The configurations (each thread count; PyTorch in both memory formats) are timed round-robin,
+the order rotated every repetition, so slow drift on a shared machine hits them all alike;
+each figure is the median over the repetitions (the statistics: cgp.tools.stats). Results go
+to JSON, CSV and (with matplotlib) a PNG, named by model and UTC time, with a description of
+the machine (cgp.tools.machine), into ./cgp-results/ or --out. Not here: the kernels.
+"""
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cgp.options import (EPILOG, add_denormals_option, add_workers_option, check_threads,
+                         solver_file, thread_list, worker_list)
+from cgp.tools.machine import (MATMUL_SIZE, ForeignLoad, machine_info, matmul_gflops,
+                               steal_seconds)
+from cgp.tools.stats import summarise, table
+
+# csv, json and statistics are imported where used: the command line imports this module for
+# its options on every run, and `cgp train` should start fast.
+
+# Where the results go by default: a folder of the working directory, never the package's.
+OUT = "cgp-results"
+
+
+def add_bench(sub):
+    p = sub.add_parser("bench", help="measure training speed")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    s = kinds.add_parser(
+        "speedup", epilog=EPILOG,
+        help="images/s, speedup and parallel efficiency against the thread count",
+        description="Times --repeats x --iters training iterations per thread count, the "
+                    "counts interleaved round-robin; prints medians, speedup over 1 thread "
+                    "(also as the median of the ratios within each round) and efficiency, "
+                    "and writes JSON, CSV and a PNG plot into --out.")
+    s.add_argument("model", nargs="?", help="short name of a bundled model (mnist, cifar10, ...)")
+    s.add_argument("--solver", help="solver prototxt (Caffe's format)")
+    s.add_argument("--threads", default=None,
+                   help="comma-separated thread counts (default: 1, 2, 4, ... up to the "
+                        "logical cores); 1 is always added, the baseline of the speedups")
+    s.add_argument("--chunks", type=int, default=16,
+                   help="fixed pieces each batch is cut into (default 16), as for cgp train")
+    add_workers_option(s, listed=True)
+    add_denormals_option(s)
+    s.add_argument("--data-dir", default=None,
+                   help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
+    s.add_argument("--no-download", action="store_true", help="never download a missing data set")
+    s.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
+    s.add_argument("--iters", type=int, default=20, help="iterations per timing (default 20)")
+    s.add_argument("--repeats", type=int, default=5,
+                   help="timings per configuration; the median counts (default 5)")
+    s.add_argument("--warmup", type=int, default=3,
+                   help="untimed iterations per configuration first (default 3)")
+    s.add_argument("--lead-in", type=int, default=3,
+                   help="untimed iterations at the start of every timing (default 3): a CPU "
+                        "left idle while the other configurations ran needs a few "
+                        "iterations to regain its speed, which training never pays")
+    s.add_argument("--compare", choices=("torch",), default=None,
+                   help="also time the same network in PyTorch (needs torch installed)")
+    s.add_argument("--ceiling", action="store_true",
+                   help="also time the machine's ceiling: for each thread count N > 1, N "
+                        "copies of the 1-thread training at once, each in a process of its "
+                        "own (fork: Linux, macOS; N copies of the net in memory), in the same "
+                        "rounds; reports each speedup also as a share of it")
+    s.add_argument("--out", default=OUT,
+                   help=f"folder for the JSON, CSV and PNG results (default ./{OUT}/ under "
+                        "the working directory)")
+    s.set_defaults(run=cmd_speedup)
+
+
+def default_threads():
+    """1, 2, 4, ... up to the logical cores, and the core count itself."""
+    cores = os.cpu_count() or 1
+    counts, t = [], 1
+    while t < cores:
+        counts.append(t)
+        t *= 2
+    return counts + [cores]
+
+
+# -- arithmetic rate -----------------------------------------------------------------
+# Layers counted in a training step's floating-point work: the standard count is the
+# multiply-adds of convolutions and inner products, two FLOPs each; the other layers add
+# little arithmetic.
+COUNTED = {"Convolution": "convolution_param", "InnerProduct": "inner_product_param"}
+
+
+def training_flops(net):
+    """FLOPs per image of one training step: per convolution or inner product, its forward
+    multiply-adds (each output element takes weight size / num_output of them), as many again
+    for the weight gradient, and as many again for the input gradient where one flows; two
+    FLOPs per multiply-add."""
+    import math
+
+    total = 0
+    for entry in net.entries:
+        field = COUNTED.get(entry.layer.type_name)
+        if field is None or not entry.params:
+            continue
+        weight = net.param_blobs[entry.params[0]]
+        outputs = math.prod(net.blob_shapes[entry.tops[0]][1:])
+        macs = outputs * weight.size // getattr(entry.layer.lp, field).num_output
+        passes = 1 + (entry.backward + bool(entry.propagate and entry.propagate[0])
+                      if net.loss_weights else 0)
+        total += 2 * macs * passes
+    return total
+
+# -- timing ------------------------------------------------------------------------
+@dataclass
+class Config:
+    """One timed configuration: `impl` cgp, torch or ceiling (Copies), a thread count, and
+    torch's layout (cgp's: None for threads, "processes"). `copies` trainings run at once
+    (the ceiling's: one per thread), each of the same images."""
+    impl: str
+    threads: int
+    layout: str = None
+    copies: int = 1
+    run: object = None                 # run(iterations): trains that many iterations
+    context: object = None             # () -> the context manager that run() needs, untimed
+    save: object = None                # save(): remember the training state ...
+    restore: object = None             # restore(): ... and go back to it, untimed
+    pause: object = lambda: None       # pause(): after a timing, untimed: its workers sleep
+                                       # (they must not spin while the next one is timed)
+    rates: list = field(default_factory=list)   # images/s of each repetition
+    steals: list = field(default_factory=list)  # the share of the CPUs' time the hypervisor
+                                                # withheld during each repetition (steal)
+
+    @property
+    def label(self):
+        return self.impl + (f"/{self.layout}" if self.layout else "") + f" x{self.threads}"
+
+def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None,
+                lead_in=0):
+    """Warm every configuration up, then time `repeats` rounds; round r runs the
+    configurations in order, rotated by r, then each_round() if given. Every timing trains
+    the same iterations from the same state (the one after the warm-up): the work is
+    identical in every repetition, and a net that trains itself into another regime (tiny
+    gradients turning denormal, say) cannot make later repetitions slower than earlier ones.
+    Each timing starts after `lead_in` untimed iterations: interleaving leaves a CPU idle
+    while other configurations run, and a CPU back from idling runs slower for several
+    iterations (bench/idle_ramp.py, at git tag bench-experiments-2026-11), which training,
+    its CPUs never idle, does not pay.
+    Each timing also records the steal time over it, as a share of all CPUs' time."""
+    cpus = os.cpu_count() or 1
+    for c in configs:
+        with c.context():
+            c.run(warmup)
+        c.pause()
+        c.save()
+    for r in range(repeats):
+        k = r % len(configs)
+        for c in configs[k:] + configs[:k]:
+            c.restore()
+            with c.context():
+                c.run(lead_in)
+                started, stolen = time.perf_counter(), steal_seconds()
+                c.run(iters)
+                wall = time.perf_counter() - started
+                c.rates.append(c.copies * iters * images_per_iter / wall)
+                c.steals.append((steal_seconds() - stolen) / (wall * cpus))
+            c.pause()
+        if each_round is not None:
+            each_round()
+        log(f"  repetition {r + 1}/{repeats}: " +
+            ", ".join(f"{c.label} {c.rates[-1]:.0f}" for c in configs))
+
+
+def cgp_config(threads, trainer, workers="threads"):
+    """workers: how the trainer runs its workers (RunConfig.workers); the row's layout is
+    None for threads, "processes" for processes."""
+    from threadpoolctl import threadpool_limits
+
+    saved = []
+
+    def run(iterations):
+        trainer.steps(iterations)   # as Trainer.solve runs them
+
+    def save():
+        saved[:] = [trainer.iter, trainer.solver.current_step, trainer.net.params.copy(),
+                    [h.copy() for h in trainer.solver.histories]]
+
+    def restore():
+        trainer.iter, trainer.solver.current_step, params, histories = saved
+        trainer.net.params[...] = params
+        for h, value in zip(trainer.solver.histories, histories):
+            h[...] = value
+
+    def digest():
+        import hashlib
+        return hashlib.sha256(trainer.net.params.tobytes()).hexdigest()
+    # As in Trainer.solve: BLAS single-threaded, the workers are the only threads.
+    config = Config("cgp", threads, None if workers == "threads" else workers, run=run,
+                    context=lambda: threadpool_limits(limits=1), save=save, restore=restore,
+                    pause=trainer.pool.rest)
+    config.digest = digest
+    return config
+
+
+class Copies:
+    """n copies of one 1-thread training (a Config of cgp_config), each in a process of its
+    own, the caller's being copy 0: forked from it once, so every copy starts from the same
+    weights and state and trains the same iterations. Nothing is shared between them but the
+    machine: run together, they time the machine's own ceiling for n workers on this very
+    workload (shared cores, caches, memory bandwidth, the hypervisor), which no engine can
+    beat. Fork before anything else starts threads or processes."""
+
+    def __init__(self, n, own):
+        import multiprocessing
+
+        from cgp.errors import CgpError
+        from cgp.runtime import procs
+        if not procs.available():
+            raise CgpError("--ceiling needs an OS that can fork() (Linux, macOS)")
+        self.own, self.pipes, self.workers = own, [], []
+        fork = multiprocessing.get_context("fork")
+        for _ in range(n - 1):
+            ours, theirs = fork.Pipe()
+            worker = fork.Process(target=_serve_copy, args=(theirs, own), daemon=True)
+            worker.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.workers.append(worker)
+
+    def config(self):
+        """The Config that times all n copies at once."""
+        def each(op):
+            def call(*args):
+                for pipe in self.pipes:
+                    pipe.send((op, args))
+                with self.own.context():
+                    getattr(self.own, op)(*args)
+                return [self._reply(pipe) for pipe in self.pipes]
+            return call
+        return Config("ceiling", len(self.pipes) + 1, "processes", copies=len(self.pipes) + 1,
+                      run=each("run"), context=_no_context, save=each("save"),
+                      restore=each("restore"))
+
+    def digests(self):
+        """SHA-256 of every copy's parameters, copy 0 first: all the same after the same
+        iterations from the same state."""
+        for pipe in self.pipes:
+            pipe.send(("digest", ()))
+        return [self.own.digest()] + [self._reply(pipe) for pipe in self.pipes]
+
+    def _reply(self, pipe):
+        from cgp.errors import CgpError
+        try:
+            ok, value = pipe.recv()
+        except EOFError:
+            raise CgpError("cgp bench: a --ceiling copy died") from None
+        if not ok:
+            raise CgpError(f"cgp bench: a --ceiling copy failed: {value}")
+        return value
+
+    def close(self):
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass   # it is gone already
+        for worker in self.workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+
+
+def _no_context():
+    from contextlib import nullcontext
+    return nullcontext()
+
+
+def _serve_copy(pipe, config):
+    """A --ceiling copy: runs config's run, save, restore and digest as the pipe asks, with
+    the context they run in, and answers (True, result) or (False, the error)."""
+    with config.context():
+        while True:
+            try:
+                message = pipe.recv()
+            except EOFError:   # the caller is gone
+                return
+            if message is None:
+                return
+            op, args = message
+            try:
+                pipe.send((True, getattr(config, op)(*args)))
+            except Exception as error:   # noqa: BLE001  (reported to the caller, which raises)
+                pipe.send((False, f"{type(error).__name__}: {error}"))
+
+
+# What --denormals does to subnormals, for the line that says how PyTorch runs.
+DENORMALS_DONE = {"flush": "flushed", "keep": "kept"}
+
+
+def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
+    """Trains the PyTorch copy on the batches that cgp's data layers make, with `threads`
+    PyTorch threads; as in cgp's step, making the batch is part of the timed iteration.
+    flush: PyTorch's subnormals as cgp's (--denormals), set with its own switch
+    (torch.set_flush_denormal) for each timing: kept, as PyTorch's default, its training
+    slowed to a sixth once subnormals appeared (cifar10_quick on generated data, after 35
+    steps: bench/torch_subnormals.py, at git tag bench-experiments-2026-11), which cgp's
+    default arithmetic never pays."""
+    from contextlib import contextmanager
+
+    from cgp.runtime import fpenv
+
+    state = {"iter": 0}
+    net = data_trainer.net
+
+    def run(iterations):
+        for _ in range(iterations):
+            it = state["iter"]
+            trainer.step(data_trainer._batch(data_trainer.engine, it * net.batch_size, it))
+            state["iter"] += 1
+
+    def save():
+        state["saved"] = (state["iter"], trainer.save())
+
+    def restore():
+        state["iter"], weights = state["saved"]
+        trainer.restore(weights)
+
+    @contextmanager
+    def context():
+        torch_ref.set_threads(threads)
+        caller = fpenv.set_flush(flush)   # the caller's mode, to go back to
+        torch_ref.flush_denormal(flush)
+        try:
+            yield
+        finally:
+            fpenv.restore(caller)
+    return Config("torch", threads, layout, run=run, context=context, save=save, restore=restore)
+
+# -- output ------------------------------------------------------------------------
+def write_results(out, stem, report, rows, log):
+    import csv
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.csv"]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    columns = ["impl", "layout", "threads", "median", "min", "max", "speedup", "efficiency",
+               "paired_speedup", "paired_speedup_ci", "cgp_over_torch", "paired_cgp_over_torch",
+               "paired_cgp_over_torch_ci", "share_of_ceiling", "paired_share_of_ceiling",
+               "paired_share_of_ceiling_ci", "quiet_rounds", "quiet_paired_speedup",
+               "quiet_paired_speedup_ci", "images_per_s", "steal"]
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "layout": row["layout"] or "",
+                             **{key: " ".join(map(str, row[key])) for key in
+                                ("images_per_s", "paired_speedup_ci", "paired_cgp_over_torch_ci",
+                                 "paired_share_of_ceiling_ci", "quiet_paired_speedup_ci",
+                                 "steal")
+                                if row.get(key)}})
+    png = plot(out / f"{stem}.png", report, rows, log)
+    return paths + ([png] if png else [])
+
+
+def plot(path, report, rows, log):
+    """Speedup against threads with the ideal line; None (and a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("cgp bench: matplotlib is not installed: the PNG plot was skipped "
+            "(pip install 'cgp[plot]')")
+        return None
+    series = {}
+    for row in rows:
+        series.setdefault((row["impl"], row["layout"]), []).append(row)
+    top = max(row["threads"] for row in rows)
+    fig, ax = plt.subplots(figsize=(6, 4.5), dpi=110)
+    ax.plot([1, top], [1, top], "--", color="grey", label="ideal")
+    for (impl, layout), points in series.items():
+        points.sort(key=lambda r: r["threads"])
+        ax.plot([r["threads"] for r in points], [r["speedup"] for r in points], "o-",
+                label=impl + (f" ({layout})" if layout else ""))
+    ax.set_xticks(sorted({row["threads"] for row in rows}))
+    ax.set_xlabel("threads")
+    ax.set_ylabel("speedup over 1 thread (ratio of medians)")
+    ax.set_title(f"{report['model']} ({report['net']}), batch {report['batch']}, "
+                 f"{report['chunks']} chunks\n{report['machine']['cpu']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# -- the command -------------------------------------------------------------------
+def model_name(args, path):
+    if args.model:
+        return args.model
+    stem = Path(path).stem
+    return stem[:-len("_solver")] if stem.endswith("_solver") else stem
+
+
+def cmd_speedup(args, log=print):
+    import statistics
+
+    from cgp.errors import CgpError
+    from cgp.prototxt import read_solver
+    from cgp.train import RunConfig, Trainer
+
+    path = solver_file(args)
+    threads = thread_list(args.threads) if args.threads else default_threads()
+    threads = sorted(set(threads) | {1})   # speedups are over 1 thread
+    workers = worker_list(args.workers)
+    for name in ("iters", "repeats"):
+        if getattr(args, name) < 1:
+            raise CgpError(f"--{name} must be at least 1")
+    for name in ("warmup", "lead_in"):
+        if getattr(args, name) < 0:
+            raise CgpError(f"--{name.replace('_', '-')} must be at least 0")
+    torch_ref = None
+    if args.compare == "torch":
+        from cgp.tools import torch_ref
+    check_threads(max(threads), log, "threads" if "threads" in workers else None)
+    load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    started = time.gmtime()
+    sp = read_solver(path)
+    trainers = {}   # (workers, threads) -> Trainer; ("ceiling", n) -> the copies' copy 0
+    ceilings = []   # Copies, one per thread count above 1
+
+    def trainer(t, kind):
+        config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
+                           data_dir=args.data_dir, download=not args.no_download,
+                           progress=False, denormals=args.denormals, workers=kind)
+        return Trainer(sp, path, config, log=lambda line: None)
+    try:
+        # The copies fork first, while this process has no other threads to carry over.
+        for t in threads[1:] if args.ceiling else ():
+            trainers["ceiling", t] = trainer(1, "threads")
+            ceilings.append(Copies(t, cgp_config(1, trainers["ceiling", t])))
+        for kind in workers:
+            for t in threads:
+                trainers[kind, t] = trainer(t, kind)
+        first = trainers[workers[0], 1]
+        net = first.net
+        images = net.batch_size * sp.iter_size
+        configs = [cgp_config(t, trainers[kind, t], kind) for kind in workers for t in threads]
+        configs += [copies.config() for copies in ceilings]
+        if torch_ref is not None:
+            if first.solver.type != "SGD":
+                log(f"cgp bench: note: PyTorch runs momentum SGD; the solver is "
+                    f"{first.solver.type}")
+            for layout in torch_ref.LAYOUTS:
+                configs += [torch_config(torch_ref, t, layout,
+                                         torch_ref.TorchTrainer(net, sp, layout), first,
+                                         args.denormals == "flush")
+                            for t in threads]
+        from cgp.snapshot import writable_folder
+        writable_folder(Path(args.out) / "results.json")   # found out now, not after the timing
+        torch_note = (f"; PyTorch {torch_ref.version()} (subnormals "
+                      f"{DENORMALS_DONE[args.denormals]} as in cgp)" if torch_ref else "")
+        log(f"cgp bench speedup: {path}, net '{net.name}', batch {images} in "
+            f"{len(first.engine.bounds)} chunks; threads {','.join(map(str, threads))}"
+            f" as {' and as '.join(workers)}"
+            f"{torch_note}"
+            f"{'; the machine ceiling' if ceilings else ''}; {args.warmup} warm-up "
+            f"+ {args.repeats} x ({args.lead_in} untimed + {args.iters}) iterations each, "
+            "interleaved")
+        matmul = []  # NumPy's matmul rate, timed in every round like the configurations
+        with ForeignLoad() as foreign:
+            interleaved(configs, args.iters, args.repeats, args.warmup, images, log,
+                        each_round=lambda: matmul.append(matmul_gflops()),
+                        lead_in=args.lead_in)
+        # Every configuration ended on the same iterations from the same state: the copies
+        # too, or they did not time the training that cgp runs.
+        for copies in ceilings:
+            if len(set(copies.digests())) != 1:
+                raise CgpError("cgp bench: the --ceiling copies ended on different weights")
+    finally:
+        for copies in ceilings:
+            copies.close()
+        for t in trainers.values():
+            t.close()
+    rows, best = summarise(configs)
+    for line in table(rows, best):
+        log(line)
+    flops = training_flops(net)
+    numpy_rate = statistics.median(matmul)
+    one = next(r for r in rows if r["impl"] == "cgp" and r["threads"] == 1)
+    rate = one["median"] * flops / 1e9
+    log(f"arithmetic: {flops / 1e6:.1f} MFLOP per training image (convolution and "
+        f"inner-product multiply-adds, 2 FLOPs each); cgp on 1 thread {rate:.1f} GFLOP/s = "
+        f"{100 * rate / numpy_rate:.0f}% of NumPy's single-threaded float32 matmul "
+        f"({numpy_rate:.1f} GFLOP/s, median of {len(matmul)} rounds of {MATMUL_SIZE} x "
+        f"{MATMUL_SIZE} products, {min(matmul):.0f}-{max(matmul):.0f})")
+    if foreign.steal > 0.05:
+        log(f"cgp bench: note: the hypervisor withheld {foreign.steal:.2f} of "
+            f"{os.cpu_count()} CPUs' time from this machine during the run (steal time): "
+            "a virtual machine's timings then measure its host's other guests too")
+    if foreign.cores > 0.25:
+        log(f"cgp bench: note: other processes kept {foreign.cores:.1f} of "
+            f"{os.cpu_count()} cores busy during the run; timings with more threads than "
+            "the idle cores measure the neighbours, not cgp")
+    model = model_name(args, path)
+    extra = {"torch": torch_ref.version()} if torch_ref else {}
+    report = {"model": model, "solver": str(path), "net": net.name, "batch": images,
+              "chunks": len(first.engine.bounds), "denormals": args.denormals,
+              "workers": workers,
+              "iters": args.iters,
+              "repeats": args.repeats, "warmup": args.warmup, "lead_in": args.lead_in,
+              "seed": first.seed,
+              "threads": threads, "compare": args.compare, "ceiling": args.ceiling,
+              "training_flops_per_image": flops,
+              "numpy_matmul_gflops": [round(r, 2) for r in matmul],
+              "cgp_1_thread_gflops": round(rate, 2),
+              "cgp_1_thread_share_of_matmul": round(rate / numpy_rate, 4),
+              "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", started),
+              # Every rate (median, min, max, images_per_s) is training images per second,
+              # over the whole step: forward, backward, reduction and update.
+              "units": {"rates": "images/s", "training_flops_per_image": "FLOP",
+                        "gflops": "1e9 FLOP/s",
+                        "steal": "share of the CPUs' time withheld, per repetition",
+                        "steal_cores, foreign_load_cores": "CPUs' worth of time"},
+              "machine": {**machine_info(extra), "load_average_before": load_before,
+                          "foreign_load_cores": round(foreign.cores, 3),
+                          "steal_cores": round(foreign.steal, 3)},
+              "results": rows}
+    stem = f"speedup_{model}_{time.strftime('%Y%m%dT%H%M%SZ', started)}"
+    for written in write_results(Path(args.out), stem, report, rows, log):
+        log(f"cgp bench: wrote {written}")
+    return 0

@@ -1,0 +1,142 @@
+"""The maintained tools in bench/: each runs for a second or two on tiny settings, in a
+process of its own as a user runs it, and what it prints must make sense; bench/many_cores.sh
+is checked as a plan (every command it would run exists and takes its options)."""
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+TOOLS = {"call_size.py", "fake_cifar10.py", "kernel_ab.py", "machine_scaling.py",
+         "many_cores.sh", "revision_ab.py", "step_tail.py"}
+LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
+
+
+def run(script, *args, **kwargs):
+    out = subprocess.run([sys.executable, str(BENCH / script), *map(str, args)],
+                         capture_output=True, text=True, timeout=600, **kwargs)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def numbers(pattern, text):
+    """The floats that pattern's groups match, in every match."""
+    return [float(x) for match in re.findall(pattern, text)
+            for x in (match if isinstance(match, tuple) else (match,))]
+
+
+def test_bench_holds_the_maintained_tools_each_in_its_readme():
+    files = {p.name for p in BENCH.iterdir() if p.is_file()} - {"README.md"}
+    assert files == TOOLS
+    readme = (BENCH / "README.md").read_text()
+    for tool in TOOLS:
+        assert f"| `{tool}` |" in readme, f"bench/README.md has no line for {tool}"
+
+
+def test_fake_cifar10_writes_the_official_format_without_pytest(tmp_path):
+    """bench/fake_cifar10.py, which the README's cifar10_quick timings ran on, writes files
+    that cgp's CIFAR-10 reader loads (every split, the asked-for size, labels 0 - 9), in a
+    process where pytest cannot be imported."""
+    code = ("import runpy, sys; sys.modules['pytest'] = None; "
+            f"sys.argv = ['fake_cifar10.py', {str(tmp_path)!r}, '--per-batch', '7']; "
+            f"runpy.run_path({str(BENCH / 'fake_cifar10.py')!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "wrote 42 generated images" in out.stdout
+    from cgp.datasets import cifar10
+    images, labels = cifar10.load("train", tmp_path)
+    assert images.shape == (35, 3, 32, 32) and labels.shape == (35,)
+    assert set(np.unique(labels)) <= set(range(10))
+    assert cifar10.load("test", tmp_path)[0].shape == (7, 3, 32, 32)
+
+
+def test_revision_ab_pairs_a_checkout_with_the_installed_package(mnist_dir, tmp_path):
+    """The same code on both sides (this checkout as the base, a folder of its files): the
+    two processes train to the same weights."""
+    text = run("revision_ab.py", "--base", ROOT, "--pairs", "1", "--rounds", "2", "--steps",
+               "1", "--workers", "threads", "--data-dir", mnist_dir, cwd=tmp_path)
+    [base_ms, own_ms, ratio] = numbers(r"(\d+\.\d+) ms, working tree (\d+\.\d+) ms per step; "
+                                       r"working tree x(\d+\.\d+) as fast", text)
+    assert base_ms > 0 and own_ms > 0 and ratio > 0
+    assert text.strip().endswith("same weights: yes")
+
+
+def test_kernel_ab_gives_the_same_bits_on_the_same_kernels(tmp_path):
+    text = run("kernel_ab.py", "--base", ROOT, "--layers", "lenet-pool2", "--samples", "4",
+               "--rounds", "3", cwd=tmp_path)
+    rows = [line for line in text.splitlines() if line.strip().startswith("lenet-pool2")]
+    assert len(rows) == 2 and all(line.endswith("same bits: yes") for line in rows)
+    assert all(x > 0 for x in numbers(r"speed x(\d+\.\d+)", text))
+
+
+def test_machine_scaling_counts_each_copy(tmp_path):
+    text = run("machine_scaling.py", "--workload", "scalar,lenet", "--copies", "2",
+               "--seconds", "0.2", cwd=tmp_path)
+    for workload in ("scalar", "lenet"):
+        [ratio, per_copy] = numbers(rf"  {workload} +2 copies: +(\d+\.\d+)x +\((\d+\.\d+) per",
+                                    text)
+        assert 0 < ratio <= 2.5 and abs(per_copy - ratio / 2) <= 0.01
+
+
+def test_call_size_times_every_layer_at_each_size(mnist_dir, tmp_path):
+    text = run("call_size.py", "mnist", "--group", "2", "--rounds", "2", "--data-dir",
+               mnist_dir, cwd=tmp_path)
+    assert "a 4-sample call, and its share of a 8-sample call (2 chunks)" in text
+    for layer in LENET_LAYERS:
+        [line] = [x for x in text.splitlines() if x.split()[:1] == [layer]]
+        assert len(line.split()) == 9
+    [empty, alone, share] = numbers(r"whole call: empty (\d+\.\d+), alone (\d+\.\d+), share "
+                                    r"(\d+\.\d+)", text)
+    assert 0 < empty < alone and share > 0
+    assert "16 worker threads making such calls run at most" in text
+
+
+def test_step_tail_times_every_step(mnist_dir, tmp_path):
+    text = run("step_tail.py", "--threads", "1,2", "--steps", "3", "--data-dir", mnist_dir,
+               cwd=tmp_path)
+    rows = {int(line.split()[0]): [float(x.rstrip("%")) for x in line.split()[1:]]
+            for line in text.splitlines() if line.split()[:1] in (["1"], ["2"])}
+    assert set(rows) == {1, 2}
+    for median, mean, p90, p99, longest, *_ in rows.values():
+        assert 0 < median <= p90 <= p99 <= longest and mean <= longest
+
+
+def load_tool(path):
+    """A bench script as a module, its main() not run."""
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_many_cores_plan_runs_only_tools_that_take_its_options(tmp_path):
+    """bench/many_cores.sh with PYTHON=echo prints each command instead of running it: every
+    script it names is a tool of bench/ and parses its options, and every `-m cgp` command
+    parses with cgp's own parser."""
+    from cgp.cli import build_parser
+
+    out = subprocess.run(["bash", str(BENCH / "many_cores.sh"), str(tmp_path / "out"), "1,2"],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHON="echo"),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    commands = [shlex.split(line[3:]) for line in out.stdout.splitlines()
+                if line.startswith("== ")]
+    assert len(commands) >= 8 and not any("exit" in c for c in commands)
+    tools = set()
+    for command in commands:
+        assert command[0] == "echo"
+        if command[1:3] == ["-m", "cgp"]:
+            build_parser().parse_args(command[3:])
+        else:
+            path = Path(command[1])
+            assert path.parent == BENCH and path.name in TOOLS
+            load_tool(path).parse_args(command[2:])
+            tools.add(path.name)
+    assert tools == {"machine_scaling.py", "step_tail.py", "call_size.py"}
+    assert (tmp_path / "out" / "machine.txt").is_file()
