@@ -14,17 +14,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import psutil
 from threadpoolctl import threadpool_limits
 
-from cgp.parallel import make_communicator
 from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
-from cgp.net import RunOptions, build_net
-from cgp.parallel import DataParallelStep
+from cgp.layers import Chunk
+from cgp.net import RunOptions, Workspace, build_net
+from cgp.parallel import DataParallelStep, Diverged, make_communicator
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.runtime.procs import default_workers, make_pool
+from cgp.runtime.update import all_finite
 from cgp.snapshot import (layers_without, load_weights, read_solverstate, writable_folder,
                           write_caffemodel, write_solverstate)
 from cgp.solver import Solver
@@ -312,12 +314,57 @@ class Trainer:
         result = None
         for _ in range(n):
             it = self.iter
-            result = self.train_step(it, lambda k: self._pass_batch(it, k), self.seed,
-                                  first=lambda: self._work_ahead(it + 1))
+            try:
+                result = self.train_step(it, lambda k: self._pass_batch(it, k), self.seed,
+                                         first=lambda: self._work_ahead(it + 1))
+            except Diverged as d:
+                raise CgpError(self._divergence(d)) from None
             self.iter += 1
             if each is not None and each(it, *result):
                 break
         return result
+
+    def _divergence(self, d):
+        """The message for a step that found a value not finite (Diverged): the iteration, and
+        where it first appeared: the first layer whose output is not finite (the loss; a
+        forward pass of that batch on the weights before the step, which the step left), or
+        the parameter blob whose update went infinite or NaN (its gradient)."""
+        if d.column is not None:
+            blob = next(b for b in self.net.param_blobs
+                        if b.offset <= d.column < b.offset + b.size)
+            where = (f"the gradient of layer '{blob.layer}' blob {blob.index} {blob.shape} is not "
+                     "finite, and so are weights its update wrote")
+        else:
+            where = (f"the loss is {d.loss:g}" if d.loss is not None else "the loss is not finite")
+            where += f" ({self._first_not_finite(d.iteration, d.index)})"
+        return (f"training diverged at iteration {d.iteration}: {where}. Training stopped; no "
+                "snapshot was written of these weights (the last snapshot, if any, is intact). "
+                "A smaller base_lr, clip_gradients or finite input data may help")
+
+    def _first_not_finite(self, it, k):
+        """Where a forward pass of pass k of iteration `it`, on one worker and the current
+        weights, first gives a value that is not finite."""
+        net = self.net
+        position, iteration = self._pass(it, k)
+        batch = {}
+        for entry in net.sources:
+            batch.update(zip(entry.tops, entry.layer.load(position, iteration, self.seed)))
+            for name, top in zip(entry.layer.lp.top, entry.tops):
+                if not all_finite(np.asarray(batch[top])):
+                    return f"the data of layer '{entry.layer.name}', top '{name}', is not finite"
+        ws = Workspace(net, net.batch_size, with_diff=False)
+        chunk = Chunk(n=net.batch_size, batch=net.batch_size, iteration=iteration,
+                      seed=self.seed, batch_tops=net.batch_tops(batch))
+        params = net.param_views(net.params)
+        data = net.forward(ws, chunk, batch, params)
+        for entry, views in zip(net.entries, params):
+            if any(not all_finite(data[t]) for t in entry.tops):
+                bad = [i for i, v in enumerate(views) if not all_finite(v)]
+                cause = (f"its blob(s) {', '.join(map(str, bad))} hold non-finite weights" if bad
+                         else "its input and weights are finite")
+                return (f"the first output that is not finite is layer '{entry.layer.name}' "
+                        f"({entry.layer.type_name})'s: {cause}")
+        return "a forward pass on one worker gives finite values throughout"
 
     def _pass_batch(self, it, k):
         """(batch, iteration number of its data) of pass k of training iteration it."""

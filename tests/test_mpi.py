@@ -222,3 +222,15 @@ def test_bytes_a_rank_moves_per_step(tmp_path, mnist_dir):
     for ranks in (2, 4):
         assert max(figures[ranks]) <= 2.2, figures
     assert max(figures[3]) <= 3.2, figures
+
+
+def test_a_diverging_run_on_ranks_ends_with_one_message(tmp_path, mnist_dir):
+    """base_lr far too large on 2 ranks: every rank finds the same non-finite loss in the
+    same iteration, and the job ends with status 2 and the message, not a hang."""
+    solver_file = tmp_path / "solver.prototxt"
+    solver_file.write_text(f'net: "{models.FOLDER / "lenet_train_test.prototxt"}"\n'
+                           "base_lr: 50 momentum: 0.9 lr_policy: 'fixed' max_iter: 100\n"
+                           "snapshot_prefix: 's/t' snapshot_after_train: false\n")
+    done = train(2, ["--solver", str(solver_file), "--data-dir", str(mnist_dir)], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "training diverged at iteration" in done.stderr and "Traceback" not in done.stderr
