@@ -363,34 +363,36 @@ class Net:
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
         """pycaffe's forward: kwargs set input blobs (any data layer's tops: a data layer
-        whose tops are all given reads nothing); Data layers read their next batch, Input
-        layers keep what their blobs hold. Runs layers start..end (names, inclusive);
+        whose tops are all given reads nothing, one whose tops are partly given reads its
+        batch, which they then replace); Data layers read their next batch, Input layers
+        keep what their blobs hold. Runs layers start..end (names, inclusive);
         returns {output (or end's top) name: its data}, plus the blobs named in `blobs`."""
         self._stale, self._exact = None, set()
         self._pending_reshape()
         sources = {self._names[t] for e in self._net.sources for t in e.tops}
+        given = {}
         for name, value in kwargs.items():
             if name not in sources:
                 raise CgpError(f"net.forward({name}=...): '{name}' is not an input of net "
                                f"'{self._net.name}' (its data layers' tops: "
                                f"{', '.join(sorted(sources))})")
-            target = self._blobs[name]._data
-            value = np.asarray(value, np.float32)
-            if value.shape != target.shape:
-                raise CgpError(f"net.forward({name}=...): an array of shape {value.shape} for "
-                               f"blob '{name}' of shape {target.shape} (reshape it first: "
-                               f"net.blobs['{name}'].reshape(...))")
-            target[...] = value
+            shape = self._blobs[name]._data.shape
+            given[name] = np.asarray(value, np.float32)
+            if given[name].shape != shape:
+                raise CgpError(f"net.forward({name}=...): an array of shape "
+                               f"{given[name].shape} for blob '{name}' of shape {shape} "
+                               f"(reshape it first: net.blobs['{name}'].reshape(...))")
         lo = self._layer_index(start, 0)
         hi = self._layer_index(end, len(self._order) - 1)
         self._sync_params()
-        self._run_forward(lo, hi, given=set(kwargs))
+        self._run_forward(lo, hi, given=given)
         outputs = self.outputs if end is None else self.top_names[self._layer_names[hi]]
         return {name: self._blobs[name]._data for name in list(outputs) + list(blobs or ())}
 
-    def _run_forward(self, lo, hi, given=(), params=None, batch=None):
+    def _run_forward(self, lo, hi, given=None, params=None, batch=None):
         """Layers lo..hi of Caffe's order; data layers read `batch` ((position, iteration)),
-        or their next one, unless all their tops are `given`."""
+        or their next one, unless all their tops are `given` ({blob name: array}), which
+        then replace what they read."""
         from cgp.layers import Chunk
         from cgp.timing import denormals
         from threadpoolctl import threadpool_limits
@@ -399,12 +401,14 @@ class Net:
         sources = {id(e) for e in net.sources}
         loads = [e for e in self._order[lo:hi + 1] if id(e) in sources
                  and e.layer.type_name != "Input"
-                 and not all(self._names[t] in given for t in e.tops)]
+                 and not all(self._names[t] in (given or {}) for t in e.tops)]
         position, iteration = batch if batch is not None else (
             self._next_batch() if loads else (0, self._cursor))
         for e in loads:
             for t, array in zip(e.tops, e.layer.load(position, iteration, self.seed)):
                 self._inputs[t][...] = array
+        for name, array in (given or {}).items():
+            self._blobs[name]._data[...] = array
         chunk = Chunk(iteration=iteration, seed=self.seed, **self._chunk)
         params = params if params is not None else self._param_views
         with threadpool_limits(limits=1), denormals(True):
