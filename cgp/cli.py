@@ -227,7 +227,9 @@ def train(args, sp, path, config, log, sink):
     finally:
         trainer.close()
     elapsed = time.perf_counter() - started
-    summary = ", ".join(f"{k} = {v:.4f}" for k, v in results.items())
+    # "name value", not "name = value": a log line with ", loss = " is a training loss to
+    # Caffe's parse_log.sh.
+    summary = ", ".join(f"{k} {v:.4f}" for k, v in results.items())
     if summary and trainer.last_test_iter != trainer.iter:
         # Stopped early (Ctrl-C): as Caffe, no test of the final weights; the last test's
         # figures are older and say so.
