@@ -66,7 +66,8 @@ class TrainLog:
         self._file = self._csv_file = None
         self._iteration = 0       # the iteration the latest values belong to
         self._phase = "train"
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler logs in the main thread, maybe while it writes a line.
+        self._lock = threading.RLock()
 
     def __call__(self, line):
         self.echo(line)

@@ -175,6 +175,11 @@ def test_deploy_net_classifies_with_trained_weights(tmp_path, caffe_dir, mnist_d
     with caffe.SGDSolver(str(path), data_dir=str(mnist_dir)) as solver:
         solver.step(30)
         weights = solver.snapshot()
+        trained = solver.net.params["ip2"][0].data.copy()
+    with caffe.SGDSolver(str(path), data_dir=str(mnist_dir)) as again:   # restore()
+        again.restore(weights.replace(".caffemodel", ".solverstate"))
+        assert again.iter == 30
+        assert np.array_equal(again.net.params["ip2"][0].data, trained)
     test = caffe.Net(str(models.FOLDER / "lenet_train_test.prototxt"), caffe.TEST,
                      weights=weights, data_dir=str(mnist_dir))
     scored = test.forward()
