@@ -154,7 +154,7 @@ def train_log(args, sp, solver_path, log):
         return None
     prefix = args.snapshot_prefix or sp.snapshot_prefix or str(Path(solver_path).with_suffix(""))
     path = args.log or default_path(prefix)
-    if log is print:   # as the trainer's progress bar prints, when it shows one
+    if log is print and sys.stderr.isatty():   # the trainer shows a progress bar: print past it
         from tqdm import tqdm
         log = tqdm.write
     return TrainLog(path, echo=log)
