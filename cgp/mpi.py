@@ -98,7 +98,7 @@ class Exchange:
     sums of its own columns, in chunk order), and the additions that finish the tree."""
 
     def __init__(self, bufs, chunks, comm, columns, flush):
-        size, rank = comm.size, comm.rank
+        rank = comm.rank
         self.bufs, self.columns = bufs, columns
         parts = comm.partition(chunks)
         self.nodes = [subtrees(p.start, p.stop, chunks) for p in parts]

@@ -234,6 +234,7 @@ class Trainer:
         self._ahead = None        # (what _batch was asked, the batch) read ahead by step()
         self._request = None      # what a signal asked for: "stop" or "snapshot"
         self._told_to_stop = False   # a signal asked this process to stop
+        self.clock = time.perf_counter   # the display's speed; cgp train's leaves out compiling
         # Caffe's solver field `weights` (the command line's --weights replaces it).
         base = Path(solver_path).parent if solver_path else None
         for names in sp.weights:
@@ -422,7 +423,7 @@ class Trainer:
         if (sp.snapshot or sp.snapshot_after_train) and self.comm.leader:   # found out now
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
-            last = time.perf_counter()
+            last = self.clock()
             last_iter = self.iter
 
             def done(it, loss, outputs, rate):
@@ -430,7 +431,7 @@ class Trainer:
                 smoothed = self._smoothed(loss)
                 bar.update(1)
                 if sp.display and it % sp.display == 0:
-                    now = time.perf_counter()
+                    now = self.clock()
                     speed = max(1, self.iter - last_iter) / max(now - last, 1e-9)
                     self.log(f"Iteration {it} ({speed:.3g} iter/s, "
                              f"{speed * self.net.batch_size * sp.iter_size:.0f} img/s), "

@@ -6,3 +6,12 @@ from cgp.layers.base import (REGISTRY, Chunk, Factors, Layer, aligned_zeros, all
 from cgp.layers import (  # noqa: E402,F401
     activation, conv, data, elementwise, inner_product, loss, lrn, pool,
 )
+
+
+def __getattr__(name):
+    """pycaffe's NetSpec layers: `import cgp as caffe` makes caffe.layers this package, so
+    caffe.layers.Convolution(...) (a Caffe type name) specifies a layer (cgp.netspec)."""
+    if name[:1].isupper():
+        from cgp.netspec import layers
+        return getattr(layers, name)
+    raise AttributeError(f"module 'cgp.layers' has no attribute '{name}'")
