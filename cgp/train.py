@@ -234,6 +234,7 @@ class Trainer:
         self._ahead = None        # (what _batch was asked, the batch) read ahead by step()
         self._request = None      # what a signal asked for: "stop" or "snapshot"
         self._told_to_stop = False   # a signal asked this process to stop
+        self._heard = []             # what the signal handler has to say (_agree says it)
         self.clock = time.perf_counter   # the display's speed; cgp train's leaves out compiling
         # Caffe's solver field `weights` (the command line's --weights replaces it).
         base = Path(solver_path).parent if solver_path else None
@@ -490,6 +491,8 @@ class Trainer:
         """The request that every process acts on now: the strongest any of them has (under
         MPI a signal may reach one rank only, or the ranks at different iterations), so that
         all stop, or snapshot, at the same iteration."""
+        while self._heard:
+            self.log(self._heard.pop(0))
         self._request = REQUESTS[self.comm.max(REQUESTS.index(self._request))]
         return self._request
 
@@ -517,10 +520,13 @@ class Trainer:
                     # This process's own stop (another rank's reaches it through _agree).
                     trainer._told_to_stop |= effect == "stop"
                     trainer._request = max(trainer._request, effect, key=REQUESTS.index)
+                    # Said at the next iteration's end (_agree): the handler may interrupt
+                    # the log in the middle of a line, which a write here would corrupt.
                     name = signal.Signals(signum).name
-                    trainer.log(f"{name}: {'stopping' if effect == 'stop' else 'snapshotting'} "
-                                "after this iteration" + (" (Ctrl-C again to abort)"
-                                                          if effect == "stop" else ""))
+                    trainer._heard.append(
+                        f"{name}: {'stopping' if effect == 'stop' else 'snapshotting'} after "
+                        "this iteration" + (" (Ctrl-C again to abort)" if effect == "stop"
+                                            else ""))
                 self.old = {}
                 try:
                     for signum in effects:
