@@ -275,6 +275,14 @@ class ReferenceCommunicator(LocalCommunicator):
         return Reduction(self.pool, [task], [(0, bufs.shape[1])], bufs[0])
 
 
+def sum_over_chunks(shares, total):
+    """total[:] = the rows of shares (one per chunk, in chunk order) added in the one tree
+    over chunk index (tree_sum's): a sum over the whole batch (Layer.batch_sums), however
+    the batch was cut. Row 0 of shares is overwritten."""
+    tree_sum(shares, 0, shares.shape[1], np.empty((shares.shape[0], TILE), shares.dtype))
+    total[:] = shares[0]
+
+
 def reference_reduce(bufs):
     """The naive reference: the same tree in plain NumPy, one level at a time."""
     bufs = np.array(bufs)

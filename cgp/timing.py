@@ -188,6 +188,8 @@ class LayerTimer:
         self.net, self.seed = net, seed
         self.bounds = chunk_bounds(net.batch_size, chunks)
         group = group_size(net, chunks, 1)
+        if net.forward_syncs or net.backward_syncs:   # its sums need the batch in one call
+            group = len(self.bounds)
         self.calls = [self.bounds[c:c + group] for c in range(0, len(self.bounds), group)]
         self.plan = backward_plan(net)
         self.has_backward = any(b for b, _ in self.plan)
