@@ -159,17 +159,16 @@ class Engine:
         # processes), and the sums' shares are rows of batch-wide arrays.
         syncs = net.forward_syncs + (net.backward_syncs if backward else [])
         self.syncs, self.forward_segments = syncs, len(net.forward_syncs)
-        if syncs and len(self.parts) > 1:
-            raise CgpError(f"net '{net.name}': sums over the whole batch (layer "
-                           f"'{net.entries[syncs[0][0]].layer.name}') across MPI ranks are not "
-                           "supported yet; train it in one process (any --threads)")
         if syncs:
-            self.sums = {i: [(aligned_zeros((len(own), m), np.float64, shared),
+            # A row of shares per chunk of the batch: this process's calls write theirs, the
+            # communicator brings the other processes' (Communicator.start).
+            self.sums = {i: [(aligned_zeros((len(self.bounds), m), np.float64, shared),
                               aligned_zeros(m, np.float64, shared))
                              for m in net.entries[i].layer.sum_sizes()] for i, _ in syncs}
             self.workspaces = [self.new_workspace(group, shared) for group in self.groups]
             self.reached = aligned_zeros(len(syncs), np.int64, shared)   # calls at sum s
             self.synced = aligned_zeros(len(syncs), np.int64, shared)    # sum s made
+            self.gathered = aligned_zeros(len(syncs), np.int64, shared)  # others' shares in
         else:
             self.workspaces = [self.new_workspace() for _ in range(pool.threads)] if own else []
         self.factored = []
@@ -251,8 +250,9 @@ class Engine:
         """One worker's buffers, sized for this engine's calls and for how the net runs its
         layers (Net.whole_calls); or, with a group, that group's own (its rows of the sums)."""
         groups = self.groups if group is None else [group]
+        k0 = self.owned.start
         sums = None if group is None else {
-            i: [(shares[group[0]:group[1]], total) for shares, total in self.sums[i]]
+            i: [(shares[k0 + group[0]:k0 + group[1]], total) for shares, total in self.sums[i]]
             for i in self.sums}
         return Workspace(self.net, max(self.samples(g)[1] for g in groups),
                          with_diff=self.backward, dtype=self.dtype,
@@ -303,11 +303,7 @@ class Engine:
         self._slot = slot
         if sums_arg is not None and self._done is None:
             raise ValueError("Engine.run: a sums_arg needs on_sums first")
-        if self.backward:
-            self.progress[:] = 0
-        if self.syncs:
-            self.reached[:] = 0
-            self.synced[:] = 0
+        self.comm.start(self)   # it resets the run's counters (reset) when it may
         if self.tasks:
             self.pool.run(self._tasks, len(self.tasks), iteration, seed, slot, sums_arg,
                           first=first)
@@ -322,6 +318,16 @@ class Engine:
         loss = float(sum(weight * totals[j] for j, weight in self._losses))
         grad = self.reduction.result if self.backward else None
         return values, loss, grad
+
+    def reset(self):
+        """Zeroes the counters by which a run's tasks (and a communicator) follow each other."""
+        if self.backward:
+            self.progress[:] = 0
+            self.reduction.done[:] = 0
+        if self.syncs:
+            self.reached[:] = 0
+            self.synced[:] = 0
+            self.gathered[:] = 0
 
     def stage(self, batch):
         """Copies the batch of the next run() into the inputs that the run in progress, if
@@ -396,9 +402,12 @@ class Engine:
             spin.fetch_add(self.reached, s, 1)
 
     def _sync(self, s):
-        """Sum s over the whole batch, once every call has reached it: the chunks' shares
-        added in the fixed tree, finished by the layer (Layer.sync)."""
+        """Sum s over the whole batch, once every call has reached it (and, across processes,
+        the communicator has brought the others' shares): the chunks' shares added in the
+        fixed tree, finished by the layer (Layer.sync)."""
         self._wait(self.reached, s, s + 1, len(self.groups))
+        if len(self.parts) > 1:
+            self._wait(self.gathered, s, s + 1, 1)
         i, k = self.syncs[s]
         shares, total = self.sums[i][k]
         sum_over_chunks(shares, total)
@@ -416,6 +425,7 @@ class Engine:
             # Only now: a call still reading these parameters would lose its lines to it.
             self._claim(lo, hi, sums_arg)
         self.reduction.task(worker, task.task)
+        spin.fetch_add(self.reduction.done, task.task, 1)   # for a communicator that watches
         if hand_on:
             self._done(worker, lo, hi, sums_arg)
 

@@ -8,7 +8,6 @@ from cgp import models
 from cgp.comm import LocalCommunicator
 from cgp.engine import Engine
 from cgp.equivalence import compare, train_run
-from cgp.errors import CgpError
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
 from cgp.prototxt import parse_net, read_net, read_solver
@@ -172,18 +171,3 @@ def test_a_net_with_batchnorm_has_one_hash_for_any_thread_count(mnist_dir):
     assert ok, rows
     assert outcomes[0].losses[0] != outcomes[0].losses[-1]
     assert 0 <= outcomes[0].accuracy["accuracy"] <= 1
-
-
-def test_a_net_with_batchnorm_is_refused_across_ranks_for_now():
-    """Sums over the batch across MPI ranks are not built yet: refused with one message."""
-    class TwoRanks(LocalCommunicator):
-        def partition(self, chunks):
-            return [range(0, chunks // 2), range(chunks // 2, chunks)]
-
-        def owned(self, chunks):
-            return range(0, chunks // 2)
-    net = Net(parse_net(BN_NET, "bn.prototxt"), caffe_pb2.TRAIN, RunOptions())
-    pool = make_pool("threads", 1)
-    with pytest.raises(CgpError, match="across MPI ranks are not supported yet"):
-        Engine(net, 4, pool, TwoRanks(pool))
-    pool.close()

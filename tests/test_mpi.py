@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,3 +234,14 @@ def test_a_diverging_run_on_ranks_ends_with_one_message(tmp_path, mnist_dir):
     done = train(2, ["--solver", str(solver_file), "--data-dir", str(mnist_dir)], tmp_path)
     assert done.returncode == 2, done.stderr
     assert "training diverged at iteration" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_batchnorm_statistics_over_ranks_give_the_bits_of_one_process(mnist_dir):
+    """LeNet with BatchNorms: each sum over the batch gathers every rank's chunk shares and
+    adds them in the same tree, so 2 and 3 ranks x 1 and 2 workers give one hash."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_batchnorm import bn_lenet_solver
+    lines = []
+    status = run(bn_lenet_solver(mnist_dir), None, RunConfig(data_dir=str(mnist_dir)), [1, 2],
+                 3, log=lines.append, ranks=[1, 2, 3])
+    assert status == 0, "\n".join(lines)
