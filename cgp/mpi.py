@@ -198,6 +198,11 @@ class MPICommunicator:
         self._idle.set()
         self._error = None
         threading.Thread(target=self._serve, name="cgp-exchange", daemon=True).start()
+        # Seconds spent communicating, summed over runs (cgp bench): `busy`, from the first
+        # bucket's posting to the last's finish less the waits for the next bucket's sums,
+        # plus the parameters' all-gather; `exposed`, what of it the step waited for
+        # (exchange() after the calls' run, and the gather).
+        self.clock = {"busy": 0.0, "exposed": 0.0, "steps": 0}
 
     # -- who computes what ---------------------------------------------------------------
     def partition(self, chunks):
@@ -276,7 +281,10 @@ class MPICommunicator:
 
     def exchange(self, reduction):
         """Waits until the thread has exchanged and finished every bucket of the run."""
+        started = time.perf_counter()
         self._settle()
+        self.clock["exposed"] += time.perf_counter() - started
+        self.clock["steps"] += 1
 
     def _settle(self):
         self._idle.wait()
@@ -308,8 +316,14 @@ class MPICommunicator:
             return
         reduction, requests = engine.reduction, []
         ex = reduction.exchange
+        started, waited = None, 0.0
         for bucket in ex.buckets:
+            ready = time.perf_counter()
             self._until(lambda: reduction.done[bucket.tasks].all(), requests)
+            if started is None:
+                started = time.perf_counter()
+            else:
+                waited += time.perf_counter() - ready
             bucket.pack(ex)
             requests.append(self._lane.Ialltoallv(
                 [bucket.send, (bucket.send_counts, np.cumsum(bucket.send_counts)
@@ -319,6 +333,8 @@ class MPICommunicator:
         MPI.Request.Waitall(requests)
         for bucket in ex.buckets:
             ex.finish(bucket, reduction.result)
+        if started is not None:
+            self.clock["busy"] += time.perf_counter() - started - waited
 
     def _until(self, ready, requests=()):
         """Returns once ready(); meanwhile drives the exchanges posted (MPI moves data only
@@ -330,9 +346,13 @@ class MPICommunicator:
 
     # -- after the update ------------------------------------------------------------------
     def share(self, params):
+        started = time.perf_counter()
         counts, displs = _counts(self.columns(len(params)))
         self.comm.Allgatherv(self.MPI.IN_PLACE,
                              [params, (counts, displs), _mpi_type(self.MPI, params)])
+        took = time.perf_counter() - started
+        self.clock["busy"] += took
+        self.clock["exposed"] += took
 
     def gather(self, array, parts):
         self._gather(self.comm, array, parts)
