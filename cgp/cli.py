@@ -18,6 +18,11 @@ def add_train(sub):
     p.add_argument("--solver", help="solver prototxt (Caffe's format)")
     add_run_options(p)
     p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
+    p.add_argument("--staleness", type=int, default=0, metavar="S",
+                   help="deterministic staleness: the update of iteration t applies the "
+                        "gradient of iteration t - S (the first S iterations update nothing); "
+                        "results depend on S, never on --threads or ranks (default 0: "
+                        "synchronous SGD)")
     p.add_argument("--iters", type=int, default=None,
                    help="train to this iteration instead of the solver's max_iter (which "
                    "still sets the poly policy's schedule)")
@@ -83,6 +88,7 @@ def cmd_train(args, log=print):
     if args.weights:
         sp.weights.append(args.weights)
     config = RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
+                       staleness=args.staleness,
                        data_dir=args.data_dir, download=not args.no_download,
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
@@ -161,6 +167,11 @@ def add_equivalence(sub):
     p.add_argument("--solver", help="solver prototxt (Caffe's format)")
     add_run_options(p, threads_list=True)
     p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
+    p.add_argument("--staleness", type=int, default=0, metavar="S",
+                   help="deterministic staleness: the update of iteration t applies the "
+                        "gradient of iteration t - S (the first S iterations update nothing); "
+                        "results depend on S, never on --threads or ranks (default 0: "
+                        "synchronous SGD)")
     p.add_argument("--iters", type=int, default=100, help="iterations per run (default 100)")
     p.add_argument("--ranks", default="1",
                    help="comma-separated numbers of MPI ranks: every thread count also runs on "
@@ -180,6 +191,7 @@ def cmd_equivalence(args, log=print):
     ranks = thread_list(args.ranks, "--ranks")
     workers = worker_list(args.workers)
     config = RunConfig(chunks=args.chunks, seed=args.seed, data_dir=args.data_dir,
+                       staleness=args.staleness,
                        download=not args.no_download, affinity=args.affinity,
                        denormals=args.denormals)
     log(f"cgp equivalence: {path}, {args.iters} iterations, {args.chunks} chunks, "

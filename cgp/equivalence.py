@@ -160,9 +160,10 @@ def run(sp, solver_path, config, threads_list, iters, log=print, workers=None, r
         + (", in " + " and in ".join(workers) if len(workers) > 1 else "") + ": "
         + ("yes" if ok else "NO"))
     plain_sgd = (sp.type == "SGD" and sp.iter_size == 1 and sp.clip_gradients < 0
-                 and sp.regularization_type == "L2")
+                 and sp.regularization_type == "L2" and not config.staleness)
     if not plain_sgd:
-        log("one-step float64 comparison: skipped (it covers SGD with L2, iter_size 1, no clipping)")
+        log("one-step float64 comparison: skipped (it covers synchronous SGD with L2, "
+            "iter_size 1, no clipping)")
     else:
         error, loss32, loss64 = step_against_float64(sp, solver_path, replace(config, threads=1))
         passed = error <= STEP_TOLERANCE

@@ -7,7 +7,8 @@ import psutil
 
 from cgp.errors import CgpError
 
-EPILOG = "Models: mnist (LeNet), cifar10 (cifar10_quick), cifar10_full; or --solver FILE."
+EPILOG = ("Models: mnist (LeNet), cifar10 (cifar10_quick), cifar10_full, resnet20 (ResNet-20 "
+          "for CIFAR-10); or --solver FILE.")
 WORKERS = ("threads", "processes")
 
 
@@ -65,7 +66,7 @@ def solver_file(args):
         return args.solver
     if args.model:
         return str(solver_path(args.model))
-    raise CgpError("name a model (mnist, cifar10, cifar10_full) or give --solver FILE")
+    raise CgpError("name a model (mnist, cifar10, cifar10_full, resnet20) or give --solver FILE")
 
 
 def physical_cores():

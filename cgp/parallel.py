@@ -10,6 +10,10 @@ One step has one shape:
   the solver's update of the blocks of parameters this process updates;
   the new parameters shared (nothing on one machine).
 
+With staleness S (deterministic staleness, --staleness), the update of iteration t applies the
+gradient made at iteration t - S (the first S iterations update nothing): a fixed delay, so
+the weights are still bitwise the same for any workers and ranks at a given S.
+
 Where the sums are the batch's as soon as each reduction task has run (one process) and the
 Step needs no gradient (no clip_gradients), the update of each task's columns runs inside
 that task (Engine.on_sums), with iter_size's sum over passes: the workers done with their
@@ -24,6 +28,7 @@ import numpy as np
 
 from cgp import mpi
 from cgp.comm import LocalCommunicator
+from cgp.errors import CgpError
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.update import all_finite, claim
 from cgp.solver import Step
@@ -55,12 +60,20 @@ class DataParallelStep:
     they write them, so the check reads nothing twice and a finite run's bits are as they
     were."""
 
-    def __init__(self, engine, solver, comm, iter_size=1):
+    def __init__(self, engine, solver, comm, iter_size=1, staleness=0):
         """Before the pool starts: worker processes must inherit the update's functions."""
         self.engine, self.solver, self.comm = engine, solver, comm
         pool, net = engine.pool, engine.net
         self.pool, self.params = pool, net.params
         self.iter_size = iter_size
+        if staleness < 0 or (staleness and iter_size > 1):
+            raise CgpError(f"--staleness {staleness}: a staleness of 0 or more, with iter_size "
+                           f"1 (the solver's iter_size is {iter_size})")
+        # The gradients made and not applied yet (staleness): iteration t's in slot
+        # t % (S + 1).
+        self.staleness = staleness
+        self.slots = [aligned_zeros(net.n_params, net.params.dtype, pool.shared_memory)
+                      for _ in range(staleness + 1)] if staleness else []
         # The fixed blocks the update runs in, and over which the clipping norm is added up.
         self.blocks = comm.update_blocks(net.n_params)
         # The sum over iter_size passes (written by the reduction's tasks or the workers).
@@ -72,6 +85,7 @@ class DataParallelStep:
         engine.on_sums(self._columns, self._claim if pool.threads > 1 else None)
         self._update = pool.program(self._update_block)
         self._accumulate = pool.program(self._accumulate_block)
+        self._stash = pool.program(self._stash_block)
         # What the workers found not finite: [0] the loss (a fused update then skips its
         # columns), [1] 1 + a column whose update made a weight infinite or NaN.
         self.found = aligned_zeros(2, np.int64, pool.shared_memory)
@@ -83,34 +97,53 @@ class DataParallelStep:
         """Iteration `it`: returns (loss averaged over the passes, the last pass's outputs, the
         learning rate). batches(k) -> (batch, iteration number of its data) for pass k;
         first: the caller's own work during the last pass's run (Pool.run's)."""
-        step = self.solver.prepare(it) if self.fused else None
+        S = self.staleness
+        made, applied = (it % (S + 1), (it - S) % (S + 1) if it >= S else None) if S \
+            else (None, -1)
+        updates = applied is not None
+        step = self.solver.prepare(it) if self.fused and updates else None
         loss, size = 0.0, self.iter_size
         self.found[:] = 0
         for k in range(size):
             last = k == size - 1
             batch, data_iteration = batches(k)
             fused = step.plain() if step is not None and last else None
-            arg = (k, fused) if self.accum is not None or fused is not None else None
+            arg = ((k, fused, made, applied) if self.accum is not None or fused is not None
+                   or (S and self.fused) else None)
             outputs, pass_loss, _ = self.engine.run(batch, data_iteration, seed,
                                                     first if last else None, arg)
             if self.found[0] or not math.isfinite(pass_loss):
                 raise Diverged(it, k, pass_loss)
             loss += pass_loss
-            if not self.engine.final_sums:
+            # With staleness this step's exchange is awaited only after its update (of an
+            # older gradient) and the parameters' all-gather, which it so overlaps.
+            if not self.engine.final_sums and not S:
                 self.comm.exchange(self.engine.reduction)
                 if self.accum is not None:
                     self.pool.run(self._accumulate, len(self.blocks), k)
-        if step is None:
-            squares = (self.comm.gather_blocks(self.solver.squares(self.gradient, self.blocks),
+        if step is None and updates:
+            gradient = self.slots[applied] if S else self.gradient
+            squares = (self.comm.gather_blocks(self.solver.squares(gradient, self.blocks),
                                                len(self.params))
                        if self.solver.needs_norm else None)
             step = self.solver.prepare(it, squares)
-            self.pool.run(self._update, len(self.blocks), step.plain())
+            self.pool.run(self._update, len(self.blocks), step.plain(), applied)
         bad = self.comm.max(int(self.found[1]))   # any process's column
         if bad:
             raise Diverged(it, column=bad - 1)
         self.comm.share(self.params)
-        return loss / size, outputs, step.rate
+        if S and not self.fused:
+            if not self.engine.final_sums:
+                self.comm.exchange(self.engine.reduction)
+            self.pool.run(self._stash, len(self.blocks), made)
+        rate = step.rate if step is not None else self.solver.learning_rate(it)
+        return loss / size, outputs, rate
+
+    def pending(self, it):
+        """[(iteration, its gradient made and not applied yet), ...] after iteration it - 1
+        (what a snapshot at `it` must keep, with staleness)."""
+        return [(j, self.slots[j % (self.staleness + 1)])
+                for j in range(max(0, it - self.staleness), it)]
 
     # -- what workers run ----------------------------------------------------------------
     def _step_of(self, plain):
@@ -121,16 +154,19 @@ class DataParallelStep:
 
     def _columns(self, worker, lo, hi, arg):
         """Columns lo:hi of the batch's sum of pass k, in the reduction task that made them:
-        added to the passes before, and with the Step `fused` updated."""
-        k, fused = arg
+        added to the passes before, kept in slot `made` (staleness), and with the Step
+        `fused` updated, from the gradient of slot `applied` (-1: this one)."""
+        k, fused, made, applied = arg
         if self.accum is not None:
             self._add_pass(k, lo, hi)
+        if made is not None:
+            self.slots[made][lo:hi] = self.gradient[lo:hi]
         if fused is not None:
+            gradient = self.gradient if applied < 0 else self.slots[applied]
             # Every call's forward is done: the loss shares are all written.
             if not all_finite(self.engine.shares):
                 self.found[0] = 1   # the weights stay as they were, for the diagnosis
-            elif not self.solver.apply(self._step_of(fused), self.params, self.gradient,
-                                       lo, hi):
+            elif not self.solver.apply(self._step_of(fused), self.params, gradient, lo, hi):
                 self.found[1] = lo + 1
 
     def _claim(self, lo, hi, arg):
@@ -151,7 +187,12 @@ class DataParallelStep:
     def _accumulate_block(self, worker, i, k):
         self._add_pass(k, *self.blocks[i])
 
-    def _update_block(self, worker, i, plain):
+    def _stash_block(self, worker, i, made):
         lo, hi = self.blocks[i]
-        if not self.solver.apply(self._step_of(plain), self.params, self.gradient, lo, hi):
+        self.slots[made][lo:hi] = self.gradient[lo:hi]
+
+    def _update_block(self, worker, i, plain, applied):
+        lo, hi = self.blocks[i]
+        gradient = self.gradient if applied < 0 else self.slots[applied]
+        if not self.solver.apply(self._step_of(plain), self.params, gradient, lo, hi):
             self.found[1] = lo + 1

@@ -51,6 +51,7 @@ class RunConfig:
     # Run the workers as "threads" or as forked "processes" (default: procs.default_workers).
     workers: str = field(default_factory=default_workers)
     denormals: str = "flush"  # subnormal floats: "flush" to zero (fast) or "keep" (IEEE)
+    staleness: int = 0        # the update of iteration t applies iteration t - S's gradient
 
     def __post_init__(self):
         # Refused before anything runs: a seed out of range would otherwise fail only when
@@ -220,7 +221,8 @@ class Trainer:
         self.engine = Engine(self.net, config.chunks, self.pool, comm)
         self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False)
                              for n in self.test_nets]
-        self.train_step = DataParallelStep(self.engine, self.solver, comm, sp.iter_size)
+        self.train_step = DataParallelStep(self.engine, self.solver, comm, sp.iter_size,
+                                           config.staleness)
         self.pool.start()   # workers forked once everything they run exists
         self.iter = 0
         # The iteration whose batch starts at record 0: 0, or the iteration of a Caffe
@@ -575,8 +577,10 @@ class Trainer:
         .caffemodel path."""
         base = f"{self.snapshot_prefix()}_iter_{self.iter}"
         model = Path(base + ".caffemodel")
-        for history in self.solver.histories:   # each process holds its columns' (MPI)
-            self.comm.collect(history)
+        pending = self.train_step.pending(self.iter)
+        # Each process holds its columns' (MPI).
+        for array in self.solver.histories + [gradient for _, gradient in pending]:
+            self.comm.collect(array)
         if self.comm.leader:
             write_caffemodel(model, self.net)
             write_solverstate(Path(base + ".solverstate"), self.iter, model, self.solver,
@@ -588,8 +592,11 @@ class Trainer:
 
     def resume_state(self):
         """What cgp's .solverstate adds to Caffe's to resume bit for bit (cgp.proto)."""
-        return cgp_pb2.ResumeState(data_origin=self.data_origin, seed=self.seed,
-                                   chunks=len(self.engine.bounds), recent_loss=self.losses)
+        return cgp_pb2.ResumeState(
+            data_origin=self.data_origin, seed=self.seed, chunks=len(self.engine.bounds),
+            recent_loss=self.losses, staleness=self.train_step.staleness,
+            stale_gradient=[cgp_pb2.StaleGradient(iteration=j, value=gradient)
+                            for j, gradient in self.train_step.pending(self.iter)])
 
     def restore(self, path):
         """Resume from a .solverstate and the .caffemodel it names (its learned_net,
@@ -611,6 +618,7 @@ class Trainer:
             return
         self.data_origin = resume.data_origin
         self.losses = list(resume.recent_loss)[-max(1, self.sp.average_loss):]
+        self._restore_pending(path, resume)
         if resume.HasField("seed") and resume.seed != self.seed:
             self.log(f"Resuming with the snapshot's seed {resume.seed} (not {self.seed}), so "
                      "that the run continues as it would have")
@@ -620,6 +628,23 @@ class Trainer:
                      f"this run uses {len(self.engine.bounds)}: it continues with different "
                      "rounding, not bit for bit (use --chunks "
                      f"{resume.chunks})")
+
+    def _restore_pending(self, path, resume):
+        """The gradients a run with staleness had made and not applied yet."""
+        step = self.train_step
+        if resume.staleness != step.staleness:
+            raise CgpError(f"{path} was written with --staleness {resume.staleness}; resume it "
+                           f"with the same (this run has {step.staleness})")
+        want = [j for j, _ in step.pending(self.iter)]
+        if [g.iteration for g in resume.stale_gradient] != want:
+            raise CgpError(f"{path}: the gradients pending at iteration {self.iter} should be "
+                           f"those of iterations {want}; it holds "
+                           f"{[g.iteration for g in resume.stale_gradient]}")
+        for (_, slot), stored in zip(step.pending(self.iter), resume.stale_gradient):
+            if len(stored.value) != slot.size:
+                raise CgpError(f"{path}: a pending gradient of {len(stored.value)} values for "
+                               f"{slot.size} parameters")
+            slot[...] = stored.value
 
     def load_weights(self, path, quiet=False):
         copied = load_weights(self.net, path, None if quiet else self.log)

@@ -11,6 +11,7 @@ SHORT_NAMES = {
     "cifar10": "cifar10_quick_solver.prototxt",
     "cifar10_quick": "cifar10_quick_solver.prototxt",
     "cifar10_full": "cifar10_full_solver.prototxt",
+    "resnet20": "resnet20_cifar10_solver.prototxt",
 }
 
 

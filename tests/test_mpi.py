@@ -245,3 +245,14 @@ def test_batchnorm_statistics_over_ranks_give_the_bits_of_one_process(mnist_dir)
     status = run(bn_lenet_solver(mnist_dir), None, RunConfig(data_dir=str(mnist_dir)), [1, 2],
                  3, log=lines.append, ranks=[1, 2, 3])
     assert status == 0, "\n".join(lines)
+
+
+@pytest.mark.parametrize("staleness, ranks, threads", [(1, [1, 2, 4], [1]), (2, [1, 3], [1, 2])])
+def test_staleness_gives_one_hash_across_ranks(staleness, ranks, threads, mnist_dir):
+    """--staleness S, a fixed delay: one hash for every ranks x workers at a given S (1 to 4
+    ranks, 1 and 2 workers between the two cases)."""
+    sp = solver("mnist", test_iter=[1])
+    lines = []
+    status = run(sp, None, RunConfig(data_dir=str(mnist_dir), staleness=staleness), threads,
+                 5, log=lines.append, ranks=ranks)
+    assert status == 0, "\n".join(lines)

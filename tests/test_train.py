@@ -144,3 +144,58 @@ def test_an_update_that_overflows_names_the_parameter_blob(mnist_dir):
     finally:
         trainer.close()
 
+
+
+def test_staleness_applies_the_gradient_of_s_iterations_before(mnist_dir):
+    """--staleness 2: iterations 0 and 1 change no weight; iteration t applies the gradient
+    made at t - 2 (a float64 reference of the SGD rule from the recorded gradients), with
+    the update in the reduction's tasks and after them (the same bits)."""
+    from cgp.train import Trainer
+    sp = lenet_solver(16, momentum=0.0, weight_decay=0.0)
+    config = RunConfig(threads=2, data_dir=str(mnist_dir), progress=False, staleness=2)
+    trainers = [Trainer(sp, None, config, log=lambda line: None) for _ in range(2)]
+    trainers[1].train_step.fused = False
+    try:
+        start = trainers[0].net.params.copy()
+        made = []
+        for it in range(5):
+            before = trainers[0].net.params.copy()
+            for t in trainers:
+                t.step()
+            made.append(trainers[0].train_step.slots[it % 3].copy())
+            after = trainers[0].net.params
+            if it < 2:
+                assert np.array_equal(after, start)
+            else:
+                rate = trainers[0].solver.learning_rate(it)
+                want = before - rate * trainers[0].net.lr_mult * made[it - 2].astype(np.float64)
+                np.testing.assert_allclose(after, want, rtol=1e-5, atol=1e-7)
+            assert np.array_equal(trainers[0].net.params, trainers[1].net.params)
+    finally:
+        for t in trainers:
+            t.close()
+
+
+def test_staleness_resumes_bit_for_bit(tmp_path, mnist_dir):
+    """A snapshot keeps the gradients made and not applied yet: resumed, the run ends on the
+    bits of an uninterrupted one; resumed with another staleness, it is refused."""
+    from cgp.errors import CgpError
+    from cgp.train import Trainer
+    sp = lenet_solver(16, snapshot=3, snapshot_prefix=str(tmp_path / "s"), test_interval=0)
+    config = RunConfig(threads=2, data_dir=str(mnist_dir), progress=False, staleness=2,
+                       max_iter=6)
+    whole = Trainer(sp, None, config, log=lambda line: None)
+    whole.solve()
+    whole.close()
+    resumed = Trainer(sp, None, config, log=lambda line: None)
+    resumed.restore(tmp_path / "s_iter_3.solverstate")
+    resumed.solve()
+    resumed.close()
+    assert np.array_equal(whole.net.params, resumed.net.params)
+    other = Trainer(sp, None, RunConfig(threads=1, data_dir=str(mnist_dir), progress=False,
+                                        staleness=1), log=lambda line: None)
+    try:
+        with pytest.raises(CgpError, match="written with --staleness 2"):
+            other.restore(tmp_path / "s_iter_3.solverstate")
+    finally:
+        other.close()

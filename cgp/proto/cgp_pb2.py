@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\tcgp.proto\x12\x03\x63gp\"Y\n\x0bResumeState\x12\x13\n\x0b\x64\x61ta_origin\x18\x01 \x01(\x03\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\x12\x17\n\x0brecent_loss\x18\x04 \x03(\x01\x42\x02\x10\x01\"<\n\x12SolverStateTrailer\x12&\n\ncgp_resume\x18\x88\xe9g \x01(\x0b\x32\x10.cgp.ResumeState')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\tcgp.proto\x12\x03\x63gp\"\x98\x01\n\x0bResumeState\x12\x13\n\x0b\x64\x61ta_origin\x18\x01 \x01(\x03\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\x12\x17\n\x0brecent_loss\x18\x04 \x03(\x01\x42\x02\x10\x01\x12\x11\n\tstaleness\x18\x05 \x01(\r\x12*\n\x0estale_gradient\x18\x06 \x03(\x0b\x32\x12.cgp.StaleGradient\"5\n\rStaleGradient\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x11\n\x05value\x18\x02 \x03(\x02\x42\x02\x10\x01\"<\n\x12SolverStateTrailer\x12&\n\ncgp_resume\x18\x88\xe9g \x01(\x0b\x32\x10.cgp.ResumeState')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESUMESTATE'].fields_by_name['recent_loss']._loaded_options = None
   _globals['_RESUMESTATE'].fields_by_name['recent_loss']._serialized_options = b'\020\001'
-  _globals['_RESUMESTATE']._serialized_start=18
-  _globals['_RESUMESTATE']._serialized_end=107
-  _globals['_SOLVERSTATETRAILER']._serialized_start=109
-  _globals['_SOLVERSTATETRAILER']._serialized_end=169
+  _globals['_STALEGRADIENT'].fields_by_name['value']._loaded_options = None
+  _globals['_STALEGRADIENT'].fields_by_name['value']._serialized_options = b'\020\001'
+  _globals['_RESUMESTATE']._serialized_start=19
+  _globals['_RESUMESTATE']._serialized_end=171
+  _globals['_STALEGRADIENT']._serialized_start=173
+  _globals['_STALEGRADIENT']._serialized_end=226
+  _globals['_SOLVERSTATETRAILER']._serialized_start=228
+  _globals['_SOLVERSTATETRAILER']._serialized_end=288
 # @@protoc_insertion_point(module_scope)
