@@ -11,7 +11,7 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from cgp.errors import NetError
+from cgp.errors import NetError, shorten
 
 REGISTRY = {}
 
@@ -211,7 +211,7 @@ class Layer:
             raise self.error(f"takes {want} {what}(s), got {count}")
 
     def error(self, message):
-        return NetError(f"layer '{self.name}' (type {self.type_name}): {message}")
+        return NetError(f"layer '{shorten(self.name)}' (type {self.type_name}): {message}")
 
     # -- set up once -------------------------------------------------------------
     def setup(self, bottom_shapes):
