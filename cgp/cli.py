@@ -8,7 +8,7 @@ import time
 import psutil
 
 from cgp.bench import add_bench
-from cgp.errors import CgpError
+from cgp.errors import CgpError, shorten
 from cgp.timing import add_time, compile_notice
 
 EPILOG = "Models: mnist (LeNet), cifar10 (cifar10_quick), cifar10_full; or --solver FILE."
@@ -76,10 +76,12 @@ def add_train(sub):
     p.add_argument("--snapshot", help="resume from a .solverstate")
     p.add_argument("--snapshot-prefix", default=None,
                    help="where snapshots go (overrides the solver's snapshot_prefix)")
-    for name, default in (("sigint", "stop"), ("sighup", "snapshot")):
+    for name, default in (("sigint", "stop"), ("sighup", "snapshot"), ("sigterm", "stop")):
         p.add_argument(f"--{name}-effect", default=default, choices=("stop", "snapshot", "none"),
                        help=f"what {name.upper()} does, after the current iteration (default "
-                            f"{default}; 'stop' snapshots too, as Caffe's)")
+                            f"{default}; 'stop' snapshots too, as Caffe's)"
+                            + ("; batch schedulers (Slurm, PBS) send SIGTERM before they kill "
+                               "a job" if name == "sigterm" else ""))
     p.set_defaults(run=cmd_train)
 
 
@@ -147,16 +149,18 @@ def cmd_train(args, log=print):
                        data_dir=args.data_dir, download=not args.no_download,
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
-                       sighup_effect=args.sighup_effect, denormals=args.denormals,
+                       sighup_effect=args.sighup_effect, sigterm_effect=args.sigterm_effect,
+                       denormals=args.denormals,
                        workers=worker_kind(args.workers))
     check_threads(args.threads, log, config.workers)
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
     try:
         net = trainer.net
-        log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
-            f"{net.batch_size} in {len(trainer.engine.bounds)} chunks on {args.threads} "
-            f"{worker_noun(config.workers, args.threads)}, seed {trainer.seed}"
+        log(f"cgp: solver {shorten(path)} ({trainer.solver.type}), net "
+            f"'{shorten(net.name)}', batch {net.batch_size} in {len(trainer.engine.bounds)} "
+            f"chunks on {args.threads} {worker_noun(config.workers, args.threads)}, seed "
+            f"{trainer.seed}"
             f"{'' if args.seed is not None or sp.random_seed >= 0 else ' (no random_seed set)'}"
             f", {denormals_text(trainer.pool.flush)}")
         log(f"cgp: {trainer.memory_line}")
@@ -300,7 +304,8 @@ def main(argv=None):
     try:
         return args.run(args)
     except CgpError as e:
-        print(f"cgp: error: {e}", file=sys.stderr)
+        # Shortened once more as a last guard: a message quotes the user's data.
+        print(f"cgp: error: {shorten(e, 4000)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("cgp: interrupted", file=sys.stderr)
