@@ -142,9 +142,10 @@ def solver_nets(sp, solver_path):
 # the real workers of LeNet and cifar10_quick stay within it.
 WORKER_PROCESS_BYTES = 32 << 20
 # What a process holds once the first step has loaded Numba's compiled kernels from their
-# cache: 38 MiB for LeNet's, 50 MiB for cifar10_quick's (RSS after one step, less the
-# buffers the step allocated). tests/test_hardening.py checks the memory line against the
-# peak RSS of a real `cgp train mnist`. A first run, which compiles them, holds more.
+# cache: 38 MiB for LeNet's, 50 MiB for cifar10_quick's on the 2-core VM (psutil's RSS
+# before and after a Trainer's first step(), less the buffers the step allocated).
+# tests/test_hardening.py checks the memory line against the peak RSS of a real
+# `cgp train mnist`. A first run, which compiles the kernels, holds more.
 KERNEL_BYTES = 48 << 20
 
 
