@@ -216,6 +216,8 @@ class Trainer:
     """Trains one solver; `log` receives Caffe-style lines."""
 
     restored_iter = None   # the iteration of the .solverstate restored, if any
+    _prefix_held = False   # hold_prefix has run
+    _lock = None           # this run's share of its snapshot prefix's lock
 
     def __init__(self, sp, solver_path=None, config=RunConfig(), log=print):
         self.sp, self.config, self.log = sp, config, log
@@ -305,11 +307,6 @@ class Trainer:
         for names in sp.weights:
             for name in names.split(","):
                 self.load_weights(resolve(name, base, "weights file (solver field weights)"))
-        # One run per snapshot prefix, taken once everything is checked (a refused run
-        # writes nothing); then what an earlier run left half written there is finished
-        # or removed.
-        self._lock = lock_prefix(self.snapshot_prefix())
-        recover_snapshots(self.snapshot_prefix(), log)
 
     def _check_memory(self, chunks):
         self.memory_line = check_memory(self.net, chunks, self.pool.threads,
@@ -510,6 +507,7 @@ class Trainer:
             self.log(f"Note: resumed at iteration {self.iter}, max_iter is {self.max_iter}: "
                      "nothing to train; no snapshot written")
             return self.last_test
+        self.hold_prefix()
         if 0 < self.max_iter <= self.iter:   # resumed past the end: Caffe says nothing
             self.log(f"Note: resumed at iteration {self.iter}, max_iter is {self.max_iter}: "
                      "nothing to train")
@@ -653,9 +651,21 @@ class Trainer:
             prefix = str(Path(self.solver_path).with_suffix(""))
         return prefix or "cgp"
 
+    def hold_prefix(self):
+        """One run per snapshot prefix: takes its lock (snapshot.lock_prefix) for as long as
+        this trainer runs, before it can write a snapshot (solve, snapshot), so that a
+        second run is refused (CgpError naming the first) and a trainer that never writes
+        one (equivalence, bench) takes none; then finishes or removes what an interrupted
+        run left half written there. Once."""
+        if not self._prefix_held:
+            self._prefix_held = True
+            self._lock = lock_prefix(self.snapshot_prefix())
+            recover_snapshots(self.snapshot_prefix(), self.log)
+
     def snapshot(self):
         """Write <prefix>_iter_<N>.caffemodel and .solverstate, a pair that appears whole
         or not at all (snapshot.write_snapshot); returns the .caffemodel path."""
+        self.hold_prefix()
         model = write_snapshot(self.snapshot_prefix(), self.iter, self.net, self.solver,
                                resume=self.resume_state())
         self.log(f"Snapshotting to binary proto file {model}")
@@ -713,6 +723,7 @@ class Trainer:
         self.pool.close()
         if self._lock is not None:
             self._lock.release()
+            self._lock = None
         for net in [self.net] + self.test_nets:
             for entry in net.sources:
                 if hasattr(entry.layer, "close"):

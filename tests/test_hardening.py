@@ -513,6 +513,7 @@ def test_a_kill_during_a_snapshot_leaves_a_whole_pair(after, mnist_dir, tmp_path
     lines = []
     t = Trainer(solver(snapshot_prefix=str(prefix)), None, quiet(data_dir=str(mnist_dir)),
                 log=lines.append)
+    t.hold_prefix()   # what solve() and snapshot() do first
     t.close()
     names = pair_files(prefix.parent)
     assert not [n for n in names if n.startswith(".")], names
@@ -590,6 +591,13 @@ def test_a_second_run_on_a_prefix_refuses_to_start(tiny_solver_file, mnist_dir, 
         assert_user_error(second, "snapshot prefix 'snaps/tiny' is in use by another run "
                           f"(pid {first.pid}, command ", "-m cgp train --solver",
                           "--snapshot-prefix")
+        # A trainer that writes no snapshot (equivalence, bench) takes no lock.
+        sp = solver(snapshot_prefix=str(tmp_path / "snaps" / "tiny"))
+        t = trainer(sp, mnist_dir)
+        t.steps(1)
+        with pytest.raises(CgpError, match="is in use by another run"):
+            t.snapshot()
+        t.close()
         workers = psutil.Process(first.pid).children()
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
