@@ -10,7 +10,7 @@ from threadpoolctl import threadpool_limits
 
 from cgp.comm import LocalCommunicator
 from cgp.engine import Engine
-from cgp.errors import CgpError
+from cgp.errors import CgpError, shorten
 from cgp.net import RunOptions, build_net
 from cgp.proto import caffe_pb2
 from cgp.runtime.procs import default_workers, make_pool
@@ -34,6 +34,17 @@ def load_all_weights(net, names, log):
                        f"weights: {', '.join(missing)})")
     if missing:
         log(f"Warning: no weights for {', '.join(missing)}: scored with zero weights there")
+
+
+def check_finite(outputs, loss, batch, weights):
+    """A score over non-finite outputs means nothing (a NaN is no class): CgpError saying
+    which output of which batch, instead of an accuracy."""
+    bad = [f"{name} = {fmt(value)}" for name, value in [("loss", loss), *outputs.items()]
+           if not np.isfinite(value)]
+    if bad:
+        raise CgpError(f"batch {batch}: {', '.join(bad)}: the net's outputs are not finite, so "
+                       f"there is no score to report; the weights ({shorten(weights)}) or the "
+                       "data hold NaN or infinite values, or the net overflows")
 
 
 def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, download=True,
@@ -66,6 +77,7 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
                 for name, value in outputs.items():
                     sums[name] += np.float32(value)
                     log(f"Batch {i}, {name} = {fmt(value)}")
+                check_finite(outputs, loss, i, weights)
     finally:
         pool.close()
         for entry in net.sources:

@@ -4,7 +4,7 @@ import argparse
 import sys
 import time
 
-from cgp.errors import CgpError
+from cgp.errors import CgpError, shorten
 from cgp.options import (EPILOG, add_run_options, check_threads, solver_file, thread_list,
                          worker_kind, worker_list)
 from cgp.plot import add_plot
@@ -31,10 +31,12 @@ def add_train(sub):
     p.add_argument("--snapshot", help="resume from a .solverstate")
     p.add_argument("--snapshot-prefix", default=None,
                    help="where snapshots go (overrides the solver's snapshot_prefix)")
-    for name, default in (("sigint", "stop"), ("sighup", "snapshot")):
+    for name, default in (("sigint", "stop"), ("sighup", "snapshot"), ("sigterm", "stop")):
         p.add_argument(f"--{name}-effect", default=default, choices=("stop", "snapshot", "none"),
                        help=f"what {name.upper()} does, after the current iteration (default "
-                            f"{default}; 'stop' snapshots too, as Caffe's)")
+                            f"{default}; 'stop' snapshots too, as Caffe's)"
+                            + ("; batch schedulers (Slurm, PBS) send SIGTERM before they kill "
+                               "a job" if name == "sigterm" else ""))
     p.add_argument("--log", default=None, metavar="FILE",
                    help="write the training log to FILE, in Caffe's glog format (Caffe's "
                         "parse_log.py reads it), and its values to FILE's name with .csv "
@@ -92,7 +94,8 @@ def cmd_train(args, log=print):
                        data_dir=args.data_dir, download=not args.no_download,
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
-                       sighup_effect=args.sighup_effect, denormals=args.denormals,
+                       sighup_effect=args.sighup_effect, sigterm_effect=args.sigterm_effect,
+                       denormals=args.denormals,
                        workers=worker_kind(args.workers))
     sink = train_log(args, sp, path, log)
     try:
@@ -119,8 +122,9 @@ def train(args, sp, path, config, log, sink):
         where = (f"{args.threads} {worker_noun(config.workers, args.threads)}" if ranks == 1
                  else f"{ranks} ranks x {args.threads} "
                       f"{worker_noun(config.workers, args.threads)}")
-        log(f"cgp: solver {path} ({trainer.solver.type}), net '{net.name}', batch "
-            f"{net.batch_size} in {len(engine.bounds)} chunks on {where}, seed {trainer.seed}"
+        log(f"cgp: solver {shorten(path)} ({trainer.solver.type}), net "
+            f"'{shorten(net.name)}', batch {net.batch_size} in {len(engine.bounds)} chunks on "
+            f"{where}, seed {trainer.seed}"
             f"{'' if args.seed is not None or sp.random_seed >= 0 else ' (no random_seed set)'}"
             f", {denormals_text(trainer.pool.flush)}")
         if ranks > 1:
@@ -292,7 +296,8 @@ def main(argv=None):
     try:
         return args.run(args)
     except CgpError as e:
-        print(f"cgp: error: {e}", file=sys.stderr)
+        # Shortened once more as a last guard: a message quotes the user's data.
+        print(f"cgp: error: {shorten(e, 4000)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("cgp: interrupted", file=sys.stderr)

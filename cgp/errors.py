@@ -11,3 +11,13 @@ class NetError(CgpError):
 
 class DataError(CgpError):
     """A data set or weights file that is missing, truncated or malformed."""
+
+
+def shorten(text, limit=200):
+    """text, or its first `limit` characters, an ellipsis and its length: what a message
+    echoes of the user's data (a name, a path, a record, a token) stays readable, and a
+    50 MB layer name or garbage file is never printed whole."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"

@@ -28,8 +28,13 @@ def fill(array, fp, rng, where="?"):
     if kind == "constant":
         array[...] = fp.value
     elif kind == "uniform":
+        if not fp.min <= fp.max:   # Caffe's caffe_rng_uniform: CHECK_LE(a, b)
+            raise NetError(f"{where}: the uniform filler needs min <= max, got min {fp.min:g} "
+                           f"and max {fp.max:g}")
         array[...] = rng.uniform(fp.min, fp.max, array.shape)
     elif kind == "gaussian":
+        if not fp.std > 0:   # Caffe's caffe_rng_gaussian: CHECK_GT(sigma, 0)
+            raise NetError(f"{where}: the gaussian filler needs std > 0, got {fp.std:g}")
         array[...] = rng.normal(fp.mean, fp.std, array.shape)
         if fp.sparse >= 0:
             # Caffe keeps each weight with probability sparse / num_inputs.

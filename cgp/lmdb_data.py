@@ -10,6 +10,9 @@ The `lmdb` package is an optional dependency, imported only when a database is o
 """
 import collections
 import os
+import signal
+import subprocess
+import sys
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +22,7 @@ import numpy as np
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from cgp.errors import DataError
+from cgp.errors import DataError, shorten
 from cgp.proto import caffe_pb2
 
 # Databases whose records take at most this many bytes as float32 are decoded into memory
@@ -40,17 +43,23 @@ def require_lmdb(what):
 
 
 class ArrayRecords:
-    """Records held in memory: images (M, C, H, W) uint8 or float32, labels (M,)."""
+    """Records held in memory: images (M, C, H, W) uint8 or float32, labels (M,). name: what
+    they are, for messages ("data set mnist:train", "LMDB path")."""
 
-    def __init__(self, images, labels):
+    def __init__(self, images, labels, name="records"):
         if len(images) == 0:
-            raise DataError("the data set holds no records")
+            raise DataError(f"{name}: the data set holds no records")
         self.images = images
         self.labels = np.asarray(labels, np.float32)
         self.shape = tuple(images.shape[1:])
+        self.name = name
 
     def __len__(self):
         return len(self.images)
+
+    def where(self, position):
+        """Which record a position (wrapping) is, for a message."""
+        return f"{self.name}: record {position % len(self.images)}"
 
     def read(self, start, count):
         """Records start, start+1, ... (wrapping): images (count, C, H, W), labels (count,).
@@ -67,12 +76,13 @@ class ArrayRecords:
 
 
 def decode_datum(value, where):
-    """One serialized caffe.Datum -> (record (C, H, W) uint8 or float32, label)."""
+    """One serialized caffe.Datum -> (record (C, H, W) uint8 or float32, label). Float
+    records holding NaN or infinities are refused: they would only show as a NaN loss."""
     datum = caffe_pb2.Datum()
     try:
         datum.ParseFromString(bytes(value))
-    except (DecodeError, RuntimeError, ValueError) as e:
-        raise DataError(f"{where} is not a caffe Datum ({e})") from None
+    except (DecodeError, RuntimeError, ValueError, RecursionError) as e:
+        raise DataError(f"{where} is not a caffe Datum ({shorten(e)})") from None
     if len(unknown_fields.UnknownFieldSet(datum)):
         raise DataError(f"{where} is not a caffe Datum (it holds fields that Datum does not have)")
     if datum.encoded:
@@ -88,6 +98,10 @@ def decode_datum(value, where):
         record = np.frombuffer(datum.data, np.uint8).reshape(c, h, w)
     elif not datum.data and len(datum.float_data) == size:
         record = np.array(datum.float_data, np.float32).reshape(c, h, w)
+        if not np.isfinite(record).all():
+            at = np.unravel_index(np.flatnonzero(~np.isfinite(record))[0], record.shape)
+            raise DataError(f"{where} holds {record[at]} at (channel, row, column) "
+                            f"{tuple(int(i) for i in at)}; float_data must be finite")
     else:
         raise DataError(f"{where} is not a caffe Datum ({len(datum.data)} data bytes and "
                         f"{len(datum.float_data)} float_data values for {c} x {h} x {w})")
@@ -106,7 +120,8 @@ _ORPHANS = collections.deque()
 
 
 def _open_env(path):
-    lmdb = require_lmdb(f"LMDB {path}")
+    """The shared lmdb.Environment of database folder `path`, checked (_check_env)."""
+    lmdb = require_lmdb(f"LMDB {shorten(path)}")
     key = os.path.realpath(path)
     with _ENVS_LOCK:
         if key in _ENVS:
@@ -117,9 +132,105 @@ def _open_env(path):
             env = lmdb.open(str(path), readonly=True, lock=False, readahead=False,
                             max_readers=512)
         except lmdb.Error as e:
-            raise DataError(f"LMDB {path}: cannot open: {e}") from None
-        _ENVS[key] = [env, 1]
+            raise DataError(f"LMDB {shorten(path)}: cannot open: {shorten(e)} (not an LMDB "
+                            "database, or a damaged one)") from None
+        try:
+            extent = _check_env(env, path)
+            _walk_in_child(path)
+        except BaseException:
+            env.close()
+            raise
+        _ENVS[key] = [env, 1, extent]
         return env
+
+
+# Walks every record's key and value, reading neither: what _index then does in this
+# process, and what LMDB may end with an assertion (SIGABRT) on a damaged page.
+_WALK = """import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=False, readahead=False, max_readers=512)
+with env.begin(buffers=True) as txn:
+    for record in txn.cursor().iternext(keys=True, values=True):
+        pass
+"""
+
+
+def _walk_in_child(path):
+    """Where LMDB could return an error for a damaged page, it sometimes asserts and aborts
+    the process instead (mdb_cursor_next on a page of the wrong type): the walk runs first
+    in a child process, whose death is one DataError here. An error the child meets is
+    left to this process's own walk, which says it. A child that cannot start is skipped."""
+    size = os.path.getsize(Path(path) / "data.mdb")
+    try:
+        child = subprocess.run([sys.executable, "-c", _WALK, str(path)], capture_output=True,
+                               text=True, timeout=60 + size / 50e6)
+    except subprocess.TimeoutExpired:
+        raise DataError(f"LMDB {shorten(path)}: walking its records did not end (a damaged "
+                        "database whose pages form a loop?); copy the database again") from None
+    except OSError:
+        return
+    if child.returncode < 0:
+        raise DataError(f"LMDB {shorten(path)} is damaged: reading it ended the reader with "
+                        f"{signal.Signals(-child.returncode).name} "
+                        f"({shorten(child.stderr.strip()) or 'no message'}); copy the database "
+                        "again")
+
+
+def _check_env(env, path):
+    """What can be checked of a database before reading it: that data.mdb holds every page
+    the database says it has (a copy cut short would otherwise end the process with
+    SIGBUS on the first read past its end). Returns (first, past the last) address of the
+    file's bytes in the environment's memory map, which reads check records against."""
+    import lmdb
+    try:
+        info, page = env.info(), env.stat()["psize"]
+    except lmdb.Error as e:
+        raise DataError(f"LMDB {shorten(path)}: cannot read: {shorten(e)}") from None
+    size = os.path.getsize(Path(path) / "data.mdb")
+    need = (info["last_pgno"] + 1) * page
+    if size < need:
+        raise DataError(f"LMDB {shorten(path)}: data.mdb is truncated or damaged: "
+                        f"{size} bytes, but its last page ({info['last_pgno']}) ends at byte "
+                        f"{need}; copy the database again")
+    start = _map_start(Path(path) / "data.mdb")
+    return None if start is None else (start, start + size)
+
+
+def _map_start(file):
+    """The address at which this process maps `file` (the line of /proc/self/maps for its
+    offset 0), or None where that cannot be told: not Linux, or the file mapped twice.
+    The binding does not say where LMDB maps a database."""
+    target = os.path.realpath(file)
+    starts = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.rstrip("\n").split(maxsplit=5)
+                if len(fields) == 6 and fields[5] == target and int(fields[2], 16) == 0:
+                    starts.append(int(fields[0].split("-")[0], 16))
+    except (OSError, ValueError):
+        return None
+    return starts[0] if len(starts) == 1 else None
+
+
+def _extent(path):
+    with _ENVS_LOCK:
+        return _ENVS[os.path.realpath(path)][2]
+
+
+def _address(buffer):
+    """Where a buffer that LMDB handed over starts in memory (without reading it)."""
+    return np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+
+
+def _check_inside(buffer, extent, where):
+    """A key or value must lie inside the file: a damaged size field would otherwise point
+    past its end, where reading ends the process with SIGBUS."""
+    if extent is None:
+        return
+    start = _address(buffer)
+    if len(buffer) and not extent[0] <= start <= start + len(buffer) <= extent[1]:
+        raise DataError(f"{where} is damaged: its {len(buffer)} bytes would lie outside "
+                        "data.mdb; copy the database again")
 
 
 def _release_env(path):
@@ -134,7 +245,16 @@ def _release_env(path):
 
 
 def _key_text(key):
-    return bytes(key).decode("ascii", errors="backslashreplace")
+    return shorten(bytes(key).decode("ascii", errors="backslashreplace"), 100)
+
+
+def _lmdb_errors():
+    """The lmdb binding's error class, for except clauses (the package may be missing)."""
+    try:
+        import lmdb
+    except ImportError:
+        return ()
+    return (lmdb.Error,)
 
 
 class _FloatRecords(Exception):
@@ -146,6 +266,7 @@ class _Cursor:
 
     def __init__(self, env, path, anchors, count):
         self.env, self.path, self.anchors, self.count = env, path, anchors, count
+        self.extent = _extent(path)
         self.txn = None
         self.cursor = None
         self.position = None     # the record index the cursor points at, None if unknown
@@ -158,14 +279,29 @@ class _Cursor:
             return
         anchor, skip = divmod(index, ANCHOR_STRIDE)
         if not self.cursor.set_key(self.anchors[anchor]):
-            raise DataError(f"LMDB {self.path}: the database changed while being read "
-                            f"(key {_key_text(self.anchors[anchor])} is gone)")
+            raise DataError(f"LMDB {shorten(self.path)}: the database changed while being "
+                            f"read (key {_key_text(self.anchors[anchor])} is gone)")
         for _ in range(skip):
             self.cursor.next()
         self.position = index
 
     def read(self, start, count, shape, dtype):
-        """Decode records start.. (wrapping): images (count, *shape) dtype, labels (count,)."""
+        """Decode records start.. (wrapping): images (count, *shape) dtype, labels (count,).
+        The binding's errors (a damaged page) become a DataError naming the database."""
+        try:
+            return self._read(start, count, shape, dtype)
+        except _lmdb_errors() as e:
+            self.position = None
+            raise DataError(f"LMDB {shorten(self.path)}: cannot read records from {start} on: "
+                            f"{shorten(e)} (a damaged database: copy it again)") from None
+
+    def key(self, index):
+        """The key of record `index`, for a message."""
+        self.seek(index)
+        self.position = None
+        return _key_text(self.cursor.key())
+
+    def _read(self, start, count, shape, dtype):
         images = np.empty((count,) + shape, dtype)
         labels = np.empty(count, np.float32)
         done, index = 0, start % self.count
@@ -175,7 +311,8 @@ class _Cursor:
             self.position = None     # unknown until the run is read (an error may stop it)
             for j in range(run):
                 key, value = self.cursor.item()
-                where = f"LMDB {self.path}: record {index + j} (key {_key_text(key)})"
+                where = f"LMDB {shorten(self.path)}: record {index + j} (key {_key_text(key)})"
+                _check_inside(value, self.extent, where)
                 record, label = decode_datum(value, where)
                 if record.shape != shape:
                     raise DataError(f"{where} has shape {record.shape}, the first record "
@@ -205,9 +342,14 @@ class LmdbRecords:
         cache_bytes = CACHE_BYTES if cache_bytes is None else cache_bytes
         env = _open_env(self.path)
         try:
-            anchors, count, first = self._index(env)
+            try:
+                anchors, count, first = self._index(env)
+            except _lmdb_errors() as e:
+                raise DataError(f"LMDB {shorten(self.path)}: cannot read: {shorten(e)} (a "
+                                "damaged database: copy it again)") from None
             self.count = count
-            record, _ = decode_datum(first, f"LMDB {self.path}: record 0 (key "
+            self._anchors = anchors
+            record, _ = decode_datum(first, f"LMDB {shorten(self.path)}: record 0 (key "
                                             f"{_key_text(anchors[0])})")
             self.shape = record.shape
             cursor = _Cursor(env, self.path, anchors, count)
@@ -230,17 +372,24 @@ class LmdbRecords:
         self._finalizer.atexit = False
 
     def _index(self, env):
-        """(every ANCHOR_STRIDE-th key, record count, the first value): one pass over keys."""
-        anchors, count = [], 0
+        """(every ANCHOR_STRIDE-th key, record count, the first value): one pass over the
+        records, which checks that each key and value lies inside the file (not reading
+        them)."""
+        anchors, count, first = [], 0, None
+        extent = _extent(self.path)
         with env.begin(buffers=True) as txn:
             cursor = txn.cursor()
-            for key in cursor.iternext(keys=True, values=False):
+            for key, value in cursor.iternext(keys=True, values=True):
+                where = f"LMDB {shorten(self.path)}: record {count}"
+                _check_inside(key, extent, f"{where}'s key")
+                _check_inside(value, extent, where)
                 if count % ANCHOR_STRIDE == 0:
                     anchors.append(bytes(key))
+                if count == 0:
+                    first = bytes(value)
                 count += 1
             if count == 0:
-                raise DataError(f"LMDB {self.path}: the database holds no records")
-            first = bytes(txn.get(anchors[0]))
+                raise DataError(f"LMDB {shorten(self.path)}: the database holds no records")
         return anchors, count, first
 
     def _decode_all(self, cursor, dtype):
@@ -252,10 +401,27 @@ class LmdbRecords:
                 images, labels = cursor.read(0, self.count, self.shape, np.float32)
         finally:
             cursor.close()
-        return ArrayRecords(images, labels)
+        return ArrayRecords(images, labels, name=f"LMDB {shorten(self.path)}")
 
     def __len__(self):
         return self.count
+
+    def where(self, position):
+        """Which record a position (wrapping) is, with its key, for a message."""
+        index = position % self.count
+        where = f"LMDB {shorten(self.path)}: record {index}"
+        try:
+            env = _open_env(self.path)
+        except DataError:
+            return where
+        cursor = _Cursor(env, self.path, self._anchors, self.count)
+        try:
+            return f"{where} (key {cursor.key(index)})"
+        except (DataError, *_lmdb_errors()):
+            return where
+        finally:
+            cursor.close()
+            _release_env(self.path)
 
     @property
     def cached(self):

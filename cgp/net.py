@@ -7,15 +7,18 @@ bit (Layer.in_place), and a blob read by several layers gets a Split layer, as C
 inserts one: each buffer has one writer and one reader per pass, besides such a ReLU,
 which rewrites its bottom's.
 """
+import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import psutil
 
-from cgp.errors import NetError
+from cgp.errors import NetError, shorten
 from cgp.fillers import fill
 from cgp.layers import REGISTRY, SYNC, aligned_zeros, alloc_scratch, supported_types
 from cgp.proto import caffe_pb2
+from cgp.prototxt import beyond_int, non_finite
 from cgp.runtime import spin
 
 PHASES = {caffe_pb2.TRAIN: "TRAIN", caffe_pb2.TEST: "TEST"}
@@ -51,7 +54,15 @@ class ParamBlob:
 
     @property
     def size(self):
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
+
+
+def _bytes(n):
+    """A byte count for a message: MiB, GiB or TiB."""
+    for unit, shift in (("TiB", 40), ("GiB", 30)):
+        if n >= 1 << shift:
+            return f"{n / 2**shift:.1f} {unit}"
+    return f"{n / 2**20:.1f} MiB"
 
 
 def state_meets_rule(state, rule):
@@ -71,7 +82,8 @@ def state_meets_rule(state, rule):
 
 def layer_included(lp, state):
     if lp.include and lp.exclude:
-        raise NetError(f"layer '{lp.name}': specify either include or exclude rules, not both")
+        raise NetError(f"layer '{shorten(lp.name)}': specify either include or exclude rules, "
+                       "not both")
     if lp.include:
         return any(state_meets_rule(state, r) for r in lp.include)
     return not any(state_meets_rule(state, r) for r in lp.exclude)
@@ -97,8 +109,9 @@ class Net:
         state.level = level or state.level
         state.stage.extend(s for s in stages if s not in state.stage)
         if param.input:
-            raise NetError(f"net '{param.name}': the legacy 'input:' fields are not supported; "
-                           'declare an Input layer instead (layer { type: "Input" ... })')
+            raise NetError(f"net '{shorten(param.name)}': the legacy 'input:' fields are not "
+                           'supported; declare an Input layer instead (layer { type: "Input" '
+                           '... })')
 
         self.blob_names = []     # blob id -> the name it had in the prototxt
         self.blob_shapes = []    # blob id -> full Caffe shape, axis 0 = global batch
@@ -111,7 +124,8 @@ class Net:
         self._writers = {}       # blob id -> the layer (not a data layer) that wrote it last
         lps = [lp for lp in param.layer if layer_included(lp, state)]
         if not lps:
-            raise NetError(f"net '{param.name}' has no layers in phase {PHASES[phase]}")
+            raise NetError(f"net '{shorten(param.name)}' has no layers in phase {PHASES[phase]}")
+        self._available = psutil.virtual_memory().available   # what blobs are checked against
         consumers = self._count_consumers(lps)
         for index, lp in enumerate(lps):
             self._add_layer(lp, index, consumers)
@@ -123,7 +137,10 @@ class Net:
         names = {e.layer.lp.bottom[i] for e in self.entries for i in e.layer.batch_bottoms}
         self.batch_read = {t for t, name in self.source_names.items() if name in names}
         self.batch_size = self._batch_size()
+        # Bytes of one sample's activations and their gradients (float32).
+        self.sample_bytes = 8 * sum(math.prod(s[1:]) for s in self.blob_shapes if s)
         self._layout_params()
+        self._tell_sources_the_classes()
         self.loss_weights = self._loss_weights()
         self._plan_backward()
         self.zero_ranges = self._plan_param_overwrites()
@@ -137,8 +154,6 @@ class Net:
         self.whole_calls = [e.layer.reduces_batch and e.layer.takes_parts
                             and not any(b in self.batch_values for b in e.bottoms)
                             for e in self.entries]
-        # Bytes of one sample's activations and their gradients (float32).
-        self.sample_bytes = 8 * sum(int(np.prod(s[1:])) for s in self.blob_shapes if s)
         # The sums over the whole batch that calls pause at (Layer.batch_sums), in the order
         # a step reaches them, as (entry, the layer's sum index): forward's, then backward's
         # (the last entries first; only where the entry runs backward).
@@ -168,13 +183,22 @@ class Net:
     def _add_layer(self, lp, index, consumers):
         cls = REGISTRY.get(lp.type)
         if cls is None:
-            raise NetError(f"layer '{lp.name}': unsupported layer type '{lp.type}'; "
-                           f"supported types: {', '.join(supported_types())}")
+            raise NetError(f"layer '{shorten(lp.name)}': unsupported layer type "
+                           f"'{shorten(lp.type)}'; supported types: "
+                           f"{', '.join(supported_types())}")
+        bad = non_finite(lp)
+        if bad is not None:
+            raise NetError(f"layer '{shorten(lp.name)}': {bad[0]} is {bad[1]}; a number in a "
+                           "prototxt must be finite")
+        bad = beyond_int(lp)
+        if bad is not None:
+            raise NetError(f"layer '{shorten(lp.name)}': {bad[0]} is {bad[1]}, beyond "
+                           "2147483647, the largest value Caffe reads into this field")
         bottoms = []
         for b in lp.bottom:
             if b not in self.blob_ids:
-                raise NetError(f"layer '{lp.name}': bottom blob '{b}' is not produced by any "
-                               f"earlier layer in phase {PHASES[self.phase]}")
+                raise NetError(f"layer '{shorten(lp.name)}': bottom blob '{shorten(b)}' is not "
+                               f"produced by any earlier layer in phase {PHASES[self.phase]}")
             bottoms.append(self._take(b))
         layer = cls(lp, index=index, phase=self.phase)
         source = getattr(layer, "is_source", False)
@@ -182,8 +206,10 @@ class Net:
             layer.options = self.options
         top_shapes = layer.setup([self.blob_shapes[b] for b in bottoms])
         if len(top_shapes) != len(lp.top):
-            raise NetError(f"layer '{lp.name}': produces {len(top_shapes)} tops, "
+            raise NetError(f"layer '{shorten(lp.name)}': produces {len(top_shapes)} tops, "
                            f"prototxt names {len(lp.top)}")
+        self._check_tops(lp)
+        self._check_sizes(layer, top_shapes)
         shared = self._in_place(layer, bottoms)
         tops = []
         for name, shape in zip(lp.top, top_shapes):
@@ -203,6 +229,41 @@ class Net:
         for blob in tops:
             if self._readers[blob] > 1:
                 self._add_split(blob)
+
+    def _check_tops(self, lp):
+        """Caffe's rule: a blob has one writer, unless a layer rewrites it in place (its top
+        j named as its bottom j); a second writer would silently replace what the first
+        wrote for every later reader."""
+        written = set()
+        for j, name in enumerate(lp.top):
+            in_place = j < len(lp.bottom) and lp.bottom[j] == name
+            if (name in self.blob_ids and not in_place) or name in written:
+                raise NetError(f"layer '{shorten(lp.name)}': top blob '{shorten(name)}' is "
+                               "already produced by another layer (Caffe: 'produced by "
+                               "multiple sources'); only a layer in place, whose top is named "
+                               "as its bottom at the same position, may write it again")
+            written.add(name)
+
+    def _check_sizes(self, layer, top_shapes):
+        """Refuses, before anything is allocated, a top or learnable blob with a dimension
+        below 1, or one whose values for a single sample (a parameter: all of it) cannot fit
+        in the memory available: a huge num_output or pad would otherwise end in NumPy's
+        allocation error, or in the kernel's out-of-memory killer. Sizes are Python
+        integers, which never overflow."""
+        named = [(f"top '{shorten(name)}'", shape, 8 * math.prod(shape[1:]) if shape else 8)
+                 for name, shape in zip(layer.lp.top, top_shapes)]
+        named += [(f"learnable blob {i}", shape, 4 * math.prod(shape))
+                  for i, shape in enumerate(layer.param_shapes())]
+        for what, shape, _ in named:
+            if any(int(d) < 1 for d in shape):
+                raise layer.error(f"{what} would have shape {tuple(shape)}; every dimension "
+                                  "must be at least 1")
+        what, shape, size = max(named, key=lambda n: n[2], default=(None, None, 0))
+        if size > self._available:
+            per = "one sample of it with its gradient" if what.startswith("top") else "it"
+            raise layer.error(f"{what} of shape {tuple(shape)} needs {_bytes(size)} for "
+                              f"{per}; this machine has {_bytes(self._available)} of "
+                              "memory available")
 
     def _in_place(self, layer, bottoms):
         """Whether the layer's one top takes its one bottom's buffers (Layer.in_place): the
@@ -240,10 +301,11 @@ class Net:
     def _batch_size(self):
         sizes = {self.blob_shapes[t][0] for e in self.sources for t in e.tops if self.blob_shapes[t]}
         if not self.sources:
-            raise NetError(f"net '{self.name}' has no data layer (Data or Input) in phase "
+            raise NetError(f"net '{shorten(self.name)}' has no data layer (Data or Input) in phase "
                            f"{PHASES[self.phase]}")
         if len(sizes) != 1:
-            raise NetError(f"net '{self.name}': data layers disagree on the batch size: {sorted(sizes)}")
+            raise NetError(f"net '{shorten(self.name)}': data layers disagree on the batch size: "
+                           f"{sorted(sizes)}")
         return sizes.pop()
 
     def _layout_params(self):
@@ -256,14 +318,15 @@ class Net:
             layer, lp = entry.layer, entry.layer.lp
             shapes = [tuple(int(d) for d in s) for s in layer.param_shapes()]
             if len(lp.param) > len(shapes):
-                raise NetError(f"layer '{lp.name}': {len(lp.param)} param specs for "
+                raise NetError(f"layer '{shorten(lp.name)}': {len(lp.param)} param specs for "
                                f"{len(shapes)} learnable blobs")
             for i, shape in enumerate(shapes):
                 spec = lp.param[i] if i < len(lp.param) else caffe_pb2.ParamSpec()
                 if spec.name and spec.name in shared:
                     owner = self.param_blobs[shared[spec.name]]
                     if owner.shape != shape:
-                        raise NetError(f"layer '{lp.name}': shared param '{spec.name}' has shape "
+                        raise NetError(f"layer '{shorten(lp.name)}': shared param "
+                                       f"'{shorten(spec.name)}' has shape "
                                        f"{shape} here but {owner.shape} in layer '{owner.layer}'")
                     entry.params.append(shared[spec.name])
                     continue
@@ -274,12 +337,50 @@ class Net:
                 entry.params.append(len(self.param_blobs))
                 self.param_blobs.append(blob)
         self.n_params = offset
+        self._check_memory_floor()
         self.params = np.zeros(offset, np.float32)
         self.lr_mult = np.zeros(offset, np.float32)
         self.decay_mult = np.zeros(offset, np.float32)
         for blob in self.param_blobs:
             self.lr_mult[blob.offset:blob.offset + blob.size] = blob.lr_mult
             self.decay_mult[blob.offset:blob.offset + blob.size] = blob.decay_mult
+
+    def _check_memory_floor(self):
+        """Refuses a net that cannot run in the memory available, before its parameters are
+        allocated: what any run of it holds at least, its parameters four times (values,
+        learning-rate and decay multipliers, one gradient), one sample's activations with
+        their gradients, and three copies of the batch the data layers load."""
+        params = 16 * self.n_params
+        sources = 12 * sum(math.prod(self.blob_shapes[t]) for e in self.sources
+                           for t in e.tops)
+        need = params + self.sample_bytes + sources
+        if need > self._available:
+            raise NetError(f"net '{shorten(self.name)}' needs at least {_bytes(need)} of "
+                           f"memory ({self.n_params} parameters: {_bytes(params)}; one "
+                           f"sample's activations: {_bytes(self.sample_bytes)}; the batch of "
+                           f"its data layers: {_bytes(sources)}); this machine has "
+                           f"{_bytes(self._available)} available")
+
+    def _tell_sources_the_classes(self):
+        """Hands each data layer that takes label rules (label_rule) the class count and
+        ignore_label of every loss or accuracy that reads its labels, straight or through
+        Split layers: the data layer then refuses a bad label where it reads it, naming the
+        record, instead of a worker finding it in the middle of a batch."""
+        origin = {}   # blob id -> (data layer, top index) it is a copy of
+        for entry in self.sources:
+            for j, blob in enumerate(entry.tops):
+                origin[blob] = (entry.layer, j)
+        for entry in self.entries:
+            layer = entry.layer
+            if layer.type_name == "Split" and entry.bottoms[0] in origin:
+                origin.update((t, origin[entry.bottoms[0]]) for t in entry.tops)
+            elif (getattr(layer, "classes", None) and len(entry.bottoms) == 2
+                  and entry.bottoms[1] in origin):
+                source, j = origin[entry.bottoms[1]]
+                if hasattr(source, "label_rule"):
+                    source.label_rule(j, layer.classes,
+                                      layer.ignore if getattr(layer, "has_ignore", False)
+                                      else None, layer.name)
 
     def _plan_backward(self):
         """Caffe's need_backward: a blob needs a gradient when something learnable lies
@@ -292,8 +393,9 @@ class Net:
             flows = [needs[b] for b in entry.bottoms]
             if lp.propagate_down and entry.layer.type_name != "Split":
                 if len(lp.propagate_down) != len(entry.bottoms):
-                    raise NetError(f"layer '{lp.name}': propagate_down has {len(lp.propagate_down)} "
-                                   f"values for {len(entry.bottoms)} bottoms")
+                    raise NetError(f"layer '{shorten(lp.name)}': propagate_down has "
+                                   f"{len(lp.propagate_down)} values for "
+                                   f"{len(entry.bottoms)} bottoms")
                 flows = [f and bool(p) for f, p in zip(flows, lp.propagate_down)]
             entry.propagate = flows
             entry.backward = learnable or any(flows)
@@ -343,13 +445,14 @@ class Net:
         for entry in self.entries:
             lp, layer = entry.layer.lp, entry.layer
             if lp.loss_weight and len(lp.loss_weight) != len(entry.tops):
-                raise NetError(f"layer '{lp.name}': loss_weight has {len(lp.loss_weight)} values "
-                               f"for {len(entry.tops)} tops")
+                raise NetError(f"layer '{shorten(lp.name)}': loss_weight has "
+                               f"{len(lp.loss_weight)} values for {len(entry.tops)} tops")
             for i, t in enumerate(entry.tops):
                 w = lp.loss_weight[i] if lp.loss_weight else (layer.default_loss_weight if i == 0 else 0)
                 if w:
                     if self.blob_shapes[t] != ():
-                        raise NetError(f"layer '{lp.name}': loss_weight on top '{lp.top[i]}' "
+                        raise NetError(f"layer '{shorten(lp.name)}': loss_weight on top "
+                                       f"'{shorten(lp.top[i])}' "
                                        f"of shape {self.blob_shapes[t]}; cgp supports loss "
                                        "weights on scalar (loss) tops only")
                     weights[t] = float(w)

@@ -3,12 +3,12 @@
 Parsing only: no checks of what a net means (layer types, shapes) and no binary files. Every failure
 is a PrototxtError whose message is "<file>:<line>:<col>: <what>".
 """
-
+import math
 from pathlib import Path
 
 from google.protobuf import text_format
 
-from cgp.errors import PrototxtError
+from cgp.errors import PrototxtError, shorten
 from cgp.proto import caffe_pb2
 
 # Caffe's own spelling of each old SolverParameter.solver_type value as a `type` string.
@@ -24,6 +24,7 @@ _SOLVER_TYPE_NAMES = {
 
 def parse_text(text, message, filename="<string>"):
     """Parse prototxt `text` into `message` (a caffe_pb2 message, filled in place) and return it."""
+    filename = shorten(filename)
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as e:
@@ -31,7 +32,7 @@ def parse_text(text, message, filename="<string>"):
     # Caffe's C++ parser rejects a message that lacks a `required` field; Python's does not.
     if not message.IsInitialized():
         missing = ", ".join(message.FindInitializationErrors())
-        raise PrototxtError(f"{filename}: required field(s) not set: {missing}")
+        raise PrototxtError(f"{filename}: required field(s) not set: {shorten(missing)}")
     return message
 
 
@@ -40,8 +41,9 @@ def parse_net(text, filename="<string>"):
     net = parse_text(text, caffe_pb2.NetParameter(), filename)
     if net.layers:
         raise PrototxtError(
-            f"{filename}: this net uses Caffe's old V1 format ('layers {{ ... }}'), which cgp does "
-            "not read; convert it with Caffe's tool: upgrade_net_proto_text OLD.prototxt NEW.prototxt")
+            f"{shorten(filename)}: this net uses Caffe's old V1 format ('layers {{ ... }}'), which "
+            "cgp does not read; convert it with Caffe's tool: upgrade_net_proto_text "
+            "OLD.prototxt NEW.prototxt")
     return net
 
 
@@ -51,7 +53,8 @@ def parse_solver(text, filename="<string>"):
     if solver.HasField("solver_type"):
         if solver.HasField("type"):
             raise PrototxtError(
-                f"{filename}: give the solver either 'type' or the old 'solver_type', not both")
+                f"{shorten(filename)}: give the solver either 'type' or the old 'solver_type', "
+                "not both")
         solver.type = _SOLVER_TYPE_NAMES[solver.solver_type]
         solver.ClearField("solver_type")
     return solver
@@ -65,8 +68,8 @@ def read_net(path):
 def read_model(path):
     """read_net for a file the user named (--model): a missing one is said as such."""
     if not Path(path).is_file():
-        where = "" if Path(path).is_absolute() else f" (looked in {Path.cwd()})"
-        raise PrototxtError(f"model '{path}' not found{where}")
+        where = "" if Path(path).is_absolute() else f" (looked in {shorten(Path.cwd())})"
+        raise PrototxtError(f"model '{shorten(path)}' not found{where}")
     return read_net(path)
 
 
@@ -84,19 +87,63 @@ def _read_text(path):
     try:
         return Path(path).read_bytes().decode("utf-8")
     except OSError as e:
-        raise PrototxtError(f"{path}: cannot read prototxt file: {e.strerror or e}") from None
+        raise PrototxtError(f"{shorten(path)}: cannot read prototxt file: "
+                            f"{e.strerror or shorten(e)}") from None
     except UnicodeDecodeError as e:
-        raise PrototxtError(f"{path}: not a text file (byte {e.start} is not UTF-8)") from None
+        raise PrototxtError(f"{shorten(path)}: not a text file (byte {e.start} is not "
+                            "UTF-8)") from None
 
 
 def _located(error, filename):
-    """'<file>:<line>:<col>: <message>' from a ParseError, whose str() starts with 'line:col : '."""
+    """'<file>:<line>:<col>: <message>' from a ParseError, whose str() starts with 'line:col : '.
+    The message quotes the token that failed, which may be any length: it is shortened."""
     line, col = error.GetLine(), error.GetColumn()
     what = str(error)
     if line is None:
-        return f"{filename}: {what}"
+        return f"{filename}: {shorten(what, 300)}"
     where = f"{line}:{col}" if col is not None else f"{line}"
     prefix = f"{where} : "
     if what.startswith(prefix):
         what = what[len(prefix):]
-    return f"{filename}:{where}: {what}"
+    return f"{filename}:{where}: {shorten(what, 300)}"
+
+
+def non_finite(msg, skip=("blobs",), path=""):
+    """(field path, value) of the first NaN or infinite float in a message and the messages
+    it holds, or None. Fields named in `skip` are not looked at: by default a layer's
+    `blobs` (weights in a prototxt), which the weights readers check."""
+    for fd, value in msg.ListFields():
+        name = f"{path}{fd.name}"
+        if fd.name in skip:
+            continue
+        values = value if fd.is_repeated else [value]
+        if fd.type in (fd.TYPE_FLOAT, fd.TYPE_DOUBLE):
+            for k, v in enumerate(values):
+                if not math.isfinite(v):
+                    return (f"{name}[{k}]" if fd.is_repeated else name), v
+        elif fd.type == fd.TYPE_MESSAGE:
+            for k, child in enumerate(values):
+                found = non_finite(child, skip,
+                                   f"{name}[{k}]." if fd.is_repeated else f"{name}.")
+                if found is not None:
+                    return found
+    return None
+
+
+def beyond_int(msg, path=""):
+    """(field path, value) of the first unsigned 32-bit field in a message (or the messages
+    it holds) above 2**31 - 1, or None: Caffe reads them into an int, where such a value
+    turns negative (a stride, a pad, a num_output)."""
+    for fd, value in msg.ListFields():
+        name = f"{path}{fd.name}"
+        values = value if fd.is_repeated else [value]
+        if fd.type == fd.TYPE_UINT32:
+            for k, v in enumerate(values):
+                if v >= 2**31:
+                    return (f"{name}[{k}]" if fd.is_repeated else name), v
+        elif fd.type == fd.TYPE_MESSAGE:
+            for k, child in enumerate(values):
+                found = beyond_int(child, f"{name}[{k}]." if fd.is_repeated else f"{name}.")
+                if found is not None:
+                    return found
+    return None

@@ -1,19 +1,29 @@
-"""Weights and solver state in Caffe's binary formats (.caffemodel, .solverstate).
+"""Weights and solver state in Caffe's binary formats (.caffemodel, .solverstate), and the
+snapshots of a run: each a pair of the two, under a prefix that one run at a time holds.
 
 Files are written atomically (a temporary file in the same folder, then a rename), so
-a crash or a kill never leaves a half-written snapshot behind. Readers turn any
-malformed input into one DataError naming the file.
+a crash or a kill never leaves a half-written file behind; a snapshot's two files are
+committed in a fixed order that a later run can finish (write_snapshot,
+recover_snapshots). Readers turn any malformed input into one DataError naming the file.
 """
+import errno
 import math
 import os
+import re
+import shlex
+import signal
+import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import psutil
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from cgp.errors import CgpError, DataError
+from cgp.errors import CgpError, DataError, shorten
 from cgp.proto import caffe_pb2, cgp_pb2
 
 # The process umask, read once at import (reading it means setting it, which is not
@@ -95,13 +105,21 @@ def _parse(data, message, path, what, allowed_unknown=()):
         message.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError, RecursionError) as e:
         raise DataError(f"{what} {path}: not a Caffe {type(message).__name__} "
-                        f"(truncated or foreign file): {e}") from None
+                        f"(truncated or foreign file): {shorten(e)}") from None
     unknown = [f.field_number for f in unknown_fields.UnknownFieldSet(message)
                if f.field_number not in allowed_unknown]
     if unknown:
         raise DataError(f"{what} {path}: not a Caffe {type(message).__name__} (foreign or "
                         f"corrupt file: field {unknown[0]} is not part of the message)")
     return message
+
+
+def _text(value, what):
+    """A string field of a parsed binary file: protobuf hands one that is not UTF-8 over as
+    bytes (a damaged or foreign file)."""
+    if isinstance(value, bytes):
+        raise DataError(f"{what} is not text ({shorten(value)}): a damaged or foreign file")
+    return value
 
 
 def blob_to_array(blob, where):
@@ -119,7 +137,16 @@ def blob_to_array(blob, where):
     size = math.prod(shape)
     if len(values) != size:
         raise DataError(f"{where}: {len(values)} values for shape {shape} ({size} values)")
-    return np.array(values, np.float32).reshape(shape)
+    with np.errstate(over="ignore"):   # a double beyond float32's range: refused below
+        array = np.array(values, np.float32).reshape(shape)
+    finite = np.isfinite(array)
+    if not finite.all():
+        # Also a finite double too big for float32: it would train as an infinity.
+        at = np.flatnonzero(~finite.ravel())[0]
+        raise DataError(f"{where}: value {values[at]} at index {at} (of {size}) is not a "
+                        "finite float32; a weights file holding NaN or infinities is "
+                        "refused (the run that wrote it had diverged)")
+    return array
 
 
 def read_blob(path, what):
@@ -175,10 +202,13 @@ def read_caffemodel(path):
     weights = {}
     for lp in layers:
         if len(lp.blobs):
-            if lp.name in weights:
-                raise DataError(f"weights file {path}: two layers named '{lp.name}' hold blobs")
-            weights[lp.name] = [blob_to_array(b, f"weights file {path}, layer '{lp.name}' "
-                                                 f"blob {i}") for i, b in enumerate(lp.blobs)]
+            name = _text(lp.name, f"weights file {path}: a layer name")
+            if name in weights:
+                raise DataError(f"weights file {path}: two layers named '{shorten(name)}' "
+                                "hold blobs")
+            weights[name] = [blob_to_array(b, f"weights file {path}, layer "
+                                              f"'{shorten(name)}' blob {i}")
+                             for i, b in enumerate(lp.blobs)]
     return weights
 
 
@@ -196,9 +226,11 @@ def load_weights(net, path, log=None):
     layers it copied and which it skipped; returns the copied layers' names."""
     copied, skipped = copy_weights(net, read_caffemodel(path), path)
     if log is not None:
-        log(f"Copied weights of {len(copied)} layers from {path}: {', '.join(copied) or '-'}")
+        log(f"Copied weights of {len(copied)} layers from {path}: "
+            f"{shorten(', '.join(copied) or '-', 1000)}")
         if skipped:
-            log(f"Skipped {len(skipped)} layers not in the net: {', '.join(skipped)}")
+            log(f"Skipped {len(skipped)} layers not in the net: "
+                f"{shorten(', '.join(skipped), 1000)}")
     return copied
 
 
@@ -217,11 +249,11 @@ def copy_weights(net, weights, path):
             skipped.append(name)
             continue
         if len(blobs) != len(arrays):
-            raise DataError(f"weights file {path}: layer '{name}' has {len(arrays)} blobs, "
-                            f"the net expects {len(blobs)}")
+            raise DataError(f"weights file {path}: layer '{shorten(name)}' has {len(arrays)} "
+                            f"blobs, the net expects {len(blobs)}")
         for i, (blob, array) in enumerate(zip(blobs, arrays)):
             if not _fits(array, blob.shape):
-                raise DataError(f"weights file {path}: layer '{name}' blob {i} has shape "
+                raise DataError(f"weights file {path}: layer '{shorten(name)}' blob {i} has shape "
                                 f"{array.shape}, the net expects {blob.shape} (rename the "
                                 "layer to learn it from scratch instead)")
         for blob, array in zip(blobs, arrays):
@@ -235,6 +267,11 @@ RESUME_FIELD = cgp_pb2.SolverStateTrailer.DESCRIPTOR.fields_by_name["cgp_resume"
 
 
 def write_solverstate(path, iteration, learned_net, solver, net, resume=None):
+    """Write solverstate_bytes(...) to path atomically."""
+    atomic_write(path, solverstate_bytes(iteration, learned_net, solver, net, resume))
+
+
+def solverstate_bytes(iteration, learned_net, solver, net, resume=None):
     """SolverState: iteration, the .caffemodel path as given (Caffe writes it relative, as
     named by the snapshot prefix), every history blob in Caffe's order (all blobs of the
     first history, then of the second), and current_step; then cgp's ResumeState, if
@@ -248,7 +285,224 @@ def write_solverstate(path, iteration, learned_net, solver, net, resume=None):
     payload = state.SerializeToString()
     if resume is not None:
         payload += cgp_pb2.SolverStateTrailer(cgp_resume=resume).SerializeToString()
-    atomic_write(path, payload)
+    return payload
+
+
+# -- snapshots: pairs under a prefix -------------------------------------------------
+# A snapshot is <prefix>_iter_<N>.caffemodel and .solverstate, Caffe's names and formats.
+# write_snapshot writes both to temporary files named after them (pair_temp), syncs them,
+# then renames the .caffemodel's and only then the .solverstate's: a .solverstate that
+# exists always has its weights in place. A kill between the two renames leaves the
+# .solverstate's temporary file alone, whole (synced before the first rename), which the
+# next run on the prefix renames (recover_snapshots); a kill before leaves both temporary
+# files, which it deletes. Either way the pair ends up whole, old or new.
+
+def pair_temp(path):
+    """The temporary file that write_snapshot writes `path` through: '.<name>.tmp'."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp")
+
+
+def prefix_parts(prefix):
+    """(folder, stem) of a snapshot prefix: '<folder>/<stem>_iter_<N>.caffemodel'. A prefix
+    that ends in '/' has an empty stem, as in Caffe."""
+    probe = Path(f"{prefix}_iter_0.caffemodel")
+    return probe.parent, probe.name[:-len("_iter_0.caffemodel")]
+
+
+def write_snapshot(prefix, iteration, net, solver, resume=None):
+    """Write the snapshot <prefix>_iter_<iteration>.caffemodel and .solverstate as a pair
+    (see above); returns the .caffemodel's path. CgpError naming the file when the disk
+    refuses (full, removed): the snapshot written before is then left as it was."""
+    model = Path(f"{prefix}_iter_{iteration}.caffemodel")
+    state = model.with_suffix(".solverstate")
+    writable_folder(model)
+    payloads = [(model, net_to_proto(net).SerializeToString()),
+                (state, solverstate_bytes(iteration, model, solver, net, resume))]
+    temps = [pair_temp(path) for path, _ in payloads]
+    try:
+        for temp, (_, payload) in zip(temps, payloads):
+            with open(temp, "wb") as f:   # open() applies the umask, as Caffe's writer
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException as e:
+        for temp in temps:
+            temp.unlink(missing_ok=True)
+        if isinstance(e, OSError):   # a full disk, a folder removed meanwhile, ...
+            raise CgpError(f"cannot write snapshot {model}: {e.strerror or e}") from None
+        raise
+    try:
+        with _signals_held():   # a Ctrl-C now waits for the pair to be committed
+            os.replace(temps[0], model)
+            _sync_folder(model.parent)
+            os.replace(temps[1], state)
+            _sync_folder(model.parent)
+    except OSError as e:
+        raise CgpError(f"cannot write snapshot {model}: {e.strerror or e} (the next run on "
+                       f"this prefix completes or removes it)") from None
+    return model
+
+
+@contextmanager
+def _signals_held(signums=(signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))):
+    """Ctrl-C, SIGTERM and SIGHUP that arrive meanwhile take effect when the block ends:
+    their handlers are set aside and the signals raised again after. Python runs signal
+    handlers in the main thread only, so only there; elsewhere the block runs as is."""
+    caught = []
+    try:
+        old = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+               for s in signums if s is not None}
+    except ValueError:    # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        for signum in caught:
+            signal.raise_signal(signum)
+
+
+def recover_snapshots(prefix, log=None):
+    """Finish what interrupted runs left of the prefix's snapshots: a .solverstate's
+    temporary file found alone is the second half of a committed pair and takes its name;
+    every other temporary file of the prefix (of write_snapshot, atomic_write or
+    writable_folder's probe) is deleted. Touches only files named after the prefix's
+    snapshots. Returns the names of the snapshots completed."""
+    folder, stem = prefix_parts(prefix)
+    pattern = re.compile(re.escape(f".{stem}_iter_") + r"(\d+)\.(caffemodel|solverstate)"
+                         r"(\.tmp|\.\w{8}\.tmp|\.\w{8}\.probe)$")
+    try:
+        names = [e.name for e in os.scandir(folder) if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return []
+    temps = {}
+    for name in names:
+        match = pattern.match(name)
+        if match:
+            temps.setdefault(int(match[1]), []).append((match[2], match[3], folder / name))
+    completed, removed = [], []
+    for iteration, files in sorted(temps.items()):
+        pair = {kind: path for kind, suffix, path in files if suffix == ".tmp"}
+        state = folder / f"{stem}_iter_{iteration}.solverstate"
+        if set(pair) == {"solverstate"} and _is_state_of(pair["solverstate"], iteration):
+            os.replace(pair["solverstate"], state)
+            _sync_folder(folder)
+            completed.append(state)
+            files = [f for f in files if f[2] != pair["solverstate"]]
+        for _, _, path in files:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if log is not None:
+        for state in completed:
+            log(f"Completed the snapshot {state} that an interrupted run had left half "
+                "committed")
+        if removed:
+            log(f"Removed {len(removed)} temporary file(s) of interrupted snapshot writes: "
+                f"{shorten(', '.join(removed), 500)}")
+    return completed
+
+
+def _is_state_of(path, iteration):
+    """Whether the file holds a SolverState of that iteration (a synced temporary file
+    does; this guards against one that something else wrote)."""
+    try:
+        state = caffe_pb2.SolverState.FromString(path.read_bytes())
+    except (OSError, DecodeError, RuntimeError, ValueError, RecursionError):
+        return False
+    return state.iter == iteration
+
+
+def recover_snapshot(path, log=None):
+    """recover_snapshots for the prefix of the .solverstate `path`, where its name is a
+    snapshot's and a commit of it was cut short, under that prefix's lock (CgpError if
+    another run holds it)."""
+    match = re.fullmatch(r"(.*)_iter_\d+\.solverstate", str(path))
+    if match is None or not pair_temp(path).exists():
+        return
+    lock = lock_prefix(match[1])
+    try:
+        recover_snapshots(match[1], log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+# -- one run per prefix ---------------------------------------------------------------
+# A run holds an OS lock on a file beside its snapshots, '.<stem>.lock', for as long as it
+# runs: fcntl.lockf, a POSIX record lock, which the OS drops when the process ends however
+# it ends (SIGKILL too) and which forked worker processes do not inherit (a flock would
+# stay held by workers that outlive a killed main process). Such locks belong to the
+# process, so every Trainer of one process shares its lock (_LOCKS counts them), and no
+# other code may open and close the lock file (closing any descriptor of it drops it).
+_LOCKS = {}    # realpath of a lock file -> [descriptor, users]
+
+
+class PrefixLock:
+    """A user's share of the process's lock on a prefix; release() once when done."""
+
+    def __init__(self, key):
+        self.key = key
+
+    def release(self):
+        key, self.key = self.key, None
+        entry = _LOCKS.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _LOCKS[key]
+            os.close(entry[0])   # drops the OS lock
+
+
+def lock_prefix(prefix):
+    """Takes this process's lock on a snapshot prefix: a PrefixLock, or None where no lock
+    can be had (no fcntl, a folder that cannot be written: a snapshot would then fail with
+    its own message). CgpError naming the other run when one holds it."""
+    try:
+        import fcntl
+    except ImportError:     # Windows
+        return None
+    path = lock_path(prefix)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(path)
+        if key in _LOCKS:
+            _LOCKS[key][1] += 1
+            return PrefixLock(key)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() if e.errno in (
+            errno.EACCES, errno.EAGAIN) else None
+        os.close(fd)
+        if holder is None:    # locks not supported there (some network file systems)
+            return None
+        holder = shorten(", ".join(holder.splitlines())) or f"its lock file {path}"
+        raise CgpError(f"snapshot prefix '{shorten(prefix)}' is in use by another run "
+                       f"({holder}): two runs on one prefix would overwrite each other's "
+                       "snapshots; wait for it to end, or give this run another "
+                       "--snapshot-prefix") from None
+    try:
+        command = psutil.Process().cmdline()   # as typed: 'python -m cgp train ...'
+    except psutil.Error:
+        command = [sys.executable] + sys.argv
+    command = shorten(shlex.join(command), 1000)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}\ncommand {command}\nsince "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+    _LOCKS[key] = [fd, 1]
+    return PrefixLock(key)
+
+
+def lock_path(prefix):
+    folder, stem = prefix_parts(prefix)
+    return folder / (f".{stem}.lock" if stem else ".snapshots.lock")
 
 
 def read_solverstate(path, solver, net):
@@ -266,6 +520,14 @@ def read_solverstate(path, solver, net):
             raise DataError(f"solver state {path}: cgp's resume record is corrupt")
     if state.iter < 0:
         raise DataError(f"solver state {path}: negative iteration {state.iter}")
+    _text(state.learned_net, f"solver state {path}: its learned_net")
+    if resume is not None:
+        if resume.HasField("seed") and not 0 <= resume.seed < 2**63:
+            raise DataError(f"solver state {path}: its seed {resume.seed} is outside 0 to "
+                            "2**63 - 1, the seeds cgp accepts (as --seed)")
+        if not 0 <= resume.data_origin <= state.iter:
+            raise DataError(f"solver state {path}: cgp's resume record is corrupt (data "
+                            f"origin {resume.data_origin} for iteration {state.iter})")
     expected = len(solver.histories) * len(net.param_blobs)
     if len(state.history) != expected:
         raise DataError(f"solver state {path}: {len(state.history)} history blobs, the "

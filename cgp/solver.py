@@ -12,8 +12,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from cgp.errors import PrototxtError
+from cgp.errors import PrototxtError, shorten
 from cgp.runtime import update
+from cgp.prototxt import non_finite
 from cgp.runtime.memory import aligned_zeros
 
 # Caffe's solver registry, and the order of the deprecated SolverParameter.SolverType enum (0..5).
@@ -86,25 +87,47 @@ def multistep_count(stepvalues, it):
     return count
 
 
-def _solver_type(param):
+def _solver_type(param, where="solver"):
     """The solver's type string, resolved as Caffe's UpgradeSolverType does."""
     if param.HasField("solver_type"):
         if param.HasField("type"):
-            raise PrototxtError("solver: the deprecated 'solver_type' (enum) and 'type' (string) "
-                                "cannot both be given; use 'type'")
+            raise PrototxtError(f"{where}: the deprecated 'solver_type' (enum) and 'type' "
+                                "(string) cannot both be given; use 'type'")
         return SOLVER_TYPES[param.solver_type]
     # An unset 'type' reads as its default, "SGD".
     if param.type not in SOLVER_TYPES:
-        raise PrototxtError(f"solver: type '{param.type}' is not supported; "
+        raise PrototxtError(f"{where}: type '{shorten(param.type)}' is not supported; "
                             f"supported types: {', '.join(SOLVER_TYPES)}")
     return param.type
 
 
-def _check(param, type_):
-    """Raise PrototxtError on what Caffe would CHECK-fail or LOG(FATAL) on."""
-    def fail(message):
-        raise PrototxtError(f"solver: {message}")
+# Which rules read which hyperparameter (Caffe's sgd_solvers.hpp).
+_MOMENTUM = ("SGD", "Nesterov", "AdaDelta", "Adam")
+_DELTA = ("AdaGrad", "RMSProp", "AdaDelta", "Adam")
+_NET_FIELDS = ("net_param", "train_net_param", "test_net_param")   # checked by the net
+_FLT_MIN = float(np.finfo(np.float32).tiny)   # the smallest normal float32
 
+
+def check_values(param, path=None, log=None):
+    """Refuses, with PrototxtError naming the solver file `path` and the field, what Caffe
+    would CHECK-fail or LOG(FATAL) on, and values that cannot be meant although Caffe
+    takes them (a negative learning rate or interval, momentum of 1 or more, a NaN
+    anywhere, ...). Where Caffe deliberately accepts an odd value, so does cgp, and says
+    so once with log (unless None): base_lr 0, clip_gradients 0, gamma 0, test_interval 0
+    beside test nets. Returns the solver type."""
+    where = f"solver {shorten(path)}" if path else "solver"
+
+    def fail(message):
+        raise PrototxtError(f"{where}: {message}")
+
+    def note(message):
+        if log is not None:
+            log(f"Note: {message}")
+
+    bad = non_finite(param, skip=_NET_FIELDS)
+    if bad is not None:
+        fail(f"{bad[0]} is {bad[1]}; a number must be finite")
+    type_ = _solver_type(param, where)
     # Caffe's constructor_sanity_check()s; AdaDelta and Adam use momentum, Caffe checks neither.
     if type_ in ("AdaGrad", "RMSProp") and param.momentum != 0:
         fail(f"momentum cannot be used with {type_} (momentum: {param.momentum:g})")
@@ -112,15 +135,39 @@ def _check(param, type_):
         fail(f"rms_decay should lie between 0 and 1 (rms_decay: {param.rms_decay:g})")
     # Caffe only fails on this once a blob has nonzero decay; checking up front is clearer.
     if param.regularization_type not in ("L1", "L2"):
-        fail(f"regularization_type '{param.regularization_type}' is not supported; "
+        fail(f"regularization_type '{shorten(param.regularization_type)}' is not supported; "
              f"supported: L1, L2")
     # Not checked by Caffe, where it would divide by zero.
     if param.iter_size < 1:
         fail(f"iter_size must be at least 1 (iter_size: {param.iter_size})")
+    # Caffe's Solver::Init.
+    if param.average_loss < 1:
+        fail(f"average_loss must be at least 1 (average_loss: {param.average_loss})")
+    # Not checked by Caffe: values that would train the wrong way or never settle.
+    if param.base_lr < 0:
+        fail(f"base_lr must be at least 0 (base_lr: {param.base_lr:g}): a negative rate "
+             "climbs the loss")
+    if param.weight_decay < 0:
+        fail(f"weight_decay must be at least 0 (weight_decay: {param.weight_decay:g})")
+    if type_ in _MOMENTUM and not 0 <= param.momentum < 1:
+        fail(f"momentum must lie in [0, 1) (momentum: {param.momentum:g}): from 1 on, the "
+             "history never decays")
+    if type_ == "Adam" and not 0 <= param.momentum2 < 1:
+        fail(f"momentum2 must lie in [0, 1) (momentum2: {param.momentum2:g})")
+    if type_ in _DELTA and not param.delta >= _FLT_MIN:
+        fail(f"delta must be at least {_FLT_MIN:g} for {type_}, which divides by a root plus "
+             f"delta; a smaller one is 0 where subnormals are flushed (delta: {param.delta:g})")
+    for field in ("display", "snapshot", "test_interval"):
+        if getattr(param, field) < 0:
+            fail(f"{field} must be at least 0 (0: never), got {getattr(param, field)}")
+    for i, count in enumerate(param.test_iter):
+        if count < 1:
+            fail(f"test_iter must be at least 1 (test_iter[{i}]: {count}); to train without "
+                 "testing, set test_interval: 0")
 
     policy = param.lr_policy
     if policy not in LR_POLICIES:
-        shown = f"'{policy}'" if policy else "(none given)"
+        shown = f"'{shorten(policy)}'" if policy else "(none given)"
         fail(f"lr_policy {shown} is not supported; supported policies: {', '.join(LR_POLICIES)}")
     # Caffe checks these on the first learning rate; here before training starts.
     if policy in ("step", "exp", "inv", "multistep", "sigmoid") and param.gamma < 0:
@@ -129,6 +176,20 @@ def _check(param, type_):
         fail(f"lr_policy '{policy}' needs stepsize > 0 (stepsize: {param.stepsize})")
     if policy == "poly" and param.max_iter <= 0:   # not checked by Caffe: it would divide by zero
         fail(f"lr_policy 'poly' needs max_iter > 0 (max_iter: {param.max_iter})")
+    if policy in ("inv", "poly") and param.power < 0:   # the rate would grow, not decay
+        fail(f"lr_policy '{policy}' needs power >= 0 (power: {param.power:g})")
+
+    if param.base_lr == 0:
+        note("base_lr is 0: the weights never change (as in Caffe)")
+    if param.clip_gradients == 0:
+        note("clip_gradients is 0: every gradient is scaled to 0, so only weight decay "
+             "changes the weights (as in Caffe)")
+    if policy in ("step", "exp", "multistep") and param.gamma == 0:
+        note(f"gamma is 0: lr_policy '{policy}' drops the learning rate to 0 at its first "
+             "step (as in Caffe)")
+    if param.test_interval == 0 and (param.test_iter or param.test_net or param.test_net_param):
+        note("test_interval is 0: the test nets never run (as in Caffe)")
+    return type_
 
 
 class Solver:
@@ -143,8 +204,7 @@ class Solver:
     """
 
     def __init__(self, param, lr_mult, decay_mult, shared=False):
-        self.type = _solver_type(param)
-        _check(param, self.type)
+        self.type = check_values(param)
         self.param = param
         self.lr_mult = np.ascontiguousarray(lr_mult, dtype=np.float32)
         self.decay_mult = np.ascontiguousarray(decay_mult, dtype=np.float32)

@@ -8,6 +8,7 @@ continues bit for bit as if it had not stopped. cgp's .solverstate carries what 
 lacks for that (seed, data position, chunks; see cgp/proto/cgp.proto); a .solverstate
 that Caffe wrote resumes as Caffe resumes, with the data back at the first record.
 """
+import math
 import signal
 import sys
 import time
@@ -27,9 +28,9 @@ from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.runtime.procs import default_workers, make_pool
 from cgp.runtime.update import all_finite
-from cgp.snapshot import (layers_without, load_weights, read_solverstate, writable_folder,
-                          write_caffemodel, write_solverstate)
-from cgp.solver import Solver
+from cgp.snapshot import (layers_without, load_weights, lock_prefix, read_solverstate,
+                          recover_snapshot, recover_snapshots, writable_folder, write_snapshot)
+from cgp.solver import Solver, check_values
 
 DEFAULT_SEED = 1701  # used when neither --seed nor the solver's random_seed is set
 
@@ -47,6 +48,7 @@ class RunConfig:
     snapshot_prefix: str = None
     sigint_effect: str = "stop"       # Caffe's --sigint_effect: stop, snapshot or none
     sighup_effect: str = "snapshot"   # Caffe's --sighup_effect
+    sigterm_effect: str = "stop"      # a batch scheduler's notice before it kills the job
     affinity: bool = False    # pin workers to cores
     # Run the workers as "threads" or as forked "processes" (default: procs.default_workers).
     workers: str = field(default_factory=default_workers)
@@ -141,15 +143,35 @@ def solver_nets(sp, solver_path):
 # pages that it writes (reference counts) and so copies. tests/test_procs.py checks that
 # the real workers of LeNet and cifar10_quick stay within it.
 WORKER_PROCESS_BYTES = 32 << 20
+# What a process holds once the first step has loaded Numba's compiled kernels from their
+# cache: 38 MiB for LeNet's, 50 MiB for cifar10_quick's on the 2-core VM (psutil's RSS
+# before and after a Trainer's first step(), less the buffers the step allocated).
+# tests/test_hardening.py checks the memory line against the peak RSS of a real
+# `cgp train mnist`. A first run, which compiles the kernels, holds more.
+KERNEL_BYTES = 48 << 20
 
 
-def check_memory(net, chunks, threads, histories, available, processes=False):
+def _call_samples(net, chunks, threads):
+    """Samples in one call of a worker (see group_size)."""
+    return group_size(net, chunks, threads) * -(-net.batch_size // chunks)
+
+
+def _batch_bytes(net):
+    """The engine's two copies of a batch of the data layers' tops (Engine.inputs)."""
+    return 2 * 4 * sum(math.prod(net.blob_shapes[t]) for t in net.source_names)
+
+
+def check_memory(net, chunks, threads, histories, available, processes=False, now=0,
+                 test_nets=()):
     """The memory a run needs, as a line for the log; CgpError before running out.
     Private gradients are one buffer per chunk (never per sample), so they grow with
     --chunks, not with the batch; factored weight gradients (InnerProduct) keep instead
     their two factors for the batch, which never touch the per-chunk buffers' pages;
     activations are one set per thread, for the samples of one call (see group_size);
-    processes: the workers are forked processes, each with WORKER_PROCESS_BYTES more."""
+    processes: the workers are forked processes, each with WORKER_PROCESS_BYTES more.
+    now: what the process holds already (its RSS: interpreter, libraries, the data sets,
+    the parameters), with KERNEL_BYTES to come, or 0 to leave both out; test_nets: their
+    activations, without gradients, count too."""
     n, chunks = net.n_params, min(chunks, net.batch_size)
     dense, factors = n, 0
     for index in net.factorable:
@@ -158,18 +180,26 @@ def check_memory(net, chunks, threads, histories, available, processes=False):
         factors += net.batch_size * rows * (J + L) * 4
     gradients = chunks * dense * 4 + factors
     state = (2 + histories) * n * 4  # parameters, the reduced gradient, solver history
-    call = group_size(net, chunks, threads) * -(-net.batch_size // chunks)
-    activations = threads * call * net.sample_bytes
+    activations = (threads * _call_samples(net, chunks, threads) * net.sample_bytes
+                   + _batch_bytes(net))
+    tests = sum(threads * _call_samples(t, chunks, threads) * t.sample_bytes // 2
+                + _batch_bytes(t) for t in test_nets)
     workers = (threads - 1) * WORKER_PROCESS_BYTES if processes else 0
-    need = gradients + state + activations + workers
-    line = (f"memory: {need / 2**20:.1f} MiB = gradients {chunks} chunks x {dense} parameters"
+    kernels = KERNEL_BYTES if now else 0
+    more = gradients + state + activations + tests + workers + kernels
+    need = now + more
+    line = (f"memory: {need / 2**20:.1f} MiB = "
+            + (f"this process now ({now / 2**20:.1f} MiB: interpreter, libraries, data, "
+               f"parameters) + kernels ({kernels / 2**20:.0f} MiB) + " if now else "")
+            + f"gradients {chunks} chunks x {dense} parameters"
             f"{f' + factors of {len(net.factorable)} weights' if net.factorable else ''} "
             f"({gradients / 2**20:.1f} MiB) + solver state ({state / 2**20:.1f} MiB) + activations "
             f"of {threads} {'process(es)' if processes else 'thread(s)'} "
             f"({activations / 2**20:.1f} MiB)"
+            + (f" + test nets ({tests / 2**20:.1f} MiB)" if test_nets else "")
             + (f" + {threads - 1} forked worker(s) ({workers / 2**20:.0f} MiB)" if workers else "")
             + f"; {available / 2**30:.1f} GiB available")
-    if need > 0.9 * available:
+    if more > 0.9 * available:
         raise CgpError(f"not enough memory: {line}. Use fewer --chunks or --threads.")
     return line
 
@@ -187,10 +217,15 @@ def loss_note(net, name, value):
 class Trainer:
     """Trains one solver; `log` receives Caffe-style lines."""
 
+    restored_iter = None   # the iteration of the .solverstate restored, if any
+    _prefix_held = False   # hold_prefix has run
+    _lock = None           # this run's share of its snapshot prefix's lock
+
     def __init__(self, sp, solver_path=None, config=RunConfig(), log=print):
         self.sp, self.config, self.log = sp, config, log
         self.solver_path = solver_path
         check_solver_fields(sp, solver_path, log)
+        check_values(sp, solver_path, log)
         if config.max_iter is None and sp.max_iter < 0:   # Caffe would train to iteration 0
             raise CgpError(f"solver {solver_path}: max_iter must be at least 0, got "
                            f"{sp.max_iter}")
@@ -208,7 +243,7 @@ class Trainer:
         self.net.init_params(self.seed)
         if config.workers not in WORKERS:
             raise CgpError(f"--workers {config.workers}: expected one of {', '.join(WORKERS)}")
-        for effect in (config.sigint_effect, config.sighup_effect):
+        for effect in (config.sigint_effect, config.sighup_effect, config.sigterm_effect):
             if effect not in SIGNAL_EFFECTS:
                 raise CgpError(f"signal effect '{effect}': expected one of "
                                f"{', '.join(SIGNAL_EFFECTS)}")
@@ -248,7 +283,9 @@ class Trainer:
         self.memory_line = check_memory(self.net, chunks, self.pool.threads,
                                         len(self.solver.histories),
                                         psutil.virtual_memory().available,
-                                        self.pool.shared_memory)
+                                        self.pool.shared_memory,
+                                        now=psutil.Process().memory_info().rss,
+                                        test_nets=self.test_nets)
 
     # -- data ----------------------------------------------------------------------
     def _pass(self, it, k):
@@ -420,9 +457,13 @@ class Trainer:
     def solve(self):
         """Train to max_iter; returns the final test outputs (if any)."""
         sp = self.sp
-        if 0 < self.max_iter <= self.iter:   # resumed past the end: Caffe says nothing
+        if self.restored_iter is not None and self.iter >= self.max_iter:
+            # Caffe would snapshot again, rewriting the files it resumed from.
             self.log(f"Note: resumed at iteration {self.iter}, max_iter is {self.max_iter}: "
-                     "nothing to train")
+                     "nothing to train; no snapshot written")
+            return self.last_test
+        if self.comm.leader:   # one run per prefix: the leader writes the job's snapshots
+            self.hold_prefix()
         if (sp.snapshot or sp.snapshot_after_train) and self.comm.leader:   # found out now
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
@@ -505,9 +546,12 @@ class Trainer:
         """Caffe's signal effects, acted on after the current iteration: SIGINT (Ctrl-C)
         'stop' by default: stop, and snapshot as at the end of training (when
         snapshot_after_train is on, Caffe's default); SIGHUP 'snapshot' by default:
-        snapshot and go on. A second Ctrl-C while stopping interrupts at once."""
+        snapshot and go on; SIGTERM, which batch schedulers (Slurm, PBS) send some time
+        before they kill a job, as SIGINT. A second Ctrl-C or SIGTERM while stopping
+        interrupts at once."""
         trainer = self
-        effects = {signal.SIGINT: self.config.sigint_effect}
+        effects = {signal.SIGINT: self.config.sigint_effect,
+                   signal.SIGTERM: self.config.sigterm_effect}
         if hasattr(signal, "SIGHUP"):
             effects[signal.SIGHUP] = self.config.sighup_effect
 
@@ -517,7 +561,8 @@ class Trainer:
                     effect = effects[signum]
                     if effect == "none":
                         return
-                    if signum == signal.SIGINT and effect == "stop" and trainer._told_to_stop:
+                    if (signum in (signal.SIGINT, signal.SIGTERM) and effect == "stop"
+                            and trainer._told_to_stop):
                         raise KeyboardInterrupt
                     # This process's own stop (another rank's reaches it through _agree).
                     trainer._told_to_stop |= effect == "stop"
@@ -525,9 +570,10 @@ class Trainer:
                     # Said at the next iteration's end (_agree): the handler may interrupt
                     # the log in the middle of a line, which a write here would corrupt.
                     name = signal.Signals(signum).name
+                    again = "Ctrl-C" if signum == signal.SIGINT else name
                     trainer._heard.append(
                         f"{name}: {'stopping' if effect == 'stop' else 'snapshotting'} after "
-                        "this iteration" + (" (Ctrl-C again to abort)" if effect == "stop"
+                        "this iteration" + (f" ({again} again to abort)" if effect == "stop"
                                             else ""))
                 self.old = {}
                 try:
@@ -572,21 +618,33 @@ class Trainer:
             prefix = str(Path(self.solver_path).with_suffix(""))
         return prefix or "cgp"
 
+    def hold_prefix(self):
+        """One run per snapshot prefix: takes its lock (snapshot.lock_prefix) for as long as
+        this trainer runs, before it can write a snapshot (solve, snapshot), so that a
+        second run is refused (CgpError naming the first) and a trainer that never writes
+        one (equivalence, bench) takes none; then finishes or removes what an interrupted
+        run left half written there. Once."""
+        if not self._prefix_held:
+            self._prefix_held = True
+            self._lock = lock_prefix(self.snapshot_prefix())
+            recover_snapshots(self.snapshot_prefix(), self.log)
+
     def snapshot(self):
-        """Write <prefix>_iter_<N>.caffemodel and .solverstate atomically; returns the
+        """Write <prefix>_iter_<N>.caffemodel and .solverstate, a pair that appears whole
+        or not at all (snapshot.write_snapshot), from the leader process alone; returns the
         .caffemodel path."""
-        base = f"{self.snapshot_prefix()}_iter_{self.iter}"
-        model = Path(base + ".caffemodel")
         pending = self.train_step.pending(self.iter)
         # Each process holds its columns' (MPI).
         for array in self.solver.histories + [gradient for _, gradient in pending]:
             self.comm.collect(array)
+        model = Path(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         if self.comm.leader:
-            write_caffemodel(model, self.net)
-            write_solverstate(Path(base + ".solverstate"), self.iter, model, self.solver,
-                              self.net, resume=self.resume_state())
+            self.hold_prefix()
+            model = write_snapshot(self.snapshot_prefix(), self.iter, self.net, self.solver,
+                                   resume=self.resume_state())
         self.log(f"Snapshotting to binary proto file {model}")
-        self.log(f"Snapshotting solver state to binary proto file {base}.solverstate")
+        self.log(f"Snapshotting solver state to binary proto file "
+                 f"{model.with_suffix('.solverstate')}")
         self.weights_path = model
         return model
 
@@ -606,11 +664,15 @@ class Trainer:
         position and loss window all come back. One that Caffe wrote restores the
         iteration, history and learning-rate schedule, and the data restarts at the
         first record, as `caffe train --snapshot` does."""
+        recover_snapshot(path, self.log)   # a commit of this very pair that a kill cut short
         state, resume = read_solverstate(path, self.solver, self.net)
         if state.learned_net:
             weights = resolve(state.learned_net, Path(path).parent, "learned_net of the solver state")
             self.load_weights(weights, quiet=True)
-        self.iter = state.iter
+        else:
+            self.log(f"Note: {path} names no weights file (its learned_net is empty): the "
+                     "weights start from the net's fillers")
+        self.iter = self.restored_iter = state.iter
         if resume is None:
             self.data_origin = state.iter
             self.log(f"{path} holds no cgp resume record (Caffe wrote it): the data restarts at "
@@ -654,6 +716,9 @@ class Trainer:
 
     def close(self):
         self.pool.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         for net in [self.net] + self.test_nets:
             for entry in net.sources:
                 if hasattr(entry.layer, "close"):

@@ -27,6 +27,20 @@ def missing(root):
     return [name for names in FILES.values() for name in names if not (where / name).is_file()]
 
 
+def foreign(root):
+    """Why the files in root are not what cgp reads, or None: CIFAR-10's pickled Python
+    version (cifar-10-batches-py, or its data_batch_1 without .bin) found where the binary
+    version was looked for."""
+    root = Path(root)
+    for pickled in (root / "cifar-10-batches-py", root / "data_batch_1"):
+        if pickled.exists():
+            shown = pickled if pickled.is_dir() else root
+            return (f"{shown} holds CIFAR-10's pickled Python version, which is not supported "
+                    "(unpickling a file can run code from it): get the binary version "
+                    f"instead, {URL}, which unpacks to a folder {FOLDER}")
+    return None
+
+
 def read_batch(path):
     """One batch file -> images uint8 (n, 3, 32, 32) and labels uint8 (n,)."""
     path = Path(path)
@@ -68,8 +82,5 @@ def load(split, root):
 
 def _missing_message(where, path):
     message = f"{path}: CIFAR-10 batch file not found"
-    for pickled in (where / path.stem, where / "cifar-10-batches-py"):
-        if pickled.exists():
-            return (f"{message}; {pickled} is the pickled Python version, which is not supported "
-                    f"(unpickling can run code): use the binary version, {URL}")
-    return message
+    pickled = foreign(where)
+    return f"{message}; {pickled}" if pickled else message

@@ -208,7 +208,10 @@ def _absent(spec, folder):
     if not folder.is_dir():
         return "a file, not a folder" if folder.exists() else "no such folder"
     names = spec.reader.missing(folder)
-    return f"missing {', '.join(names)}" if names else None
+    if not names:
+        return None
+    why = getattr(spec.reader, "foreign", lambda folder: None)(folder)
+    return f"missing {', '.join(names)}" + (f"; {why}" if why else "")
 
 
 def _download(spec, dest, mirrors):

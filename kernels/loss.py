@@ -179,7 +179,9 @@ def accuracy_forward(x, label, top_k, has_ignore, ignore, correct):
     """x: (O, C, I) scores; label: (O, I); correct: (C,) integers, overwritten with the number
     of correct predictions per true class. A prediction is correct when fewer than top_k other
     classes score at least as high as the true class: Caffe's rule, so a tie counts against
-    it. Returns (total correct, flat index of the first label that is not a class or -1)."""
+    it. A position with a NaN score is never correct (Caffe's comparisons with NaN are all
+    false, which would count it as a hit). Returns (total correct, flat index of the first
+    label that is not a class or -1)."""
     O, C, I = x.shape
     for c in range(C):
         correct[c] = 0
@@ -195,7 +197,10 @@ def accuracy_forward(x, label, top_k, has_ignore, ignore, correct):
             better = -1   # the true class scores >= itself; it is not "another" class
             c = 0
             while c < C and better < top_k:
-                if x[o, c, i] >= truth:
+                v = x[o, c, i]
+                if v != v:   # NaN, also the true class's: never a hit
+                    better = top_k
+                elif v >= truth:
                     better += 1
                 c += 1
             if better < top_k:

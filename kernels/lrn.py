@@ -101,7 +101,10 @@ def lrn_across_backward(x, y, dy, scale, power, dx, L, cache_ratio, accum):
                 _add_ratios(a, dy[n, tail], y[n, tail], scale[n, tail], -1)
 
 
-@njit(cache=True, nogil=True)
+# Divisions by scale follow C (error_model "numpy"): a scale of 0, which huge inputs can
+# leave in the sliding channel sums as Caffe's, gives inf or NaN as in Caffe, for the
+# trainer's check of non-finite values, instead of a ZeroDivisionError from a worker.
+@njit(cache=True, nogil=True, error_model="numpy")
 def _add_ratios(a, dy, y, scale, sign):
     """One plane (H, W): a += dy * y / scale (sign 1) or a -= it (sign -1)."""
     H, W = a.shape
@@ -184,7 +187,7 @@ def lrn_within_forward(x, y, scale, power, plane, L, alpha, beta):
             _power_plane(x[n, c], y[n, c], sc, power[n, c], beta)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")   # as _add_ratios
 def lrn_within_backward(x, y, dy, scale, power, dx, L, cache_ratio, plane):
     """x, y, dy, scale, power, dx: (N, C, H, W), scale and power as forward left them;
     plane: plane_size(H, W, L) elements of scratch. Overwrites dx with

@@ -105,7 +105,8 @@ def test_resuming_past_max_iter_says_there_is_nothing_to_train(mnist_dir, tmp_pa
     again = Trainer(sp, None, quiet(data_dir=str(mnist_dir), max_iter=2), log=lines.append)
     again.restore(tmp_path / "s_iter_3.solverstate")
     again.solve()
-    assert "Note: resumed at iteration 3, max_iter is 2: nothing to train" in lines
+    assert ("Note: resumed at iteration 3, max_iter is 2: nothing to train; no snapshot "
+            "written") in lines
     assert again.iter == 3 and np.array_equal(again.net.params, first.net.params)
 
 

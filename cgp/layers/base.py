@@ -112,7 +112,7 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from cgp.comm import sum_over_chunks
-from cgp.errors import NetError
+from cgp.errors import NetError, shorten
 from cgp.proto import caffe_pb2
 from cgp.runtime.memory import aligned_zeros
 
@@ -284,7 +284,7 @@ class Layer:
                                  f"{reads}); remove it")
 
     def error(self, message):
-        return NetError(f"layer '{self.name}' (type {self.type_name}): {message}")
+        return NetError(f"layer '{shorten(self.name)}' (type {self.type_name}): {message}")
 
     # -- set up once -------------------------------------------------------------
     def setup(self, bottom_shapes):

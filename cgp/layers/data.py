@@ -7,12 +7,13 @@ thread ever draws them. Which records a batch holds is a pure function of its st
 position, and each sample's crop and mirror a pure function of (seed, layer, iteration,
 sample), so a resumed run reads exactly what an uninterrupted one would.
 """
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
 from cgp.datasets import store
-from cgp.errors import DataError
+from cgp.errors import DataError, shorten
 from cgp.kernels import data as K
 from cgp.layers.base import Layer, register
 from cgp.lmdb_data import ArrayRecords, LmdbRecords
@@ -29,23 +30,25 @@ def open_source(source, options, backend=None):
     data_param.backend if it was given, else None."""
     name, _, split = source.partition(":")
     if name in DATASET_SCHEME and split in ("train", "test"):
-        return ArrayRecords(*store.load(name, split, options.data_dir, options.download))
+        return ArrayRecords(*store.load(name, split, options.data_dir, options.download),
+                            name=f"data set {source}")
     path = Path(source)
     schemes = ", ".join(n + ":train|test" for n in DATASET_SCHEME)
     if not source or not path.exists():
-        raise DataError(f"data source '{source}' not found: no LMDB folder at "
-                        f"{Path.cwd() / source} (paths are relative to the working directory, "
-                        f"as in Caffe), and not one of cgp's data sets ({schemes})")
+        raise DataError(f"data source '{shorten(source)}' not found: no LMDB folder at "
+                        f"{shorten(Path.cwd() / source)} (paths are relative to the working "
+                        f"directory, as in Caffe), and not one of cgp's data sets ({schemes})")
     if backend == caffe_pb2.DataParameter.LEVELDB:
-        raise DataError(f"data source '{source}': backend LEVELDB is not supported; cgp reads "
-                        "LMDB databases (backend: LMDB); convert the data with --backend=lmdb")
+        raise DataError(f"data source '{shorten(source)}': backend LEVELDB is not supported; "
+                        "cgp reads LMDB databases (backend: LMDB); convert the data with "
+                        "--backend=lmdb")
     if path.is_dir() and (path / "data.mdb").is_file():
         return LmdbRecords(path)
     if path.is_dir() and (path / "CURRENT").is_file():
-        raise DataError(f"data source '{source}' is a LevelDB database; cgp reads LMDB only: "
-                        "convert the data with --backend=lmdb")
-    raise DataError(f"data source '{source}' is not an LMDB database (no data.mdb in "
-                    f"{path.resolve()})")
+        raise DataError(f"data source '{shorten(source)}' is a LevelDB database; cgp reads "
+                        "LMDB only: convert the data with --backend=lmdb")
+    raise DataError(f"data source '{shorten(source)}' is not an LMDB database (no data.mdb in "
+                    f"{shorten(path.resolve())})")
 
 
 # TransformationParameter fields that Caffe's old format kept in data_param.
@@ -62,6 +65,7 @@ class DataLayer(Layer):
 
     def setup(self, bottom_shapes):
         dp, tp = self.lp.data_param, self.lp.transform_param
+        self._label_rules = []   # (classes, ignore_label or None, layer name): label_rule
         if dp.batch_size <= 0:
             raise self.error("data_param.batch_size must be positive")
         legacy = [f for f in LEGACY_TRANSFORM if dp.HasField(f)]
@@ -76,7 +80,7 @@ class DataLayer(Layer):
         try:
             self.records = open_source(dp.source, self.options, backend)
         except DataError as e:
-            raise DataError(f"layer '{self.name}': {e}") from None
+            raise DataError(f"layer '{shorten(self.name)}': {e}") from None
         self.batch = dp.batch_size
         channels, height, width = self.records.shape
         self.mean = self._mean(tp, self.records.shape)
@@ -119,6 +123,27 @@ class DataLayer(Layer):
     def close(self):
         self.records.close()
 
+    def label_rule(self, top, classes, ignore, reader):
+        """Layer `reader` (a loss, an accuracy) takes the labels of top `top` as classes
+        0 .. classes - 1, or `ignore` (None: no ignore_label): load() checks each batch's
+        labels against every such rule, so that a bad label is named by its record."""
+        if top == 1:
+            self._label_rules.append((classes, ignore, reader))
+
+    def _check_labels(self, labels, start):
+        whole = np.trunc(labels)    # as the losses read a label: converted to int
+        for classes, ignore, reader in self._label_rules:
+            bad = ~np.isfinite(whole) | (whole < 0) | (whole >= classes)
+            if ignore is not None:
+                bad &= whole != ignore
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise DataError(
+                    f"layer '{shorten(self.name)}': {self.records.where(start + i)}: label "
+                    f"{labels[i]:g} is not a class of layer '{shorten(reader)}', which "
+                    f"takes labels 0 to {classes - 1}"
+                    + (f" or the ignore_label {ignore}" if ignore is not None else ""))
+
     def load(self, start, iteration, seed, rows=None):
         """The batch of records start, start+1, ... (wrapping around the data set, as
         Caffe's reader does), transformed: [data (N, C, H', W') float32, label (N,)]; or of
@@ -126,6 +151,8 @@ class DataLayer(Layer):
         Caffe's order of operations per element: (value - mean) * scale, in float32."""
         rows = range(self.batch) if rows is None else rows
         images, labels = self.records.read(start + rows.start, len(rows))
+        if self._label_rules:
+            self._check_labels(labels, start + rows.start)
         n = len(images)
         data = np.empty(images.shape, np.float32)
         K.transform(images.reshape(n, -1), self._mean_row, self._scale, data.reshape(n, -1))
@@ -189,11 +216,25 @@ class InputLayer(Layer):
             shapes *= len(self.lp.top)
         if len(shapes) != len(self.lp.top):
             raise self.error(f"input_param gives {len(shapes)} shapes for {len(self.lp.top)} tops")
-        self.values = [np.zeros(s, np.float32) for s in shapes]
+        self.shapes = shapes
         return shapes
 
+    @cached_property
+    def values(self):
+        """The arrays of the tops, zeros until the caller fills them: made on first use,
+        after the net has checked that their shapes fit in memory."""
+        return [np.zeros(s, np.float32) for s in self.shapes]
+
     def __len__(self):
-        return self.values[0].shape[0]
+        return self.shapes[0][0]
 
     def load(self, start, iteration, seed, rows=None):
+        """The tops as the caller set them; NaN or infinite values are refused here, where
+        they enter the net, rather than found as a NaN loss later."""
+        for name, value in zip(self.lp.top, self.values):
+            if not np.isfinite(value).all():
+                first = np.argwhere(~np.isfinite(value))[0]
+                raise DataError(f"layer '{shorten(self.name)}': top '{shorten(name)}' holds "
+                                f"{value[tuple(first)]} at {tuple(int(i) for i in first)}; "
+                                "input values must be finite")
         return self.values if rows is None else [v[rows.start:rows.stop] for v in self.values]

@@ -6,6 +6,7 @@ Nothing here may mix samples, so the batch axis is never concatenated, flattened
 """
 import math
 
+from cgp.errors import shorten
 from cgp.kernels import elementwise as K
 from cgp.layers.base import Layer, assign, check_axis, flat, register
 from cgp.proto import caffe_pb2
@@ -35,9 +36,9 @@ class Concat(Layer):
             if len(shape) != ndim or any(a != b for j, (a, b) in enumerate(zip(shape0, shape))
                                          if j != axis):
                 raise self.error(
-                    f"bottom '{self.lp.bottom[0]}' {_shape(shape0)} and bottom "
-                    f"'{self.lp.bottom[i]}' {_shape(shape)} must have the same shape except "
-                    f"on the concat axis {axis}")
+                    f"bottom '{shorten(self.lp.bottom[0])}' {_shape(shape0)} and bottom "
+                    f"'{shorten(self.lp.bottom[i])}' {_shape(shape)} must have the same shape "
+                    f"except on the concat axis {axis}")
         self.sizes = [shape[axis] for shape in bottom_shapes]
         self.outer = math.prod(shape0[1:axis])     # per sample: rows before the concat axis
         self.inner = math.prod(shape0[axis + 1:])  # elements per slice of the concat axis
@@ -94,8 +95,8 @@ class Eltwise(Layer):
         for i, shape in enumerate(bottom_shapes[1:], 1):
             if tuple(shape) != self.shape:
                 raise self.error(
-                    f"all bottoms must have the same shape: bottom '{self.lp.bottom[0]}' "
-                    f"{_shape(self.shape)}, bottom '{self.lp.bottom[i]}' {_shape(shape)}")
+                    f"all bottoms must have the same shape: bottom '{shorten(self.lp.bottom[0])}' "
+                    f"{_shape(self.shape)}, bottom '{shorten(self.lp.bottom[i])}' {_shape(shape)}")
         return [self.shape]
 
     def scratch_shapes(self, n):

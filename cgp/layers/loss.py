@@ -9,6 +9,7 @@ from math import prod
 
 import numpy as np
 
+from cgp.errors import shorten
 from cgp.kernels import loss as K
 from cgp.layers.base import Layer, check_axis, register, view
 from cgp.proto import caffe_pb2
@@ -69,13 +70,14 @@ class _ClassAxis(Layer):
         name = self.lp.bottom[1]
         labels = chunk.batch_tops.get(name)
         if labels is None:
-            raise self.error(f"{why} needs the whole batch's labels, but label blob '{name}' "
+            raise self.error(f"{why} needs the whole batch's labels, but label blob "
+                             f"'{shorten(name)}' "
                              f"is not a data layer's top: feed the labels straight from a data "
                              f"layer")
         labels = np.ascontiguousarray(labels).reshape(-1)
         if labels.size != self._positions(chunk):
-            raise self.error(f"the batch's label blob '{name}' holds {labels.size} labels, "
-                             f"expected {self._positions(chunk)}")
+            raise self.error(f"the batch's label blob '{shorten(name)}' holds {labels.size} "
+                             f"labels, expected {self._positions(chunk)}")
         counts = np.zeros(self.classes, np.int64)
         bad = K.label_counts(labels, self.classes, self.has_ignore, self.ignore, counts)
         if bad >= 0:

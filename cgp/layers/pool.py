@@ -106,6 +106,15 @@ class Pooling(Layer):
         ceil = p.round_mode == PP.CEIL
         self.P = pooled_size(H, self.pad_h, self.R, self.stride_h, ceil)
         self.Q = pooled_size(W, self.pad_w, self.S, self.stride_w, ceil)
+        # Rounding up can add a last window that starts past the input: it would pool
+        # nothing (Caffe reads and writes outside the blob there).
+        for axis, out, size, pad, stride in (("rows", self.P, H, self.pad_h, self.stride_h),
+                                             ("columns", self.Q, W, self.pad_w, self.stride_w)):
+            if (out - 1) * stride - pad >= size:
+                raise self.error(f"the last of {out} windows along the {axis} would start at "
+                                 f"{(out - 1) * stride - pad}, past the input's {size}: stride "
+                                 f"{stride} is too large for this input; use a smaller stride "
+                                 "or round_mode: FLOOR")
         self.C, self.H, self.W = C, H, W
         top = (shape[0], C, self.P, self.Q)
         return [top] * len(self.lp.top)

@@ -46,6 +46,29 @@ ARGS_BYTES = 4096   # room for a run's pickled arguments (a few numbers: iterati
 
 # How long a sleeping worker waits before it checks that the main process still exists.
 _PARENT_CHECK_SECONDS = 1.0
+
+
+def _sigterm_in_worker(signum, frame):
+    """A worker process's SIGTERM: left to the main process while that one catches SIGTERM
+    itself (cgp train, which then stops and closes the workers; a batch scheduler signals
+    every process of the job); otherwise what SIGTERM does by default, as when the main
+    process ends its daemon workers at exit."""
+    if _catches(os.getppid(), signum):
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _catches(pid, signum):
+    """Whether process pid has a handler for signal signum (Linux: /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 # How long the caller sleeps for a run's end before it checks that no worker has died.
 _ALIVE_CHECK_SECONDS = 0.1
 
@@ -363,10 +386,12 @@ class ProcessPool:
         """A worker process's life: every run posted after run number `seen` (the latest when
         it was forked: it may start late), until the program _STOP, or until the main
         process has gone."""
-        # Ctrl-C and a hang-up reach the whole process group: the main process decides what
-        # they do (cgp train's --sigint-effect, --sighup-effect) and then closes the workers.
+        # Ctrl-C, a hang-up and a scheduler's SIGTERM reach the whole process group (or
+        # job): the main process decides what they do (cgp train's --sigint-effect,
+        # --sighup-effect, --sigterm-effect) and then closes the workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _sigterm_in_worker)
         self._report = report
         fpenv.set_flush(self.flush)
         from threadpoolctl import threadpool_limits
