@@ -18,7 +18,7 @@ from google.protobuf import text_format
 
 from cgp import cli
 from cgp.proto import caffe_pb2
-from conftest import synthetic_images, write_cifar, write_mnist
+from cgp.tools.fake_data import synthetic_images, write_cifar, write_mnist
 from test_snapshot import mutations
 
 # CGP_FUZZ_SEED and CGP_FUZZ_SECONDS run other cases for longer, to look for bugs.

@@ -29,7 +29,7 @@ from cgp.snapshot import (lock_prefix, read_caffemodel, recover_snapshots,
                           write_caffemodel, write_solverstate)
 from cgp.solver import check_values
 from cgp.train import Trainer
-from conftest import synthetic_images
+from cgp.tools.fake_data import synthetic_images
 from test_snapshot import TINY, quiet, solver, trainer
 
 ROOT = Path(__file__).resolve().parents[1]

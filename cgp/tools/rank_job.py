@@ -1,17 +1,17 @@
 """One rank of a training that `cgp bench speedup --ranks` times: mpirun starts R of these;
 rank 0 reads one operation per line from its standard input (which mpirun forwards to it),
-every rank runs it, and rank 0 answers with one line of JSON, marked with REPLY. The
+every rank runs it, and rank 0 answers with one line of JSON, marked with REPLY (defined in
+cgp.tools.speedup, which starts the job). The
 operations are those of a timed configuration (cgp.tools.speedup.cgp_config): run N
 iterations, save, restore, digest, pause, and `clock`, the communicator's timing."""
 import json
 import sys
 
-REPLY = "cgp-rank-job "
+from cgp.tools.speedup import REPLY, cgp_config
 
 
 def main(spec_path):
     from cgp.prototxt import read_solver
-    from cgp.tools.speedup import cgp_config
     from cgp.train import RunConfig, Trainer
 
     with open(spec_path) as f:

@@ -273,6 +273,10 @@ class Copies:
                 worker.terminate()
 
 
+# What marks rank 0's answers in a RankJob's output (cgp.tools.rank_job prints them).
+REPLY = "cgp-rank-job "
+
+
 class RankJob:
     """A training on `ranks` MPI ranks of this machine (mpirun), timed as a configuration: a
     job of cgp.tools.rank_job started once, whose rank 0 runs each operation it is sent with
@@ -295,7 +299,6 @@ class RankJob:
         import json
 
         from cgp.errors import CgpError
-        from cgp.tools.rank_job import REPLY
         self.job.stdin.write(json.dumps([op, list(args)]) + "\n")
         self.job.stdin.flush()
         for line in self.job.stdout:
