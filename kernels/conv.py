@@ -723,3 +723,76 @@ def conv_backward(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, col, stride_
                      dcols[g * CgRS:(g + 1) * CgRS])
             if not pointwise:
                 col2im(col, dx[n], R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, P, Q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deconvolution: the transpose of a convolution, through the im2col path's pieces
+
+@njit(cache=True, nogil=True)
+def deconv_forward(x, w, b, y, col, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, group):
+    """x: (N, C, H, W); w: (C, K/G, R, S); b: (K,), or (0,) for no bias; y: (N, K, P, Q), the
+    output of the convolution whose input gradient this is (P = stride_h*(H - 1) +
+    dil_h*(R - 1) + 1 - 2*pad_h); col: (K*R*S, H*W) scratch. Per sample n and group g:
+    col[g's K/G channels' rows] = w[g's C/G]^T @ x[n, g's C/G] (BLAS), y[n] = col2im(col),
+    then y[n, k] += b[k]: Caffe's Deconvolution forward."""
+    N, C, H, W = x.shape
+    Cw, Kg, R, S = w.shape
+    K, P, Q = y.shape[1], y.shape[2], y.shape[3]
+    Cg = C // group
+    KgRS = Kg * R * S
+    w2 = w.reshape((C, KgRS))
+    for n in range(N):
+        xn = x[n].reshape((C, H * W))
+        for g in range(group):
+            gemm(1.0, w2[g * Cg:(g + 1) * Cg].T, xn[g * Cg:(g + 1) * Cg], 0.0,
+                 col[g * KgRS:(g + 1) * KgRS])
+        col2im(col, y[n], R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, H, W)
+        if b.size > 0:
+            yn = y[n].reshape((K, P * Q))
+            for k in range(K):
+                bk = b[k]
+                yk = yn[k]
+                for i in range(P * Q):
+                    yk[i] += bk
+
+
+@njit(cache=True, nogil=True)
+def deconv_backward(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, col, stride_h, stride_w,
+                    pad_h, pad_w, dil_h, dil_w, group, need_dx):
+    """x: (N, C, H, W); w: (C, K/G, R, S); dy: (N, K, P, Q); dx: like x (any array when not
+    need_dx), OVERWRITTEN; col: (K*R*S, H*W) scratch. Parts, dws and dbs as in conv_backward:
+    part i's gradients (laid out like w, and (K,)) are ADDED to, one sample of the part at a
+    time in sample order. Per sample n: db += sums of dy[n] over (P, Q); col = im2col(dy[n]);
+    by group, dw += x[n] @ col^T and dx[n] = w @ col (BLAS): Caffe's Deconvolution backward,
+    a convolution's weight gradient and forward pass on dy."""
+    N, C, H, W = x.shape
+    Cw, Kg, R, S = w.shape
+    K, P, Q = dy.shape[1], dy.shape[2], dy.shape[3]
+    Cg = C // group
+    KgRS = Kg * R * S
+    w2 = w.reshape((C, KgRS))
+    if starts[0] != 0 or starts[-1] != N:
+        raise ValueError("deconv_backward: the parts must cover the samples")
+    part = 0
+    for n in range(N):
+        while n >= starts[part + 1]:
+            part += 1
+        dw2 = dws[part * dw_step:part * dw_step + C * KgRS].reshape((C, KgRS))
+        if dbs.size > 0:
+            dyn = dy[n].reshape((K, P * Q))
+            for k in range(K):
+                dyk = dyn[k]
+                acc = dyk[0] * 0
+                for i in range(P * Q):
+                    acc += dyk[i]
+                dbs[part * db_step + k] += acc
+        im2col(dy[n], col, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, H, W)
+        xn = x[n].reshape((C, H * W))
+        for g in range(group):
+            gemm(1.0, xn[g * Cg:(g + 1) * Cg], col[g * KgRS:(g + 1) * KgRS].T, 1.0,
+                 dw2[g * Cg:(g + 1) * Cg])
+        if need_dx:
+            dxn = dx[n].reshape((C, H * W))
+            for g in range(group):
+                gemm(1.0, w2[g * Cg:(g + 1) * Cg], col[g * KgRS:(g + 1) * KgRS], 0.0,
+                     dxn[g * Cg:(g + 1) * Cg])

@@ -38,15 +38,16 @@ def bias_forward(x, b, off, o_step, y):
 @njit(cache=True, nogil=True)
 def product_sums(dy, x, out, off, o_step, starts, step, accumulate):
     """dy, x: (O, D, I); out: flat; starts: (parts + 1,) the parts' first rows, then O.
-    For each row o of part p and each d: t = sum over i in order of dy[o, d, i] * x[o, d, i],
-    then out[p*step + off + o*o_step + d] += t (accumulate) or = t (each element written once:
-    o_step D). The factors' gradient, Caffe's sums over I then over the rows."""
+    For each row o of part p and each d: t = the float64 sum over i in order of
+    dy[o, d, i] * x[o, d, i], then out[p*step + off + o*o_step + d] += t (accumulate) or = t
+    (each element written once: o_step D). The factors' gradient, Caffe's sums over I then
+    over the rows."""
     O, D, I = dy.shape
     for p in range(starts.size - 1):
         base = p * step + off
         for o in range(starts[p], starts[p + 1]):
             for d in range(D):
-                t = dy[o, d, 0] * 0
+                t = 0.0
                 for i in range(I):
                     t += dy[o, d, i] * x[o, d, i]
                 k = base + o * o_step + d
@@ -56,13 +57,13 @@ def product_sums(dy, x, out, off, o_step, starts, step, accumulate):
 @njit(cache=True, nogil=True)
 def row_sums(dy, out, off, o_step, starts, step, accumulate):
     """dy: (O, D, I); out, starts as in product_sums. out[p*step + off + o*o_step + d] (+)=
-    the sum over i in order of dy[o, d, i]: the addends' gradient."""
+    the float64 sum over i in order of dy[o, d, i]: the addends' gradient."""
     O, D, I = dy.shape
     for p in range(starts.size - 1):
         base = p * step + off
         for o in range(starts[p], starts[p + 1]):
             for d in range(D):
-                t = dy[o, d, 0] * 0
+                t = 0.0
                 for i in range(I):
                     t += dy[o, d, i]
                 k = base + o * o_step + d

@@ -4,5 +4,6 @@ from cgp.layers.base import (REGISTRY, Chunk, Factors, Layer, aligned_zeros, all
 
 # Each family module registers its layers on import.
 from cgp.layers import (  # noqa: E402,F401
-    activation, conv, data, elementwise, inner_product, loss, lrn, pool, reduction, scale, shape,
+    activation, conv, data, elementwise, inner_product, loss, losses, lrn, pool, reduction,
+    scale, shape,
 )
