@@ -74,6 +74,18 @@ CONFIGS = {
     "group_unpadded": ("kernel_size: 2 group: 2", (2, 4, 4, 5), dict(group=2)),
     "dilation_unpadded": ("kernel_h: 2 kernel_w: 3 dilation: 2", (2, 2, 5, 7),
                           dict(dilation=(2, 2))),
+    # One input channel per group runs the depthwise kernels: stride 1 over flat padded
+    # planes, other strides row by row; two outputs per channel; padding beyond the kernel.
+    "depthwise": ("kernel_size: 3 pad: 1 group: 4", (2, 4, 5, 6), dict(pad=(1, 1), group=4)),
+    "depthwise_stride": ("kernel_size: 3 pad: 1 stride: 2 group: 4", (2, 4, 7, 6),
+                         dict(stride=(2, 2), pad=(1, 1), group=4)),
+    "depthwise_multiplier": ("kernel_size: 3 dilation: 2 pad: 2 group: 2", (2, 2, 6, 7),
+                             dict(pad=(2, 2), dilation=(2, 2), group=2)),
+    "depthwise_rect": ("kernel_h: 2 kernel_w: 3 pad_w: 2 stride_h: 1 stride_w: 2 group: 4",
+                       (2, 4, 5, 6), dict(stride=(1, 2), pad=(0, 2), group=4)),
+    "depthwise_unpadded": ("kernel_size: 3 group: 4", (2, 4, 5, 5), dict(group=4)),
+    "depthwise_wide_pad": ("kernel_size: 2 pad: 2 group: 4", (2, 4, 4, 5),
+                           dict(pad=(2, 2), group=4)),
 }
 
 
@@ -227,10 +239,17 @@ LARGE = [
      dict(pad=(2, 2), dilation=(2, 2), group=2)),
     (20, "kernel_h: 5 kernel_w: 3 pad: 2", (2, 20, 6, 9), dict(pad=(2, 2))),
 ]
+# MobileNet's depthwise layers at real widths (rows longer than the lanes of the weight
+# gradient's partial sums, and not a multiple of them), stride 1 and 2.
+DEPTHWISE = [
+    (32, "kernel_size: 3 pad: 1 group: 32", (2, 32, 15, 13), dict(pad=(1, 1), group=32)),
+    (24, "kernel_size: 3 pad: 1 stride: 2 group: 24", (2, 24, 15, 14),
+     dict(stride=(2, 2), pad=(1, 1), group=24)),
+]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("num_output, fields, shape, kw", LARGE)
+@pytest.mark.parametrize("num_output, fields, shape, kw", LARGE + DEPTHWISE)
 def test_large_against_reference(num_output, fields, shape, kw, dtype):
     layer = build(conv_text(fields, num_output), [shape])
     x = data(shape)
@@ -249,7 +268,7 @@ def test_results_ignore_scratch_contents_and_alignment():
     """Scratch full of NaN, and every buffer moved by a few elements, give bitwise the same
     tops and gradients: the kernels read only what they wrote (padding lanes and tiles that
     hang over an edge are never stored), and alignment changes only the speed."""
-    for num_output, fields, shape, _ in LARGE[:5] + LARGE[-3:]:
+    for num_output, fields, shape, _ in LARGE[:5] + LARGE[-3:] + DEPTHWISE:
         layer = build(conv_text(fields, num_output), [shape])
         x = data(shape).astype(np.float32)
         params = [p.astype(np.float32) for p in random_params(layer)]

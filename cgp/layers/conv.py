@@ -54,7 +54,9 @@ class Convolution(Layer):
     worker. No buffer grows with the chunk: the others hold the weights repacked, one sample
     or a block of its positions ("dycl", dy transposed).
     Sizes suit both float32 and float64. Other strides run im2col: "col", the column matrix
-    of one sample (C*R*S, P*Q).
+    of one sample (C*R*S, P*Q). One input channel per group (group = channels, MobileNet's
+    depthwise layers; any stride) runs the depthwise kernels: "plane", one zero-padded
+    channel, "wide", one output channel Wp wide, "acc", the weight gradient's partial sums.
     """
     bottoms = (1, None)
     tops = (1, None)
@@ -127,10 +129,18 @@ class Convolution(Layer):
         p = self.lp.convolution_param
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
 
+    def _depthwise(self):
+        return self.C == self.group
+
     def _direct(self):
-        return self.stride_h == 1 and self.stride_w == 1
+        return self.stride_h == 1 and self.stride_w == 1 and not self._depthwise()
 
     def scratch_shapes(self, n):
+        if self._depthwise():
+            plane, wide, acc = K.depthwise_sizes(self.H, self.W, self.R, self.S,
+                                                 self.stride_h, self.stride_w, self.pad_h,
+                                                 self.pad_w, self.dil_h, self.dil_w)
+            return {"plane": (plane,), "wide": (wide,), "acc": (acc,)}
         if self._direct():
             # Sizes depend on the SIMD width, which differs by dtype: take the larger of the
             # float32 and float64 needs.
@@ -146,6 +156,8 @@ class Convolution(Layer):
         return {"col": (self.C * self.R * self.S, self.P * self.Q)}
 
     def _geometry(self):
+        if self._depthwise():
+            return self.stride_h, self.stride_w, self.pad_h, self.pad_w, self.dil_h, self.dil_w
         if self._direct():
             return self.pad_h, self.pad_w, self.dil_h, self.dil_w, self.group
         return (self.stride_h, self.stride_w, self.pad_h, self.pad_w, self.dil_h, self.dil_w,
@@ -155,7 +167,10 @@ class Convolution(Layer):
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
         for i, (x, y) in enumerate(zip(bottom, top)):
-            if self._direct():
+            if self._depthwise():
+                yield K.depthwise_forward, (x, w, b, y, scratch["plane"], scratch["wide"],
+                                            *self._geometry())
+            elif self._direct():
                 yield K.conv_forward_direct, (x, w, b, y, scratch["e"][i], scratch["wpt"],
                                               *self._geometry())
             else:
@@ -171,7 +186,11 @@ class Convolution(Layer):
             need_dx = dx is not None
             # Without dx the kernels never touch their dx argument; x stands in for the type.
             dx = dx if need_dx else x
-            if self._direct():
+            if self._depthwise():
+                yield K.depthwise_backward, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
+                                             scratch["plane"], scratch["wide"], scratch["acc"],
+                                             *self._geometry(), need_dx)
+            elif self._direct():
                 yield K.conv_backward_direct, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
                                                scratch["e"][i], scratch["dycl"], scratch["dwt"],
                                                scratch["dbacc"], scratch["eb"], scratch["wft"],
