@@ -56,7 +56,8 @@ class Convolution(Layer):
     Sizes suit both float32 and float64. Other strides run im2col: "col", the column matrix
     of one sample (C*R*S, P*Q). One input channel per group (group = channels, MobileNet's
     depthwise layers; any stride) runs the depthwise kernels: "plane", one zero-padded
-    channel, "wide", one output channel Wp wide, "acc", the weight gradient's partial sums.
+    channel, "wide", one output channel Wp wide, "acc", the weight gradient's partial sums,
+    "offs", where each tap reads.
     """
     bottoms = (1, None)
     tops = (1, None)
@@ -140,7 +141,8 @@ class Convolution(Layer):
             plane, wide, acc = K.depthwise_sizes(self.H, self.W, self.R, self.S,
                                                  self.stride_h, self.stride_w, self.pad_h,
                                                  self.pad_w, self.dil_h, self.dil_w)
-            return {"plane": (plane,), "wide": (wide,), "acc": (acc,)}
+            return {"plane": (plane,), "wide": (wide,), "acc": (acc,),
+                    "offs": ((self.R * self.S,), np.int64)}
         if self._direct():
             # Sizes depend on the SIMD width, which differs by dtype: take the larger of the
             # float32 and float64 needs.
@@ -169,7 +171,7 @@ class Convolution(Layer):
         for i, (x, y) in enumerate(zip(bottom, top)):
             if self._depthwise():
                 yield K.depthwise_forward, (x, w, b, y, scratch["plane"], scratch["wide"],
-                                            *self._geometry())
+                                            scratch["offs"], *self._geometry())
             elif self._direct():
                 yield K.conv_forward_direct, (x, w, b, y, scratch["e"][i], scratch["wpt"],
                                               *self._geometry())
@@ -189,7 +191,7 @@ class Convolution(Layer):
             if self._depthwise():
                 yield K.depthwise_backward, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
                                              scratch["plane"], scratch["wide"], scratch["acc"],
-                                             *self._geometry(), need_dx)
+                                             scratch["offs"], *self._geometry(), need_dx)
             elif self._direct():
                 yield K.conv_backward_direct, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
                                                scratch["e"][i], scratch["dycl"], scratch["dwt"],
