@@ -730,8 +730,8 @@ def test_deconvolution_refuses_an_empty_output():
         build(deconv_text("kernel_size: 1 pad: 1"), [(2, 3, 2, 2)])
 
 
-def test_dilated_convolution_in_a_net_trains():
-    """Convolution's dilation (Caffe's DeepLab nets) through a net's forward and backward:
+def test_dilated_convolution_gradients_match_the_reference():
+    """Convolution's dilation (as in Caffe's DeepLab nets), which cgp had already:
     the input gradient and weight gradient against conv_ref_grads."""
     shape = (2, 3, 9, 9)
     layer = build(conv_text("kernel_size: 3 dilation: 3 pad: 3"), [shape])
