@@ -990,9 +990,9 @@ def depthwise_forward(x, w, b, y, plane, wide, offs, stride_h, stride_w, pad_h, 
                       dil_w):
     """x: (N, C, H, W); w: (K, 1, R, S), K a multiple of C (output channel k reads input
     channel k // (K/C)); b: (K,), or (0,) for no bias; y: (N, K, P, Q), overwritten; plane,
-    wide: flat scratch (depthwise_sizes); offs: (R*S,) integer scratch. y[n, k, p, q] = (sum over (r, s) in order of
-    w[k, 0, r, s] * x[n, k // M, p*stride_h + r*dil_h - pad_h, q*stride_w + s*dil_w - pad_w],
-    0 outside x) + b[k]."""
+    wide: flat scratch (depthwise_sizes); offs: (R*S,) integer scratch.
+    y[n, k, p, q] = (sum over (r, s) in order of w[k, 0, r, s] * x[n, k // M,
+    p*stride_h + r*dil_h - pad_h, q*stride_w + s*dil_w - pad_w], 0 outside x) + b[k]."""
     N, C, H, W = x.shape
     K, _, R, S = w.shape
     M = K // C

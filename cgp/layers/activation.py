@@ -167,8 +167,9 @@ class _Neuron(_Elementwise):
         if bottom_diff[0] is None:
             return
         arrays = {"x": bottom[0], "y": top[0], "dy": top_diff[0]}
-        yield self.kernels[1], (*(flat(arrays[a]) for a in self.backward_reads),
-                                     flat(bottom_diff[0]), *self.backward_args(bottom[0].dtype.type))
+        reads = [flat(arrays[a]) for a in self.backward_reads]
+        yield self.kernels[1], (*reads, flat(bottom_diff[0]),
+                                *self.backward_args(bottom[0].dtype.type))
 
 
 @register("ELU")
