@@ -7,6 +7,7 @@ import time
 from cgp.errors import CgpError
 from cgp.options import (EPILOG, add_run_options, check_threads, solver_file, thread_list,
                          worker_kind, worker_list)
+from cgp.plot import add_plot
 from cgp.timing import add_time, compile_notice
 from cgp.tools.speedup import add_bench
 
@@ -29,6 +30,11 @@ def add_train(sub):
         p.add_argument(f"--{name}-effect", default=default, choices=("stop", "snapshot", "none"),
                        help=f"what {name.upper()} does, after the current iteration (default "
                             f"{default}; 'stop' snapshots too, as Caffe's)")
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="write the training log to FILE, in Caffe's glog format (Caffe's "
+                        "parse_log.py reads it), and its values to FILE's name with .csv "
+                        "(default: <snapshot prefix>_<date>-<time>.log and .csv)")
+    p.add_argument("--no-log", action="store_true", help="write no log file and no CSV")
     p.set_defaults(run=cmd_train)
 
 
@@ -41,10 +47,32 @@ def denormals_text(flush):
     return "subnormals kept: flushing them needs an x86-64 CPU"
 
 
+def train_log(args, sp, solver_path, log):
+    """The log sink of a training (cgp.trainlog.TrainLog), or None with --no-log: --log's
+    file, else <snapshot prefix>_<date>-<time>.log beside the snapshots (the prefix found as
+    the trainer finds it: --snapshot-prefix, the solver's, the solver file's name)."""
+    from pathlib import Path
+
+    from cgp import mpi
+    from cgp.trainlog import TrainLog, default_path
+
+    if args.no_log:
+        if args.log:
+            raise CgpError("give --log FILE or --no-log, not both")
+        return None
+    if mpi.launched() and mpi.world().Get_rank() != 0:   # rank 0 writes the job's log
+        return None
+    prefix = args.snapshot_prefix or sp.snapshot_prefix or str(Path(solver_path).with_suffix(""))
+    path = args.log or default_path(prefix)
+    if log is print and sys.stderr.isatty():   # the trainer shows a progress bar: print past it
+        from tqdm import tqdm
+        log = tqdm.write
+    return TrainLog(path, echo=log)
+
+
 def cmd_train(args, log=print):
-    from cgp.runtime.procs import worker_noun
     from cgp.prototxt import read_solver
-    from cgp.train import RunConfig, Trainer
+    from cgp.train import RunConfig
 
     path = solver_file(args)
     sp = read_solver(path)
@@ -60,6 +88,22 @@ def cmd_train(args, log=print):
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
                        sighup_effect=args.sighup_effect, denormals=args.denormals,
                        workers=worker_kind(args.workers))
+    sink = train_log(args, sp, path, log)
+    try:
+        return train(args, sp, path, config, sink or log, sink)
+    finally:
+        if sink is not None:
+            sink.close()
+            if sink.started is not None and sink.path.exists():
+                log(f"cgp: training log written to {sink.path} and {sink.csv_path}")
+
+
+def train(args, sp, path, config, log, sink):
+    """cmd_train's run once its options are read: log receives every line, sink (a TrainLog
+    or None) is told when the training starts."""
+    from cgp.runtime.procs import worker_noun
+    from cgp.train import Trainer
+
     check_threads(args.threads, log, config.workers)
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
@@ -84,12 +128,18 @@ def cmd_train(args, log=print):
         if args.snapshot:
             trainer.restore(args.snapshot)
             log(f"Resuming from {args.snapshot} at iteration {trainer.iter}")
-        with compile_notice(lambda line: trainer.log(line)):  # says so on a first run
+        # Says so on a first run, and the display's speed leaves out the compiling.
+        with compile_notice(lambda line: trainer.log(line)) as compiling:
+            trainer.clock = lambda: time.perf_counter() - compiling.seconds
+            if sink is not None:
+                sink.start(net.name)
             results = trainer.solve()
     finally:
         trainer.close()
     elapsed = time.perf_counter() - started
-    summary = ", ".join(f"{k} = {v:.4f}" for k, v in results.items())
+    # "name value", not "name = value": a log line with ", loss = " is a training loss to
+    # Caffe's parse_log.sh.
+    summary = ", ".join(f"{k} {v:.4f}" for k, v in results.items())
     if summary and trainer.last_test_iter != trainer.iter:
         # Stopped early (Ctrl-C): as Caffe, no test of the final weights; the last test's
         # figures are older and say so.
@@ -181,6 +231,30 @@ def cmd_convert(args, log=print):
     return 0
 
 
+def add_export(sub):
+    p = sub.add_parser("export", help="write a net and its weights as an ONNX graph",
+                       description="The TEST phase of --model with --weights as ONNX (opset 13 "
+                                   "or later), without data, loss and accuracy layers. With "
+                                   "onnxruntime installed, the graph is run once on random "
+                                   "input and compared with cgp's forward.")
+    p.add_argument("--model", required=True, help="net prototxt (deploy or train/test)")
+    p.add_argument("--weights", default=None,
+                   help=".caffemodel file(s), comma-separated (default: the fillers' weights)")
+    p.add_argument("--onnx", required=True, help="the .onnx file to write")
+    p.add_argument("--opset", type=int, default=13, help="ONNX opset (default 13)")
+    p.add_argument("--input-shape", default=None, metavar="N,C,H,W",
+                   help="the shape of the Data layers' data top, which is otherwise read from "
+                        "their data source")
+    p.add_argument("--data-dir", default=None, help="folder holding the Data layers' data set")
+    p.add_argument("--no-download", action="store_true", help="never download a missing data set")
+    p.set_defaults(run=cmd_export)
+
+
+def cmd_export(args, log=print):
+    from cgp.onnx_export import cmd_export as run
+    return run(args, log)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="cgp", description="Coarse-grain batch-parallel CPU trainer for Caffe networks: "
@@ -192,6 +266,8 @@ def build_parser():
     add_time(sub)
     add_test(sub)
     add_convert(sub)
+    add_plot(sub)
+    add_export(sub)
     return parser
 
 

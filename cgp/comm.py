@@ -133,6 +133,13 @@ class Communicator(Protocol):
         and of the factored blocks, cut into tasks once, each ending at the columns `cuts`
         too."""
 
+    def start(self, engine):
+        """A run of the engine begins: once nothing of an earlier run is in flight, reset the
+        engine's counters (Engine.reset); a communicator across processes then starts
+        exchanging what the run makes as soon as it is made (the other processes' shares of
+        each sum over the batch, which the engine's Sync tasks await; each reduction task's
+        columns, which exchange() then completes)."""
+
     def exchange(self, reduction):
         """The step between "local sums done" and "update": makes the reduction's result
         hold the batch's sum of every column of update_blocks(), in the same tree."""
@@ -172,6 +179,9 @@ class Reduction:
         self.tasks, self.spans, self.result = tasks, spans, result
         self.pool = pool
         self._program = pool.program(self.task)
+        # Per task: 1 once its sum is made in the current run (the engine counts them, for
+        # a communicator that exchanges columns as their sums are ready).
+        self.done = aligned_zeros(len(tasks), np.int64, pool.shared_memory)
 
     def task(self, w, i):
         self.tasks[i](w)
@@ -237,6 +247,10 @@ class LocalCommunicator:
         over chunk index for every element."""
         return self.plan(bufs, len(bufs), factored)()
 
+    def start(self, engine):
+        """Nothing to exchange: every chunk is here."""
+        engine.reset()
+
     def exchange(self, reduction):
         """Nothing to exchange: every chunk is here."""
 
@@ -273,6 +287,14 @@ class ReferenceCommunicator(LocalCommunicator):
         def task(w):
             bufs[0] = reference_reduce(bufs)
         return Reduction(self.pool, [task], [(0, bufs.shape[1])], bufs[0])
+
+
+def sum_over_chunks(shares, total):
+    """total[:] = the rows of shares (one per chunk, in chunk order) added in the one tree
+    over chunk index (tree_sum's): a sum over the whole batch (Layer.batch_sums), however
+    the batch was cut. Row 0 of shares is overwritten."""
+    tree_sum(shares, 0, shares.shape[1], np.empty((shares.shape[0], TILE), shares.dtype))
+    total[:] = shares[0]
 
 
 def reference_reduce(bufs):

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cgp.comm import FactoredGrad
+from cgp.comm import FactoredGrad, sum_over_chunks
 from cgp.errors import CgpError
 from cgp.layers import Chunk, Factors
 from cgp.net import Workspace
@@ -90,8 +90,17 @@ def group_size(net, chunks, threads):
 
 
 class Call(NamedTuple):
-    """Forward and backward of the chunks of Engine.groups[group] on one worker."""
+    """Forward and backward of the chunks of Engine.groups[group] on one worker; where the
+    net sums over the batch, segment `segment` of them (see Sync)."""
     group: int
+    segment: int = 0
+
+
+class Sync(NamedTuple):
+    """Sum `index` over the whole batch (Net.forward_syncs then backward_syncs): once every
+    call has run the segment before it, its chunks' shares added in the fixed tree; the calls'
+    next segments wait for it."""
+    index: int
 
 
 class Sum(NamedTuple):
@@ -143,10 +152,30 @@ class Engine:
         flat = net.params if params is None else params
         self.dtype = flat.dtype
         self.backward = backward
-        self.workspaces = [self.new_workspace() for _ in range(pool.threads)] if own else []
         self.params = net.param_views(flat)
+        # Where the net sums over the batch (BatchNorm), each call pauses at each sum until
+        # every call has reached it (Sync): its buffers must outlive the pause, so each group
+        # has a workspace of its own, which any worker may take on (shared between worker
+        # processes), and the sums' shares are rows of batch-wide arrays.
+        syncs = net.forward_syncs + (net.backward_syncs if backward else [])
+        self.syncs, self.forward_segments = syncs, len(net.forward_syncs)
+        if syncs:
+            # A row of shares per chunk of the batch: this process's calls write theirs, the
+            # communicator brings the other processes' (Communicator.start).
+            self.sums = {i: [(aligned_zeros((len(self.bounds), m), np.float64, shared),
+                              aligned_zeros(m, np.float64, shared))
+                             for m in net.entries[i].layer.sum_sizes()] for i, _ in syncs}
+            self.workspaces = [self.new_workspace(group, shared) for group in self.groups]
+            self.reached = aligned_zeros(len(syncs), np.int64, shared)   # calls at sum s
+            self.synced = aligned_zeros(len(syncs), np.int64, shared)    # sum s made
+            self.gathered = aligned_zeros(len(syncs), np.int64, shared)  # others' shares in
+        else:
+            self.workspaces = [self.new_workspace() for _ in range(pool.threads)] if own else []
         self.factored = []
+        # Every group's segments in order, each sum after the segment before it.
         self.tasks = [Call(g) for g in range(len(self.groups))]
+        for s in range(len(syncs)):
+            self.tasks += [Sync(s)] + [Call(g, s + 1) for g in range(len(self.groups))]
         if backward:
             # One row of the flat gradient per owned chunk.
             self.chunk_grads = aligned_zeros((len(own), net.n_params), self.dtype, shared)
@@ -160,10 +189,11 @@ class Engine:
             # The last entries' sums first: backward reaches them first.
             after = [self._first_writer(lo, hi) for lo, hi in self.reduction.spans]
             self.tasks += sorted((Sum(t, a) for t, a in enumerate(after)), key=lambda s: -s.after)
-            # Waits watch memory, as the pool's do, unless spin_count says a CPU is better
-            # left to the calls awaited (more workers than CPUs; one worker never waits).
-            self._wait_spins = (int(WAIT_CHECK_SECONDS * spins_per_second())
-                                if spin_count(pool.threads) else 0)
+        # Waits (for the calls' progress, and for sums over the batch) watch memory, as the
+        # pool's do, unless spin_count says a CPU is better left to the calls awaited (more
+        # workers than CPUs; one worker never waits).
+        self._wait_spins = (int(WAIT_CHECK_SECONDS * spins_per_second())
+                            if spin_count(pool.threads) else 0)
         # The batch values reported: loss tops and unread scalar outputs (accuracy, ...).
         tracked = dict(net.scalar_outputs())
         for blob in net.loss_weights:
@@ -196,7 +226,7 @@ class Engine:
         self._staged = None     # (batch, its set) copied by stage() for the next run
         # Per worker, the layer calls of each (group, set of inputs), bound at its first call
         # there (Net.bind): a worker's calls repeat on the same arrays at every step.
-        self._bound = [{} for _ in self.workspaces]
+        self._bound = [{} for _ in range(pool.threads)]
         self._done = self._claim = None   # the hooks of on_sums
         self._tasks = pool.program(self._task)
 
@@ -216,13 +246,20 @@ class Engine:
         """Whether run()'s Sum tasks leave the batch's sum (and so call on_sums' hook)."""
         return self.backward and self.comm.final_in_task
 
-    def new_workspace(self):
+    def new_workspace(self, group=None, shared=False):
         """One worker's buffers, sized for this engine's calls and for how the net runs its
-        layers (Net.whole_calls)."""
-        return Workspace(self.net, max(self.samples(g)[1] for g in self.groups),
+        layers (Net.whole_calls); or, with a group, that group's own (its rows of the sums)."""
+        groups = self.groups if group is None else [group]
+        k0 = self.owned.start
+        sums = None if group is None else {
+            i: [(shares[k0 + group[0]:k0 + group[1]], total) for shares, total in self.sums[i]]
+            for i in self.sums}
+        return Workspace(self.net, max(self.samples(g)[1] for g in groups),
                          with_diff=self.backward, dtype=self.dtype,
-                         parts=max(c1 - c0 for c0, c1 in self.groups),
-                         part_max=max(n for _, n in self.own))
+                         parts=max(c1 - c0 for c0, c1 in groups),
+                         part_max=max(n for _, n in self.own), shared=shared,
+                         sums=None if sums is None else
+                         [sums.get(i) for i in range(len(self.net.entries))])
 
     def samples(self, group):
         """(first sample, samples) of a group (c0, c1) of owned chunks."""
@@ -266,8 +303,7 @@ class Engine:
         self._slot = slot
         if sums_arg is not None and self._done is None:
             raise ValueError("Engine.run: a sums_arg needs on_sums first")
-        if self.backward:
-            self.progress[:] = 0
+        self.comm.start(self)   # it resets the run's counters (reset) when it may
         if self.tasks:
             self.pool.run(self._tasks, len(self.tasks), iteration, seed, slot, sums_arg,
                           first=first)
@@ -282,6 +318,16 @@ class Engine:
         loss = float(sum(weight * totals[j] for j, weight in self._losses))
         grad = self.reduction.result if self.backward else None
         return values, loss, grad
+
+    def reset(self):
+        """Zeroes the counters by which a run's tasks (and a communicator) follow each other."""
+        if self.backward:
+            self.progress[:] = 0
+            self.reduction.done[:] = 0
+        if self.syncs:
+            self.reached[:] = 0
+            self.synced[:] = 0
+            self.gathered[:] = 0
 
     def stage(self, batch):
         """Copies the batch of the next run() into the inputs that the run in progress, if
@@ -313,34 +359,60 @@ class Engine:
     def _task(self, worker, i, iteration, seed, slot, sums_arg):
         """Task i of a run, as the list says; slot: the set of inputs the calls read."""
         task = self.tasks[i]
-        if type(task) is Call:
-            self._call(worker, task.group, iteration, seed, slot)
-        else:
+        kind = type(task)
+        if kind is Call:
+            self._call(worker, task, iteration, seed, slot)
+        elif kind is Sum:
             self._sum(worker, task, sums_arg)
+        else:
+            self._sync(task.index)
 
-    def _call(self, worker, g, iteration, seed, slot):
-        """Forward (and backward) of group g's samples in the worker's workspace, writing the
-        group's loss shares and chunk gradients, and counting each entry done in progress."""
-        net = self.net
+    def _call(self, worker, task, iteration, seed, slot):
+        """Forward (and backward) of group g's samples, writing the group's loss shares and
+        chunk gradients, and counting each entry done in progress: in the worker's workspace,
+        or where the net sums over the batch, segment s of them in the group's own, once the
+        sum before it is made (Sync)."""
+        net, g, s = self.net, task.group, task.segment
         c0, c1 = self.groups[g]
         chunk = call_chunk(self.own[c0:c1], batch=net.batch_size, iteration=iteration,
                            seed=seed, batch_tops=self._batch_tops[slot])
         bound = self._bound[worker].get((g, slot))
         if bound is None:
-            ws = self.workspaces[worker]
+            ws = self.workspaces[g if self.syncs else worker]
             bound = self._bound[worker][g, slot] = net.bind(
                 ws, chunk, net.call_views(ws, chunk, self.inputs[slot], self.rows.start),
-                self.params,
-                self.group_grad_views[g] if self.backward else None)
-        bound.forward(chunk)
-        k0 = self.owned.start
-        for j, (blob, _) in enumerate(self.tracked):
-            self.shares[k0 + c0:k0 + c1, j] = bound.data[blob][:c1 - c0]
-        if self.backward:
-            grads = self.chunk_grads[c0:c1]
-            for lo, hi in net.zero_ranges:  # layers that set their gradients need no zeros
-                grads[:, lo:hi] = 0
-            bound.backward(chunk, progress=self.progress)
+                self.params, self.group_grad_views[g] if self.backward else None)
+        if s:
+            self._wait(self.synced, s - 1, s, 1)
+        forward = self.forward_segments
+        if s <= forward:
+            bound.forward(chunk, segment=s if self.syncs else None)
+        if s == forward:   # forward is done: the loss shares are written, backward begins
+            k0 = self.owned.start
+            for j, (blob, _) in enumerate(self.tracked):
+                self.shares[k0 + c0:k0 + c1, j] = bound.data[blob][:c1 - c0]
+        if self.backward and s >= forward:
+            if s == forward:
+                grads = self.chunk_grads[c0:c1]
+                for lo, hi in net.zero_ranges:  # layers that set their gradients need no zeros
+                    grads[:, lo:hi] = 0
+            bound.backward(chunk, progress=self.progress,
+                           segment=s - forward if self.syncs else None)
+        if s < len(self.syncs):
+            spin.fetch_add(self.reached, s, 1)
+
+    def _sync(self, s):
+        """Sum s over the whole batch, once every call has reached it (and, across processes,
+        the communicator has brought the others' shares): the chunks' shares added in the
+        fixed tree, finished by the layer (Layer.sync)."""
+        self._wait(self.reached, s, s + 1, len(self.groups))
+        if len(self.parts) > 1:
+            self._wait(self.gathered, s, s + 1, 1)
+        i, k = self.syncs[s]
+        shares, total = self.sums[i][k]
+        sum_over_chunks(shares, total)
+        self.net.entries[i].layer.sync(k, [t for _, t in self.sums[i]], self.params[i])
+        spin.fetch_add(self.synced, s, 1)
 
     def _sum(self, worker, task, sums_arg):
         """A Sum task: waits until every call is past the first entry that writes its columns
@@ -353,6 +425,7 @@ class Engine:
             # Only now: a call still reading these parameters would lose its lines to it.
             self._claim(lo, hi, sums_arg)
         self.reduction.task(worker, task.task)
+        spin.fetch_add(self.reduction.done, task.task, 1)   # for a communicator that watches
         if hand_on:
             self._done(worker, lo, hi, sums_arg)
 

@@ -115,10 +115,11 @@ def step_against_float64(sp, solver_path, config):
             engine64 = Engine(net, config.chunks, pool, LocalCommunicator(pool), params=params64)
             _, loss64, grad64 = engine64.run(batch, 0, trainer.seed)
             loss32, _, _ = trainer.step()
-        # The first step of Caffe's SGD from zero history: w -= lr*lr_mult*(g + wd*decay_mult*w).
+        # The first step of Caffe's SGD from zero history: w -= lr*lr_mult*(g + wd*decay_mult*w),
+        # on what the forward pass left (a BatchNorm's moving averages, which no solver moves).
         rate = trainer.solver.learning_rate(0)
         decay = sp.weight_decay * net.decay_mult.astype(np.float64)
-        w64 = w0 - rate * net.lr_mult.astype(np.float64) * (grad64 + decay * w0)
+        w64 = params64 - rate * net.lr_mult.astype(np.float64) * (grad64 + decay * w0)
         scale = max(float(np.max(np.abs(w64 - w0))), 1e-30)
         error = float(np.max(np.abs(net.params.astype(np.float64) - w64))) / scale
     finally:

@@ -14,11 +14,19 @@ the solver's history of those alone (about 1/R of it); the updated parameters th
 every rank (an all-gather). No rank gathers everything: per step a rank sends and receives
 about two gradients' worth where its range is one subtree.
 
-Only the main process of a rank calls MPI: its worker processes, forked before, compute.
+The exchange overlaps backward: a thread of the rank's main process watches the engine's
+counters and sends each bucket of columns (about BUCKET) as soon as its reduction tasks have
+run, while the calls still run backward through earlier layers; it also gathers the ranks'
+shares of each sum over the batch (BatchNorm), which the engine's Sync tasks await. Buckets
+are fixed, so the bits never move. Only the main process of a rank calls MPI: its worker
+processes, forked before, compute.
 Without mpirun, cgp never imports mpi4py.
 """
 import os
+import queue
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +78,7 @@ def local_job(ranks, args):
 def world():
     """MPI's COMM_WORLD (importing mpi4py initialises MPI)."""
     try:
-        import mpi4py  # noqa: F401
+        import mpi4py  # noqa: F401  (a clear message where the extra is missing)
     except ImportError:
         raise CgpError("this process was started by an MPI launcher (mpirun), but mpi4py is "
                        "not installed: pip install -e \".[mpi]\" (mpi4py and Open MPI)") from None
@@ -92,49 +100,76 @@ def _counts(ranges):
     return counts, np.array([r.start for r in ranges], np.int64)
 
 
-class Exchange:
-    """One reduction's exchange, laid out once: what this rank sends each owner (the partial
-    sums of its subtrees, owner by owner, node by node) and receives (every rank's partial
-    sums of its own columns, in chunk order), and the additions that finish the tree."""
+# Columns per bucket of the exchange, about: a bucket goes as soon as every reduction task of
+# its columns has run, while calls still run backward through earlier layers.
+BUCKET = 1 << 18
 
-    def __init__(self, bufs, chunks, comm, columns, flush):
-        size, rank = comm.size, comm.rank
-        self.bufs, self.columns = bufs, columns
+# How long the communication thread sleeps between looks at the engine's counters.
+POLL_SECONDS = 0.0002
+
+
+class Bucket:
+    """Columns lo..hi of the gradient, exchanged as one all-to-all once the reduction tasks
+    `tasks` have run: each owner receives every rank's subtree sums of its part of them."""
+
+    def __init__(self, lo, hi, tasks, exchange):
+        self.lo, self.hi, self.tasks = lo, hi, np.array(tasks, np.int64)
+        ex = exchange
+        self.pieces = [range(max(lo, c.start), min(hi, c.stop)) for c in ex.columns]
+        mine = self.pieces[ex.rank]
+        self.send = np.empty(len(ex.rows) * (hi - lo), ex.bufs.dtype)
+        self.send_counts = np.array([len(ex.rows) * len(p) for p in self.pieces], np.int64)
+        self.recv = np.empty((ex.everyone, len(mine)), ex.bufs.dtype)
+        self.recv_counts = np.array([len(n) * len(mine) for n in ex.nodes], np.int64)
+
+    def pack(self, ex):
+        at = 0
+        for piece in self.pieces:
+            for row in ex.rows:
+                self.send[at:at + len(piece)] = ex.bufs[row, piece.start:piece.stop]
+                at += len(piece)
+
+
+class Exchange:
+    """One reduction's exchange, laid out once, in buckets of columns (Bucket): what this
+    rank sends each owner (the partial sums of its subtrees, owner by owner, node by node)
+    and receives (every rank's partial sums of its own columns, in chunk order), and the
+    additions that finish the tree (merge_pairs)."""
+
+    def __init__(self, bufs, chunks, comm, columns, flush, spans):
+        self.rank = rank = comm.rank
+        self.bufs, self.columns, self.flush = bufs, columns, flush
         parts = comm.partition(chunks)
         self.nodes = [subtrees(p.start, p.stop, chunks) for p in parts]
         self.rows = [c0 - parts[rank].start for c0, _ in self.nodes[rank]]   # in bufs
-        widths = [len(c) for c in columns]
-        mine = columns[rank]
-        self.send = np.empty(len(self.rows) * bufs.shape[1], bufs.dtype)
-        self.send_counts = np.array([len(self.rows) * w for w in widths], np.int64)
-        self.send_displs = np.cumsum(self.send_counts) - self.send_counts
         everyone = [n for nodes in self.nodes for n in nodes]
-        self.recv = np.empty((len(everyone), len(mine)), bufs.dtype)
-        self.recv_counts = np.array([len(n) * len(mine) for n in self.nodes], np.int64)
-        self.recv_displs = np.cumsum(self.recv_counts) - self.recv_counts
+        self.everyone = len(everyone)
         self.pairs = np.array(merge_pairs(everyone, chunks), np.int64).reshape(-1, 2)
-        self.flush = flush
+        # Buckets of the last columns first: backward sums the last layers first.
+        self.buckets, tasks = [], []
+        for t in sorted(range(len(spans)), key=lambda t: -spans[t][0]):
+            tasks.append(t)
+            lo, hi = spans[t][0], max(spans[u][1] for u in tasks)
+            if hi - lo >= BUCKET or lo == 0:   # the spans tile the columns
+                self.buckets.append(Bucket(lo, hi, tasks, self))
+                tasks = []
         itemsize = bufs.dtype.itemsize
         # Bytes this rank sends to and receives from the others per exchange.
-        self.sent = int(self.send_counts.sum() - self.send_counts[rank]) * itemsize
-        self.received = int(self.recv_counts.sum() - self.recv_counts[rank]) * itemsize
+        self.sent = sum(int(b.send_counts.sum() - b.send_counts[rank]) for b in self.buckets) \
+            * itemsize
+        self.received = sum(int(b.recv_counts.sum() - b.recv_counts[rank])
+                            for b in self.buckets) * itemsize
 
-    def pack(self):
-        at = 0
-        for cols in self.columns:
-            for row in self.rows:
-                self.send[at:at + len(cols)] = self.bufs[row, cols.start:cols.stop]
-                at += len(cols)
-
-    def finish(self, result, mine):
-        """Adds every rank's partial sums of this rank's columns up the tree, in the workers'
-        floating-point mode, into result."""
+    def finish(self, bucket, result):
+        """Adds every rank's partial sums of this rank's part of a bucket up the tree, in the
+        workers' floating-point mode, into result."""
+        mine = bucket.pieces[self.rank]
         state = fpenv.set_flush(self.flush)
         try:
-            merge_rows(self.recv, self.pairs, 0, self.recv.shape[1])
+            merge_rows(bucket.recv, self.pairs, 0, bucket.recv.shape[1])
         finally:
             fpenv.restore(state)
-        result[mine.start:mine.stop] = self.recv[0]
+        result[mine.start:mine.stop] = bucket.recv[0]
 
 
 class MPICommunicator:
@@ -152,6 +187,22 @@ class MPICommunicator:
         self.exchanges = []   # per reduction planned: its Exchange
         from mpi4py import MPI
         self.MPI = MPI
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            raise CgpError("cgp's ranks exchange from a thread of their own while the main "
+                           "thread works: this MPI library must grant MPI_THREAD_MULTIPLE")
+        # The communication thread: what a run exchanges, as soon as it is made, on a
+        # communicator of its own, so that its collectives never meet the main thread's.
+        self._lane = comm.Dup()
+        self._runs = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error = None
+        threading.Thread(target=self._serve, name="cgp-exchange", daemon=True).start()
+        # Seconds spent communicating, summed over runs (cgp bench): `busy`, from the first
+        # bucket's posting to the last's finish less the waits for the next bucket's sums,
+        # plus the parameters' all-gather; `exposed`, what of it the step waited for
+        # (exchange() after the calls' run, and the gather).
+        self.clock = {"busy": 0.0, "exposed": 0.0, "steps": 0}
 
     # -- who computes what ---------------------------------------------------------------
     def partition(self, chunks):
@@ -214,30 +265,104 @@ class MPICommunicator:
                 spans.append((f.offset + j0 * f.L, f.offset + j1 * f.L))
         result = aligned_zeros(n, bufs.dtype, self.pool.shared_memory)
         reduction = Reduction(self.pool, tasks, spans, result)
-        reduction.exchange = Exchange(bufs, chunks, self, self.columns(n), self.pool.flush)
+        reduction.exchange = Exchange(bufs, chunks, self, self.columns(n), self.pool.flush,
+                                      spans)
         self.exchanges.append(reduction.exchange)
         return reduction
 
+    def start(self, engine):
+        """Once the runs before are exchanged, the engine's counters reset; then the thread
+        takes this run's sums over the batch and buckets as the run makes them."""
+        self._settle()
+        engine.reset()
+        if engine.syncs or engine.backward:
+            self._idle.clear()
+            self._runs.put(engine)
+
     def exchange(self, reduction):
-        ex = reduction.exchange
-        ex.pack()
+        """Waits until the thread has exchanged and finished every bucket of the run."""
+        started = time.perf_counter()
+        self._settle()
+        self.clock["exposed"] += time.perf_counter() - started
+        self.clock["steps"] += 1
+
+    def _settle(self):
+        self._idle.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CgpError(f"rank {self.rank}: the exchange failed: {error}") from error
+
+    def _serve(self):
+        while True:
+            engine = self._runs.get()
+            try:
+                self._exchange_run(engine)
+            except BaseException as error:   # noqa: BLE001  (raised in the main thread)
+                self._error = error
+            finally:
+                self._idle.set()
+
+    def _exchange_run(self, engine):
+        """One run, in the order every rank takes the same: each sum over the batch (once
+        this rank's calls have all reached it, the other ranks' shares gathered), then each
+        bucket as soon as its reduction tasks have run (an all-to-all posted, then driven on
+        while the next bucket's tasks run); last, each bucket's tree finished."""
         MPI = self.MPI
-        self.comm.Alltoallv([ex.send, (ex.send_counts, ex.send_displs), _mpi_type(MPI, ex.send)],
-                            [ex.recv, (ex.recv_counts, ex.recv_displs), _mpi_type(MPI, ex.recv)])
-        ex.finish(reduction.result, self.columns(len(reduction.result))[self.rank])
+        for s, (i, k) in enumerate(engine.syncs):
+            self._until(lambda: engine.reached[s] >= len(engine.groups))
+            self._gather(self._lane, engine.sums[i][k][0], engine.parts)
+            engine.gathered[s] = 1
+        if not engine.backward:
+            return
+        reduction, requests = engine.reduction, []
+        ex = reduction.exchange
+        started, waited = None, 0.0
+        for bucket in ex.buckets:
+            ready = time.perf_counter()
+            self._until(lambda: reduction.done[bucket.tasks].all(), requests)
+            if started is None:
+                started = time.perf_counter()
+            else:
+                waited += time.perf_counter() - ready
+            bucket.pack(ex)
+            requests.append(self._lane.Ialltoallv(
+                [bucket.send, (bucket.send_counts, np.cumsum(bucket.send_counts)
+                               - bucket.send_counts), _mpi_type(MPI, bucket.send)],
+                [bucket.recv, (bucket.recv_counts, np.cumsum(bucket.recv_counts)
+                               - bucket.recv_counts), _mpi_type(MPI, bucket.recv)]))
+        MPI.Request.Waitall(requests)
+        for bucket in ex.buckets:
+            ex.finish(bucket, reduction.result)
+        if started is not None:
+            self.clock["busy"] += time.perf_counter() - started - waited
+
+    def _until(self, ready, requests=()):
+        """Returns once ready(); meanwhile drives the exchanges posted (MPI moves data only
+        inside its calls) and sleeps, leaving the CPU to the workers."""
+        while not ready():
+            if requests:
+                self.MPI.Request.Testall(requests)
+            time.sleep(POLL_SECONDS)
 
     # -- after the update ------------------------------------------------------------------
     def share(self, params):
+        started = time.perf_counter()
         counts, displs = _counts(self.columns(len(params)))
         self.comm.Allgatherv(self.MPI.IN_PLACE,
                              [params, (counts, displs), _mpi_type(self.MPI, params)])
+        took = time.perf_counter() - started
+        self.clock["busy"] += took
+        self.clock["exposed"] += took
 
     def gather(self, array, parts):
+        self._gather(self.comm, array, parts)
+
+    def _gather(self, comm, array, parts):
         row = int(np.prod(array.shape[1:], dtype=np.int64))
         counts, displs = _counts(parts)
         flat = array.reshape(-1)
-        self.comm.Allgatherv(self.MPI.IN_PLACE, [flat, (counts * row, displs * row),
-                                                 _mpi_type(self.MPI, flat)])
+        comm.Allgatherv(self.MPI.IN_PLACE, [flat, (counts * row, displs * row),
+                                            _mpi_type(self.MPI, flat)])
 
     def gather_blocks(self, values, n):
         counts = np.array([len(b) for b in self._blocks_of(n)], np.int64)

@@ -14,9 +14,9 @@ import numpy as np
 
 from cgp.errors import NetError
 from cgp.fillers import fill
-from cgp.runtime import spin
-from cgp.layers import REGISTRY, aligned_zeros, alloc_scratch, supported_types
+from cgp.layers import REGISTRY, SYNC, aligned_zeros, alloc_scratch, supported_types
 from cgp.proto import caffe_pb2
+from cgp.runtime import spin
 
 PHASES = {caffe_pb2.TRAIN: "TRAIN", caffe_pb2.TEST: "TEST"}
 
@@ -139,6 +139,14 @@ class Net:
                             for e in self.entries]
         # Bytes of one sample's activations and their gradients (float32).
         self.sample_bytes = 8 * sum(int(np.prod(s[1:])) for s in self.blob_shapes if s)
+        # The sums over the whole batch that calls pause at (Layer.batch_sums), in the order
+        # a step reaches them, as (entry, the layer's sum index): forward's, then backward's
+        # (the last entries first; only where the entry runs backward).
+        self.forward_syncs = [(i, k) for i, e in enumerate(self.entries)
+                              for k in range(e.layer.batch_sums[0])]
+        self.backward_syncs = [(i, e.layer.batch_sums[0] + k)
+                               for i, e in reversed(list(enumerate(self.entries)))
+                               if e.backward for k in range(e.layer.batch_sums[1])]
 
     # -- building ----------------------------------------------------------------
     def _count_consumers(self, lps):
@@ -451,18 +459,27 @@ class BoundCall:
     built once and run at each: the kernel calls of layers that hand theirs over
     (Layer.forward_calls) are made as they were listed, with their arguments; the other
     layers are called each time with argument lists made once. Bound calls make exactly the
-    kernel calls that calling the layers would, so results stay bitwise the same."""
+    kernel calls that calling the layers would, so results stay bitwise the same.
+
+    Where the net sums over the whole batch (Net.forward_syncs, backward_syncs), its calls
+    come in *segments*, cut at each sum: forward segment s runs up to forward sum s, and
+    backward segment s from backward sum s - 1 on. The engine runs every call's segment, then
+    the sum, then the next segments; a call that holds the whole batch runs them all and
+    makes the sums itself."""
 
     def __init__(self, net, ws, chunk, data, params, param_diffs=None, plan=None):
-        self.net, self.chunk, self.data = net, chunk, data
+        self.net, self.chunk, self.data, self.params = net, chunk, data, params
+        self.scratch = ws.scratch
         self.diff = ws.diff_views(chunk.n)
         self._layout = (chunk.n, chunk.first, chunk.batch, chunk.part_starts)
-        self._forward = [self._forward_step(i, entry, p, scratch) for i, (entry, p, scratch)
-                         in enumerate(zip(net.entries, params, ws.scratch))]
-        self._backward = None if param_diffs is None else [
-            self._backward_step(i, entry, p, pd, scratch, plan[i] if plan else None)
-            for i, (entry, p, pd, scratch)
-            in enumerate(zip(net.entries, params, param_diffs, ws.scratch))]
+        self._forward, self._forward_syncs = _segments(
+            [(i, self._forward_steps(i, entry, p, scratch), 0) for i, (entry, p, scratch)
+             in enumerate(zip(net.entries, params, ws.scratch))])
+        self._backward, self._backward_syncs = (None, []) if param_diffs is None else _segments(
+            [(i, self._backward_steps(i, entry, p, pd, scratch, plan[i] if plan else None),
+              entry.layer.batch_sums[0])
+             for i, (entry, p, pd, scratch)
+             in reversed(list(enumerate(zip(net.entries, params, param_diffs, ws.scratch))))])
         # Loss tops' gradients: their loss weights, set again by every backward.
         self._seeds = [(self.diff[blob], weight) for blob, weight in net.loss_weights.items()
                        ] if self._backward is not None else []
@@ -473,53 +490,69 @@ class BoundCall:
             raise ValueError(f"a call of layout {layout} on calls bound for {self._layout} "
                              f"(n, first, batch, part_starts)")
 
-    def forward(self, chunk, clock=None):
+    @property
+    def segments(self):
+        """(forward segments, backward segments): one each where nothing sums the batch."""
+        return len(self._forward), len(self._backward) if self._backward else 0
+
+    def forward(self, chunk, clock=None, segment=None):
         """Forward the samples of `chunk` (one or more parts, see Chunk; laid out as the
         bound one, its iteration and seed its own). Fills the data views, whose batch-value
         tops hold one value per part. clock: optional array, clock[i] += seconds spent in
-        entry i."""
+        entry i. segment: that forward segment alone (the engine's), else every segment,
+        with the sums between them made here (a call of the whole batch)."""
         self._check(chunk)
-        for i, step in enumerate(self._forward):
-            started = time.perf_counter() if clock is not None else 0.0
-            step(chunk)
-            if clock is not None:
-                clock[i] += time.perf_counter() - started
+        for s in range(len(self._forward)) if segment is None else [segment]:
+            if segment is None and s:
+                self._sum_here(chunk, self._forward_syncs[s - 1])
+            self._run(self._forward[s], chunk, clock)
 
-    def backward(self, chunk, clock=None, progress=None):
+    def backward(self, chunk, clock=None, progress=None, segment=None):
         """Backward of `chunk` after its forward; adds the parameter gradients into the
         bound param_diffs. clock as in forward. progress: an int64 array to which 1 is added
         atomically at index i once entry i is done (or has nothing to do), for a reduction
-        that waits for it."""
+        that waits for it. segment: as forward's."""
         self._check(chunk)
-        for d, weight in self._seeds:
-            d[...] = weight
-        for i in reversed(range(len(self._backward))):
-            step = self._backward[i]
+        if segment in (None, 0):
+            for d, weight in self._seeds:
+                d[...] = weight
+        for s in range(len(self._backward)) if segment is None else [segment]:
+            if segment is None and s:
+                self._sum_here(chunk, self._backward_syncs[s - 1])
+            self._run(self._backward[s], chunk, clock, progress)
+
+    def _run(self, steps, chunk, clock, progress=None):
+        for i, step, done in steps:
             if step is not None:
                 started = time.perf_counter() if clock is not None else 0.0
                 step(chunk)
                 if clock is not None:
                     clock[i] += time.perf_counter() - started
-            if progress is not None:
+            if done and progress is not None:
                 spin.fetch_add(progress, i, 1)
 
-    def _forward_step(self, i, entry, p, scratch):
-        """Entry i's forward as step(chunk)."""
+    def _sum_here(self, chunk, sync):
+        """Sum (entry i, its sum k) made by this call, which holds the whole batch."""
+        i, k = sync
+        self.net.entries[i].layer.sum_now(k, self.scratch[i], self.params[i], chunk)
+
+    def _forward_steps(self, i, entry, p, scratch):
+        """Entry i's forward as [step(chunk), ...]: one step per segment it spans."""
         net, data, layer, parts = self.net, self.data, entry.layer, self.chunk.parts
         if net.whole_calls[i]:
             args = ([data[b] for b in entry.bottoms], [data[t][:parts] for t in entry.tops],
                     p, scratch)
-            return lambda chunk: layer.forward_parts(*args, chunk)
+            return [lambda chunk: layer.forward_parts(*args, chunk)]
         if layer.reduces_batch:   # one part at a time
             each = [(net._part(data, entry.bottoms, k, a, b), [data[t][k, ...] for t in entry.tops],
                      p, scratch[k]) for k, (_, a, b) in enumerate(self.chunk.each_part)]
-            return _per_part(layer.forward, each)
+            return [_per_part(layer.forward, each)]
         args = ([data[b] for b in entry.bottoms], [data[t] for t in entry.tops], p, scratch)
-        return _step(layer.forward_calls(*args, self.chunk), layer.forward, args)
+        return _steps(layer.forward_calls(*args, self.chunk), layer.forward, args)
 
-    def _backward_step(self, i, entry, p, pd, scratch, flags):
-        """Entry i's backward as step(chunk), or None where it has none. flags: (backward,
-        propagate) in place of the entry's."""
+    def _backward_steps(self, i, entry, p, pd, scratch, flags):
+        """Entry i's backward as [step(chunk), ...], or None where it has none. flags:
+        (backward, propagate) in place of the entry's."""
         net, data, diff, layer = self.net, self.data, self.diff, entry.layer
         backward, propagate = flags or (entry.backward, entry.propagate)
         if not backward:
@@ -529,7 +562,7 @@ class BoundCall:
         if net.whole_calls[i]:
             args = ([data[t][:parts] for t in entry.tops], [diff[t][:parts] for t in entry.tops],
                     [data[b] for b in entry.bottoms], bottom_diff, p, pd, scratch)
-            return lambda chunk: layer.backward_parts(*args, chunk)
+            return [lambda chunk: layer.backward_parts(*args, chunk)]
         if layer.reduces_batch:   # one part at a time
             each = [([data[t][k, ...] for t in entry.tops], [diff[t][k, ...] for t in entry.tops],
                      net._part(data, entry.bottoms, k, a, b),
@@ -537,23 +570,48 @@ class BoundCall:
                       for j, d in enumerate(bottom_diff)],
                      p, [d[k:k + 1] for d in pd], scratch[k])
                     for k, (_, a, b) in enumerate(self.chunk.each_part)]
-            return _per_part(layer.backward, each)
+            return [_per_part(layer.backward, each)]
         args = ([data[t] for t in entry.tops], [diff[t] for t in entry.tops],
                 [data[b] for b in entry.bottoms], bottom_diff, p, pd, scratch)
-        return _step(layer.backward_calls(*args, self.chunk), layer.backward, args)
+        return _steps(layer.backward_calls(*args, self.chunk), layer.backward, args)
 
 
-def _step(calls, method, args):
-    """step(chunk): the kernel calls a layer handed over (listed now, made at every call),
-    or where it hands none over (None), the layer's method with args and the call's chunk."""
+def _segments(entries):
+    """[(i, steps or None, index of its first sum), ...] in the order they run -> (segments:
+    [[(i, step, whether it is entry i's last step), ...], ...], cut between an entry's steps
+    (at its SYNCs), and the sums at those cuts, [(i, the layer's sum index), ...])."""
+    segments, syncs = [[]], []
+    for i, steps, first in entries:
+        if steps is None:
+            segments[-1].append((i, None, True))
+            continue
+        for j, step in enumerate(steps):
+            if j:
+                segments.append([])
+                syncs.append((i, first + j - 1))
+            segments[-1].append((i, step, j == len(steps) - 1))
+    return segments, syncs
+
+
+def _steps(calls, method, args):
+    """[step(chunk), ...]: the kernel calls a layer handed over (listed now, made at every
+    call), one step per stretch between SYNCs; or where it hands none over (None), the
+    layer's method with args and the call's chunk."""
     if calls is None:
-        return lambda chunk: method(*args, chunk)
-    calls = list(calls)
+        return [lambda chunk: method(*args, chunk)]
+    stretches = [[]]
+    for call in calls:
+        if call is SYNC:
+            stretches.append([])
+        else:
+            stretches[-1].append(call)
 
-    def step(chunk):
-        for kernel, kernel_args in calls:
-            kernel(*kernel_args)
-    return step
+    def step_of(stretch):
+        def step(chunk):
+            for kernel, kernel_args in stretch:
+                kernel(*kernel_args)
+        return step
+    return [step_of(stretch) for stretch in stretches]
 
 
 def _per_part(method, each):
@@ -570,25 +628,33 @@ class Workspace:
     samples in up to `parts` parts of up to part_max samples, and each layer's scratch.
     Reused for every call the worker runs. A batch value (a loss) gets one buffer per
     part, as does the scratch of a layer that makes them one part at a time (not
-    Net.whole_calls).
-    Source (data layer) blobs get no data buffer: calls read views of the batch."""
+    Net.whole_calls). A layer that sums over the batch (Layer.batch_sums) gets its parts'
+    shares and the totals in scratch["sums"]: `sums`, per entry [(shares, total), ...], where
+    the engine gives them, else its own.
+    Source (data layer) blobs get no data buffer: calls read views of the batch.
+    shared: every buffer in memory that worker processes forked later share (the engine's
+    buffers of a group whose segments several workers run)."""
 
-    def __init__(self, net, n_max, with_diff=True, dtype=np.float32, parts=1, part_max=None):
+    def __init__(self, net, n_max, with_diff=True, dtype=np.float32, parts=1, part_max=None,
+                 shared=False, sums=None):
         part_max = part_max or n_max
         self._per_sample = [b not in net.batch_values for b in range(len(net.blob_names))]
 
         def alloc(blob):
             shape = net.blob_shapes[blob]
             return aligned_zeros((n_max,) + shape[1:] if self._per_sample[blob]
-                                 else (parts,) + shape, dtype)
+                                 else (parts,) + shape, dtype, shared)
 
         sources = {t for e in net.sources for t in e.tops}
         self.data = [None if b in sources else alloc(b) for b in range(len(net.blob_names))]
         self.diff = [alloc(b) for b in range(len(net.blob_names))] if with_diff else None
-        self.scratch = [[alloc_scratch(e.layer, part_max, dtype) for _ in range(parts)]
+        self.scratch = [[alloc_scratch(e.layer, part_max, dtype, shared) for _ in range(parts)]
                         if e.layer.reduces_batch and not whole
-                        else alloc_scratch(e.layer, n_max, dtype)
+                        else alloc_scratch(e.layer, n_max, dtype, shared, parts)
                         for e, whole in zip(net.entries, net.whole_calls)]
+        for i, entry in enumerate(net.entries):
+            if sums is not None and sums[i] is not None:
+                self.scratch[i]["sums"] = sums[i]
         self._views = {}
 
     def _sliced(self, arrays, n):

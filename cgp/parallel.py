@@ -18,10 +18,14 @@ core that summed it, and a step hands over to the workers once. Otherwise the up
 run of its own after the exchange. Every update is elementwise over its columns, so both give
 the same bits (a test compares them).
 """
+import math
+
+import numpy as np
+
 from cgp import mpi
 from cgp.comm import LocalCommunicator
 from cgp.runtime.memory import aligned_zeros
-from cgp.runtime.update import claim
+from cgp.runtime.update import all_finite, claim
 from cgp.solver import Step
 
 
@@ -34,8 +38,22 @@ def make_communicator(pool):
     return LocalCommunicator(pool)
 
 
+class Diverged(Exception):
+    """A step found a value that is not finite: the loss of pass `index` (forward; the
+    weights were left as they were before the step), or, with `column`, a weight that the
+    update made infinite or NaN (backward: its gradient was not finite)."""
+
+    def __init__(self, iteration, index=0, loss=None, column=None):
+        super().__init__(f"iteration {iteration}: not finite")
+        self.iteration, self.index, self.loss, self.column = iteration, index, loss, column
+
+
 class DataParallelStep:
-    """One training iteration of a solver over an engine's chunks (see the module)."""
+    """One training iteration of a solver over an engine's chunks (see the module). A step
+    whose loss or new weights are not finite raises Diverged: the loss is checked before any
+    update of the step (in the reduction's tasks too), the weights by the update kernels as
+    they write them, so the check reads nothing twice and a finite run's bits are as they
+    were."""
 
     def __init__(self, engine, solver, comm, iter_size=1):
         """Before the pool starts: worker processes must inherit the update's functions."""
@@ -54,6 +72,9 @@ class DataParallelStep:
         engine.on_sums(self._columns, self._claim if pool.threads > 1 else None)
         self._update = pool.program(self._update_block)
         self._accumulate = pool.program(self._accumulate_block)
+        # What the workers found not finite: [0] the loss (a fused update then skips its
+        # columns), [1] 1 + a column whose update made a weight infinite or NaN.
+        self.found = aligned_zeros(2, np.int64, pool.shared_memory)
         # A run takes its Step in plain form (Step.plain), made a Step again once per run in
         # each process: the latest (plain, Step).
         self._made = ((), None)
@@ -64,6 +85,7 @@ class DataParallelStep:
         first: the caller's own work during the last pass's run (Pool.run's)."""
         step = self.solver.prepare(it) if self.fused else None
         loss, size = 0.0, self.iter_size
+        self.found[:] = 0
         for k in range(size):
             last = k == size - 1
             batch, data_iteration = batches(k)
@@ -71,6 +93,8 @@ class DataParallelStep:
             arg = (k, fused) if self.accum is not None or fused is not None else None
             outputs, pass_loss, _ = self.engine.run(batch, data_iteration, seed,
                                                     first if last else None, arg)
+            if self.found[0] or not math.isfinite(pass_loss):
+                raise Diverged(it, k, pass_loss)
             loss += pass_loss
             if not self.engine.final_sums:
                 self.comm.exchange(self.engine.reduction)
@@ -82,6 +106,9 @@ class DataParallelStep:
                        if self.solver.needs_norm else None)
             step = self.solver.prepare(it, squares)
             self.pool.run(self._update, len(self.blocks), step.plain())
+        bad = self.comm.max(int(self.found[1]))   # any process's column
+        if bad:
+            raise Diverged(it, column=bad - 1)
         self.comm.share(self.params)
         return loss / size, outputs, step.rate
 
@@ -99,7 +126,12 @@ class DataParallelStep:
         if self.accum is not None:
             self._add_pass(k, lo, hi)
         if fused is not None:
-            self.solver.apply(self._step_of(fused), self.params, self.gradient, lo, hi)
+            # Every call's forward is done: the loss shares are all written.
+            if not all_finite(self.engine.shares):
+                self.found[0] = 1   # the weights stay as they were, for the diagnosis
+            elif not self.solver.apply(self._step_of(fused), self.params, self.gradient,
+                                       lo, hi):
+                self.found[1] = lo + 1
 
     def _claim(self, lo, hi, arg):
         """Asks for the cache lines that the fused update will write (cgp.runtime.update.claim),
@@ -121,4 +153,5 @@ class DataParallelStep:
 
     def _update_block(self, worker, i, plain):
         lo, hi = self.blocks[i]
-        self.solver.apply(self._step_of(plain), self.params, self.gradient, lo, hi)
+        if not self.solver.apply(self._step_of(plain), self.params, self.gradient, lo, hi):
+            self.found[1] = lo + 1

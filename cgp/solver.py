@@ -261,12 +261,15 @@ class Solver:
 
     def apply(self, step, params, grads, lo, hi):
         """Update params[lo:hi] and the histories there; grads[lo:hi] is overwritten with the step
-        taken (as Caffe leaves it in the diff). Touches nothing outside [lo, hi)."""
+        taken (as Caffe leaves it in the diff). Touches nothing outside [lo, hi). Returns whether
+        every updated weight is finite."""
         extra = (step.correction,) if self.type == "Adam" else ()   # changes every iteration
+        finite = True
         for a, b, lr_mult, decay_mult in self._pieces(lo, hi):
-            self._kernel(params, grads, *self.histories, lr_mult, decay_mult, a, b, step.rate,
-                         step.clip_scale, self._accum, self._weight_decay, self._l1,
-                         *self._hyper, *extra)
+            finite &= self._kernel(params, grads, *self.histories, lr_mult, decay_mult, a, b,
+                                   step.rate, step.clip_scale, self._accum, self._weight_decay,
+                                   self._l1, *self._hyper, *extra)
+        return finite
 
     def _pieces(self, lo, hi):
         """[(a, b, lr_mult, decay_mult), ...]: [lo, hi) cut where the multipliers change, each

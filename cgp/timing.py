@@ -50,25 +50,62 @@ def denormals(flush):
 
 
 # -- the first-run note --------------------------------------------------------------
+def unloaded_kernels(prefix):
+    """How many Numba kernels the modules named `prefix`... define that hold no compiled
+    code yet in this process: at most that many can still compile (or load from the cache)."""
+    import sys
+
+    from numba.core.dispatcher import Dispatcher
+
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(prefix) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if (isinstance(value, Dispatcher) and not value.signatures
+                    and getattr(value.py_func, "__module__", None) == name):
+                count += 1
+    return count
+
+
 @contextmanager
-def compile_notice(log, prefix="cgp."):
-    """Inside the block, log COMPILING once when Numba compiles (rather than loads from its
-    cache) a kernel from a module whose name starts with `prefix`. Numba announces exactly
-    those compilations with its "numba:compile" event; cache hits raise no event."""
+def compile_notice(log, prefix="cgp.", every=10):
+    """Inside the block, says with log when Numba compiles (rather than loads from its cache)
+    kernels from modules whose name starts with `prefix`: COMPILING at the first, the count
+    at every `every`-th (of at most the kernels not loaded yet, unloaded_kernels), and at
+    the end how many took how long. Numba announces exactly those compilations with its
+    "numba:compile" event; cache hits raise no event. Yields the listener, whose `seconds`
+    is the compile time so far, for a speed that leaves it out (Trainer.clock)."""
     from numba.core import event
 
     class Listener(event.Listener):
-        said = False
+        count = 0          # cgp kernels compiled
+        bound = 0          # at most this many would compile (set at the first)
+        seconds = 0.0      # seconds spent compiling, anything (nested compiles once)
+        depth = 0
+        started = 0.0
 
         def on_start(self, ev):
+            # Numba compiles under one lock: the events of a process nest, never overlap.
+            if self.depth == 0:
+                self.started = time.perf_counter()
+            self.depth += 1
             dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
             module = getattr(getattr(dispatcher, "py_func", None), "__module__", "") or ""
-            if not self.said and module.startswith(prefix):
-                self.said = True
+            if not module.startswith(prefix):
+                return
+            if self.count == 0:
+                self.bound = unloaded_kernels(prefix)
                 log(COMPILING)
+            self.count += 1
+            self.bound = max(self.bound, self.count)
+            if self.count % every == 0:
+                log(f"compiling kernels: {self.count} of up to {self.bound}")
 
         def on_end(self, ev):
-            pass
+            self.depth -= 1
+            if self.depth == 0:
+                self.seconds += time.perf_counter() - self.started
 
     listener = Listener()
     event.register("numba:compile", listener)
@@ -76,6 +113,9 @@ def compile_notice(log, prefix="cgp."):
         yield listener
     finally:
         event.unregister("numba:compile", listener)
+    if listener.count:
+        log(f"compiled {listener.count} kernels in {listener.seconds:.1f} s (cached for later "
+            "runs)")
 
 
 # -- the timed loops -------------------------------------------------------------------
@@ -148,6 +188,8 @@ class LayerTimer:
         self.net, self.seed = net, seed
         self.bounds = chunk_bounds(net.batch_size, chunks)
         group = group_size(net, chunks, 1)
+        if net.forward_syncs or net.backward_syncs:   # its sums need the batch in one call
+            group = len(self.bounds)
         self.calls = [self.bounds[c:c + group] for c in range(0, len(self.bounds), group)]
         self.plan = backward_plan(net)
         self.has_backward = any(b for b, _ in self.plan)

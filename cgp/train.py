@@ -14,17 +14,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import psutil
 from threadpoolctl import threadpool_limits
 
-from cgp.parallel import make_communicator
 from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
-from cgp.net import RunOptions, build_net
-from cgp.parallel import DataParallelStep
+from cgp.layers import Chunk
+from cgp.net import RunOptions, Workspace, build_net
+from cgp.parallel import DataParallelStep, Diverged, make_communicator
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.runtime.procs import default_workers, make_pool
+from cgp.runtime.update import all_finite
 from cgp.snapshot import (layers_without, load_weights, read_solverstate, writable_folder,
                           write_caffemodel, write_solverstate)
 from cgp.solver import Solver
@@ -232,6 +234,8 @@ class Trainer:
         self._ahead = None        # (what _batch was asked, the batch) read ahead by step()
         self._request = None      # what a signal asked for: "stop" or "snapshot"
         self._told_to_stop = False   # a signal asked this process to stop
+        self._heard = []             # what the signal handler has to say (_agree says it)
+        self.clock = time.perf_counter   # the display's speed; cgp train's leaves out compiling
         # Caffe's solver field `weights` (the command line's --weights replaces it).
         base = Path(solver_path).parent if solver_path else None
         for names in sp.weights:
@@ -312,12 +316,57 @@ class Trainer:
         result = None
         for _ in range(n):
             it = self.iter
-            result = self.train_step(it, lambda k: self._pass_batch(it, k), self.seed,
-                                  first=lambda: self._work_ahead(it + 1))
+            try:
+                result = self.train_step(it, lambda k: self._pass_batch(it, k), self.seed,
+                                         first=lambda: self._work_ahead(it + 1))
+            except Diverged as d:
+                raise CgpError(self._divergence(d)) from None
             self.iter += 1
             if each is not None and each(it, *result):
                 break
         return result
+
+    def _divergence(self, d):
+        """The message for a step that found a value not finite (Diverged): the iteration, and
+        where it first appeared: the first layer whose output is not finite (the loss; a
+        forward pass of that batch on the weights before the step, which the step left), or
+        the parameter blob whose update went infinite or NaN (its gradient)."""
+        if d.column is not None:
+            blob = next(b for b in self.net.param_blobs
+                        if b.offset <= d.column < b.offset + b.size)
+            where = (f"the gradient of layer '{blob.layer}' blob {blob.index} {blob.shape} is not "
+                     "finite, and so are weights its update wrote")
+        else:
+            where = (f"the loss is {d.loss:g}" if d.loss is not None else "the loss is not finite")
+            where += f" ({self._first_not_finite(d.iteration, d.index)})"
+        return (f"training diverged at iteration {d.iteration}: {where}. Training stopped; no "
+                "snapshot was written of these weights (the last snapshot, if any, is intact). "
+                "A smaller base_lr, clip_gradients or finite input data may help")
+
+    def _first_not_finite(self, it, k):
+        """Where a forward pass of pass k of iteration `it`, on one worker and the current
+        weights, first gives a value that is not finite."""
+        net = self.net
+        position, iteration = self._pass(it, k)
+        batch = {}
+        for entry in net.sources:
+            batch.update(zip(entry.tops, entry.layer.load(position, iteration, self.seed)))
+            for name, top in zip(entry.layer.lp.top, entry.tops):
+                if not all_finite(np.asarray(batch[top])):
+                    return f"the data of layer '{entry.layer.name}', top '{name}', is not finite"
+        ws = Workspace(net, net.batch_size, with_diff=False)
+        chunk = Chunk(n=net.batch_size, batch=net.batch_size, iteration=iteration,
+                      seed=self.seed, batch_tops=net.batch_tops(batch))
+        params = net.param_views(net.params)
+        data = net.forward(ws, chunk, batch, params)
+        for entry, views in zip(net.entries, params):
+            if any(not all_finite(data[t]) for t in entry.tops):
+                bad = [i for i, v in enumerate(views) if not all_finite(v)]
+                cause = (f"its blob(s) {', '.join(map(str, bad))} hold non-finite weights" if bad
+                         else "its input and weights are finite")
+                return (f"the first output that is not finite is layer '{entry.layer.name}' "
+                        f"({entry.layer.type_name})'s: {cause}")
+        return "a forward pass on one worker gives finite values throughout"
 
     def _pass_batch(self, it, k):
         """(batch, iteration number of its data) of pass k of training iteration it."""
@@ -375,7 +424,7 @@ class Trainer:
         if (sp.snapshot or sp.snapshot_after_train) and self.comm.leader:   # found out now
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
-            last = time.perf_counter()
+            last = self.clock()
             last_iter = self.iter
 
             def done(it, loss, outputs, rate):
@@ -383,7 +432,7 @@ class Trainer:
                 smoothed = self._smoothed(loss)
                 bar.update(1)
                 if sp.display and it % sp.display == 0:
-                    now = time.perf_counter()
+                    now = self.clock()
                     speed = max(1, self.iter - last_iter) / max(now - last, 1e-9)
                     self.log(f"Iteration {it} ({speed:.3g} iter/s, "
                              f"{speed * self.net.batch_size * sp.iter_size:.0f} img/s), "
@@ -442,6 +491,8 @@ class Trainer:
         """The request that every process acts on now: the strongest any of them has (under
         MPI a signal may reach one rank only, or the ranks at different iterations), so that
         all stop, or snapshot, at the same iteration."""
+        while self._heard:
+            self.log(self._heard.pop(0))
         self._request = REQUESTS[self.comm.max(REQUESTS.index(self._request))]
         return self._request
 
@@ -469,10 +520,13 @@ class Trainer:
                     # This process's own stop (another rank's reaches it through _agree).
                     trainer._told_to_stop |= effect == "stop"
                     trainer._request = max(trainer._request, effect, key=REQUESTS.index)
+                    # Said at the next iteration's end (_agree): the handler may interrupt
+                    # the log in the middle of a line, which a write here would corrupt.
                     name = signal.Signals(signum).name
-                    trainer.log(f"{name}: {'stopping' if effect == 'stop' else 'snapshotting'} "
-                                "after this iteration" + (" (Ctrl-C again to abort)"
-                                                          if effect == "stop" else ""))
+                    trainer._heard.append(
+                        f"{name}: {'stopping' if effect == 'stop' else 'snapshotting'} after "
+                        "this iteration" + (" (Ctrl-C again to abort)" if effect == "stop"
+                                            else ""))
                 self.old = {}
                 try:
                     for signum in effects:

@@ -77,9 +77,10 @@ def check_forward(layer, bottom, reference, params=None, rtol=1e-5, atol=1e-6, c
 
 
 def check_gradients(layer, bottom, params=None, check=None, eps=1e-6, rtol=1e-4, atol=1e-7,
-                    chunk=None, seed=1):
+                    chunk=None, seed=1, check_params=True):
     """Compare analytic gradients of L = sum_i <top_i, W_i> (W random) with central
-    differences, in float64, for every bottom flagged in `check` and every param."""
+    differences, in float64, for every bottom flagged in `check` and every param (unless
+    check_params is off: statistics a layer keeps in its blobs, which have no gradient)."""
     bottom = [np.array(b, np.float64) for b in bottom]
     params = [np.array(p, np.float64) for p in (params if params is not None
                                                  else random_params(layer))]
@@ -94,7 +95,8 @@ def check_gradients(layer, bottom, params=None, check=None, eps=1e-6, rtol=1e-4,
 
     _, bottom_diff, param_diff = backward(layer, bottom, params, weights, chunk, propagate=check)
     targets = [(b, d, f"bottom {i}") for i, (b, d, c) in enumerate(zip(bottom, bottom_diff, check)) if c]
-    targets += [(p, d, f"param {i}") for i, (p, d) in enumerate(zip(params, param_diff))]
+    if check_params:
+        targets += [(p, d, f"param {i}") for i, (p, d) in enumerate(zip(params, param_diff))]
     for array, analytic, what in targets:
         numeric = np.zeros_like(array)
         flat, num = array.reshape(-1), numeric.reshape(-1)

@@ -99,6 +99,25 @@ def test_training_flops_count_each_pass_that_runs(mnist_dir):
     assert training_flops(deploy) == 2 * (4 * 10 * 10 * 2 * 3 * 3 + 5 * 4 * 5 * 5)
 
 
+def test_speedup_times_mpi_ranks(tmp_path, mnist_dir):
+    """--ranks 2: the training on 2 MPI ranks x 1 worker is timed in the same rounds, ends on
+    the weights of one process (checked), and reports its communication: time per step, the
+    share hidden behind backward, and the bytes a rank moves."""
+    pytest.importorskip("mpi4py")
+    out = subprocess.run(
+        [sys.executable, "-m", "cgp", "bench", "speedup", "mnist", "--threads", "1",
+         "--ranks", "2", "--iters", "2", "--repeats", "2", "--warmup", "1", "--data-dir",
+         str(mnist_dir), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [report] = [json.loads(p.read_text()) for p in tmp_path.glob("speedup_mnist_*Z.json")]
+    [mpi] = [r for r in report["results"] if r["impl"] == "mpi"]
+    assert report["ranks"] == [1, 2] and mpi["ranks"] == 2 and mpi["threads"] == 2
+    assert mpi["comm_ms_per_step"] > 0 and 0 <= mpi["comm_hidden_share"] <= 1
+    gradient = 4 * 431080
+    assert 0.5 * gradient < mpi["bytes_sent_per_step"] < 2.2 * gradient
+    assert "2 MPI ranks x 1 workers" in out.stdout and "hidden behind backward" in out.stdout
+
+
 def test_speedup_writes_json_csv_and_table(tmp_path, mnist_dir):
     """Without --out, the results go to ./cgp-results/ under the working directory, never
     into the package's folders."""
@@ -405,7 +424,8 @@ def test_compile_notice_only_when_numba_compiles():
     with compile_notice(lines.append, prefix=first.py_func.__module__):
         first(1)
         second(1)
-    assert lines == [COMPILING]
+    assert lines[0] == COMPILING and len(lines) == 2
+    assert lines[1].startswith("compiled 2 kernels in ")   # and how long, at the end
     lines.clear()
     with compile_notice(lines.append, prefix=first.py_func.__module__):
         first(2)          # compiled already: no note

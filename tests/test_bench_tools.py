@@ -14,7 +14,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "kernel_ab.py",
-         "machine_scaling.py", "many_cores.sh", "revision_ab.py", "step_tail.py"}
+         "machine_scaling.py", "many_cores.sh", "revision_ab.py", "scale_model.py",
+         "step_tail.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
 
 
@@ -104,6 +105,19 @@ def test_call_size_times_every_layer_at_each_size(mnist_dir, tmp_path):
                                     r"(\d+\.\d+)", text)
     assert 0 < empty < alone and share > 0
     assert "16 worker threads making such calls run at most" in text
+
+
+def test_scale_model_predicts_from_measured_layer_times(mnist_dir, tmp_path):
+    """The model's step on 1, 2 and 4 nodes: compute halves with the nodes, the exchange and
+    the all-gather are positive beyond one node, and the efficiency stays at most 1."""
+    import json
+    report = tmp_path / "model.json"
+    run("scale_model.py", "mnist", "--nodes", "1,2,4", "--link", "25GbE", "--data-dir",
+        mnist_dir, "--json", report)
+    rows = json.loads(report.read_text())["predictions"]["25GbE"]
+    assert [r["nodes"] for r in rows] == [1, 2, 4]
+    assert rows[1]["compute"] < rows[0]["compute"] and rows[2]["allgather"] > 0
+    assert all(0 < r["efficiency"] <= 1.0001 for r in rows)
 
 
 def test_step_tail_times_every_step(mnist_dir, tmp_path):

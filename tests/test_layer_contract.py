@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cgp.errors import NetError
-from cgp.layers import REGISTRY, Chunk, base, register
+from cgp.layers import REGISTRY, SYNC, Chunk, base, register
 from cgp.layers.activation import ReLU
 from cgp.layers.base import Layer
 from cgp.net import Net, Workspace, build_net
@@ -28,6 +28,7 @@ HANDS_OVER = {
     "AbsVal": 'type: "AbsVal" bottom: "data" top: "y"',
     "ArgMax": 'type: "ArgMax" bottom: "data" top: "y" argmax_param { top_k: 2 }',
     "BNLL": 'type: "BNLL" bottom: "data" top: "y"',
+    "BatchNorm": 'type: "BatchNorm" bottom: "data" top: "y"',
     "Bias": 'type: "Bias" bottom: "data" top: "y"',
     "Clip": 'type: "Clip" bottom: "data" top: "y" clip_param { min: -1 max: 1 }',
     "Crop": 'type: "Crop" bottom: "data" bottom: "data" top: "y"',
@@ -108,11 +109,17 @@ def test_layer_hands_its_kernel_calls_over(kind):
         bottom_diff = [None] * len(bottom)
     back = layer.backward_calls(top, top_diff, bottom, bottom_diff, params, grads, ws.scratch[i],
                                 chunk)
-    for calls, empty in ((forward, kind in NO_FORWARD), (back, kind in NO_GRADIENT)):
+    for calls, k, empty in ((forward, 0, kind in NO_FORWARD),
+                            (back, layer.batch_sums[0], kind in NO_GRADIENT)):
         assert calls is not None, f"{kind} hands no calls over"
         calls = list(calls)
         assert bool(calls) != empty
-        for kernel, args in calls:
+        for call in calls:
+            if call is SYNC:   # a sum over the batch (this call holds all of it)
+                layer.sum_now(k, ws.scratch[i], params, chunk)
+                k += 1
+                continue
+            kernel, args = call
             assert callable(kernel) and isinstance(args, tuple)
             kernel(*args)
 
@@ -143,6 +150,7 @@ def _per_call(self, *args):
     (dict(calls_each_time=True, forward=_per_call, backward=_per_call),
      "Quiet declares calls_each_time and also defines forward_calls"),
     (dict(reduces_batch=True), "Quiet has reduces_batch"),
+    (dict(batch_sums=(1, 0)), "Quiet has batch_sums: it hands its calls over"),
     (dict(params_read="relu_param"), "Quiet: params_read must be a tuple"),
     (dict(params_read=("relu_parameter",)), "Quiet: params_read must be a tuple"),
 ])
@@ -203,7 +211,8 @@ def test_each_layer_takes_the_messages_it_reads_and_refuses_others(kind):
 
 # What each layer type reads in Caffe (its caffe.proto messages).
 CAFFE_READS = {
-    "AbsVal": (), "Accuracy": ("accuracy_param",), "Concat": ("concat_param",),
+    "AbsVal": (), "Accuracy": ("accuracy_param",), "BatchNorm": ("batch_norm_param",),
+    "Concat": ("concat_param",),
     "Convolution": ("convolution_param",), "Data": ("data_param", "transform_param"),
     "Dropout": ("dropout_param",), "Eltwise": ("eltwise_param",),
     "Flatten": ("flatten_param",), "InnerProduct": ("inner_product_param",),

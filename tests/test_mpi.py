@@ -101,7 +101,7 @@ def test_a_snapshot_of_two_ranks_resumes_on_three_and_on_none(tmp_path, mnist_di
     assert whole.returncode == 0, whole.stderr
     first = train(2, [*common, "--iters", "3", "--snapshot-prefix", "two/t"], tmp_path)
     assert first.returncode == 0, first.stderr
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "two").glob("*_iter_*")) == [
         "t_iter_3.caffemodel", "t_iter_3.solverstate"]
     assert first.stdout.count("Snapshotting to binary proto file") == 1   # rank 0 alone
     want = weights(tmp_path / "whole" / "w_iter_6.caffemodel")
@@ -170,7 +170,7 @@ def test_a_signal_to_the_ranks_stops_them_at_one_iteration(tmp_path, mnist_dir):
     finally:
         job.kill()
     assert job.returncode == 0, err
-    snapshots = sorted((tmp_path / "s").iterdir())
+    snapshots = sorted((tmp_path / "s").glob("t_iter_*"))
     assert len(snapshots) == 2 and "Optimization stopped early." in out
     stopped = int(re.search(r"_iter_(\d+)\.caffemodel", snapshots[0].name).group(1))
     assert f"trained to iteration {stopped} " in out
@@ -222,3 +222,26 @@ def test_bytes_a_rank_moves_per_step(tmp_path, mnist_dir):
     for ranks in (2, 4):
         assert max(figures[ranks]) <= 2.2, figures
     assert max(figures[3]) <= 3.2, figures
+
+
+def test_a_diverging_run_on_ranks_ends_with_one_message(tmp_path, mnist_dir):
+    """base_lr far too large on 2 ranks: every rank finds the same non-finite loss in the
+    same iteration, and the job ends with status 2 and the message, not a hang."""
+    solver_file = tmp_path / "solver.prototxt"
+    solver_file.write_text(f'net: "{models.FOLDER / "lenet_train_test.prototxt"}"\n'
+                           "base_lr: 50 momentum: 0.9 lr_policy: 'fixed' max_iter: 100\n"
+                           "snapshot_prefix: 's/t' snapshot_after_train: false\n")
+    done = train(2, ["--solver", str(solver_file), "--data-dir", str(mnist_dir)], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "training diverged at iteration" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_batchnorm_statistics_over_ranks_give_the_bits_of_one_process(mnist_dir):
+    """LeNet with BatchNorms: each sum over the batch gathers every rank's chunk shares and
+    adds them in the same tree, so 2 and 3 ranks x 1 and 2 workers give one hash."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_batchnorm import bn_lenet_solver
+    lines = []
+    status = run(bn_lenet_solver(mnist_dir), None, RunConfig(data_dir=str(mnist_dir)), [1, 2],
+                 3, log=lines.append, ranks=[1, 2, 3])
+    assert status == 0, "\n".join(lines)

@@ -99,3 +99,48 @@ def test_updates_that_need_the_gradient_first_are_not_fused(mnist_dir):
     finally:
         for t in trainers:
             t.close()
+
+
+@pytest.mark.parametrize("threads, clip", [(1, -1), (2, -1), (2, 1e30)])
+def test_a_diverging_run_stops_at_the_iteration_naming_where(threads, clip, tmp_path,
+                                                            mnist_dir):
+    """base_lr far too large: the loss goes to NaN a few iterations in; training stops within
+    that iteration with one error naming it and the first layer whose output is not finite,
+    the weights of the step before, and no snapshot after the last good one (with the update
+    in the reduction's tasks, and after them with clip_gradients)."""
+    from cgp.errors import CgpError
+    from cgp.train import Trainer
+    sp = lenet_solver(32, base_lr=50.0, clip_gradients=clip, snapshot=1,
+                      snapshot_prefix=str(tmp_path / "s"), test_interval=0, display=0)
+    trainer = Trainer(sp, None, RunConfig(threads=threads, data_dir=str(mnist_dir),
+                                          progress=False, max_iter=50), log=lambda line: None)
+    try:
+        with pytest.raises(CgpError, match=r"diverged at iteration (\d+): the loss is nan "
+                                           r"\(the first output that is not finite is layer "
+                                           r"'(conv|ip|pool|relu)\w*'") as raised:
+            trainer.solve()
+        stopped = int(raised.value.args[0].split("iteration ")[1].split(":")[0])
+        assert trainer.iter == stopped
+        assert np.isfinite(trainer.net.params).all()   # the step's update did not run
+    finally:
+        trainer.close()
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written[-2:] == [f"s_iter_{stopped}.caffemodel", f"s_iter_{stopped}.solverstate"]
+
+
+def test_an_update_that_overflows_names_the_parameter_blob(mnist_dir):
+    """A finite loss whose update overflows the weights (base_lr 3e38, doubled for the biases
+    by their lr_mult: float32 overflows): the first iteration
+    stops, naming a parameter blob."""
+    from cgp.errors import CgpError
+    from cgp.train import Trainer
+    trainer = Trainer(lenet_solver(32, base_lr=3e38), None,
+                      RunConfig(threads=2, data_dir=str(mnist_dir), progress=False),
+                      log=lambda line: None)
+    try:
+        with pytest.raises(CgpError, match=r"diverged at iteration 0: the gradient of layer "
+                                           r"'(conv|ip)\d' blob [01] \(.*\) is not finite"):
+            trainer.step()
+    finally:
+        trainer.close()
+

@@ -82,8 +82,7 @@ ZOO = Path(__file__).resolve().parents[2] / "shared" / "data" / "caffe" / "zoo"
 NETS = sorted(p.relative_to(ZOO).as_posix() for p in ZOO.glob("*/*.prototxt")
               if "solver" not in p.name) if ZOO.is_dir() else []
 # Layer types that other work of issue 40 brings.
-OTHERS = {"BatchNorm": "BatchNorm (batch-wide statistics in the engine)",
-          "ImageData": "the ImageData layer"}
+OTHERS = {"ImageData": "the ImageData layer"}
 # The per-sample shapes of the Data layers' tops (zoo README: the crop, or the data set's
 # images; a label is one value), for nets whose data is not among the fixtures: the test
 # gives them Input layers of these shapes.
@@ -94,6 +93,10 @@ DATA_SHAPES = {
     "squeezenet_v1.1/train_val.prototxt": {"data": (3, 227, 227), "label": ()},
     # MNIST pairs: two images as two channels, and whether they show the same digit.
     "mnist_siamese/mnist_siamese_train_test.prototxt": {"pair_data": (2, 28, 28), "sim": ()},
+    "cifar10_full_sigmoid_bn/cifar10_full_sigmoid_train_test_bn.prototxt":
+        {"data": (3, 32, 32), "label": ()},
+    "resnet20_cifar10/trainval.prototxt": {"data": (3, 32, 32), "label": ()},
+    "vgg16_cifar10/trainval.prototxt": {"data": (3, 32, 32), "label": ()},
 }
 
 
@@ -147,14 +150,19 @@ def test_zoo_net_runs_forward_and_backward(name):
     if param is None:
         pytest.skip(f"{name} needs its training data, which the fixtures do not hold")
     net = Net(param, caffe_pb2.TRAIN)
+    net.init_params(1)
     rng = np.random.default_rng(0)
     # Deploy nets name no fillers (Caffe's default fills zeros): weights of variance 1/fan_in
-    # instead, which keep a deep net's signals in range; biases 0.
+    # instead, which keep a deep net's signals in range; and the statistics of a BatchNorm
+    # with use_global_stats a variance of 1 (its factor 1), where 0 would scale by 1/sqrt(eps).
     for blob in net.param_blobs:
         fan_in = int(np.prod(blob.shape[1:])) if len(blob.shape) > 1 else 0
         if fan_in:
             net.params[blob.offset:blob.offset + blob.size] = (
                 rng.standard_normal(blob.size) / np.sqrt(fan_in))
+    for entry, views in zip(net.entries, net.param_views(net.params)):
+        if entry.layer.type_name == "BatchNorm":
+            views[1][...], views[2][...] = 1, 1
     inputs = {}
     for source in net.sources:
         for t in source.tops:
@@ -177,7 +185,7 @@ def test_zoo_net_runs_forward_and_backward(name):
     # The gradient reaches every learnt blob; but the siamese towers' shared last bias moves
     # both features of a pair alike, so its two gradients cancel, exactly.
     unreached = [(b.layer, b.index) for b in net.param_blobs
-                 if not grads[0, b.offset:b.offset + b.size].any()]
+                 if b.lr_mult and not grads[0, b.offset:b.offset + b.size].any()]
     assert unreached == ([("feat", 1)] if "siamese_train" in name else [])
 
 
@@ -192,11 +200,12 @@ def test_which_zoo_nets_run_here():
         param = parse_text(path.read_text(), caffe_pb2.NetParameter(), str(path))
         if needs(param) is None and runnable(name, param, 1) is not None:
             runs.append(name)
-    assert runs == sorted(["bvlc_alexnet/deploy.prototxt", "bvlc_alexnet/train_val.prototxt",
-                           "bvlc_googlenet/deploy.prototxt", "bvlc_googlenet/train_val.prototxt",
-                           "bvlc_reference_caffenet/deploy.prototxt",
-                           "bvlc_reference_caffenet/train_val.prototxt",
-                           "mnist_siamese/mnist_siamese.prototxt",
-                           "mnist_siamese/mnist_siamese_train_test.prototxt",
-                           "squeezenet_v1.1/deploy.prototxt",
-                           "squeezenet_v1.1/train_val.prototxt"])
+    assert runs == sorted([
+        "bvlc_alexnet/deploy.prototxt", "bvlc_alexnet/train_val.prototxt",
+        "bvlc_googlenet/deploy.prototxt", "bvlc_googlenet/train_val.prototxt",
+        "bvlc_reference_caffenet/deploy.prototxt", "bvlc_reference_caffenet/train_val.prototxt",
+        "cifar10_full_sigmoid_bn/cifar10_full_sigmoid_train_test_bn.prototxt",
+        "mnist_siamese/mnist_siamese.prototxt", "mnist_siamese/mnist_siamese_train_test.prototxt",
+        "resnet20_cifar10/trainval.prototxt", "resnet50_cvgj/deploy.prototxt",
+        "squeezenet_v1.1/deploy.prototxt", "squeezenet_v1.1/train_val.prototxt",
+        "vgg16_cifar10/trainval.prototxt"])

@@ -1,9 +1,18 @@
 """Layers by Caffe type name. Importing this package registers every layer family."""
-from cgp.layers.base import (REGISTRY, Chunk, Factors, Layer, aligned_zeros, alloc_scratch,
+from cgp.layers.base import (REGISTRY, SYNC, Chunk, Factors, Layer, aligned_zeros, alloc_scratch,
                              check_axis, register, supported_types)
 
 # Each family module registers its layers on import.
 from cgp.layers import (  # noqa: E402,F401
-    activation, conv, data, elementwise, inner_product, loss, losses, lrn, pool, reduction,
-    scale, shape,
+    activation, batchnorm, conv, data, elementwise, inner_product, loss, losses, lrn, pool,
+    reduction, scale, shape,
 )
+
+
+def __getattr__(name):
+    """pycaffe's NetSpec layers: `import cgp as caffe` makes caffe.layers this package, so
+    caffe.layers.Convolution(...) (a Caffe type name) specifies a layer (cgp.netspec)."""
+    if name[:1].isupper():
+        from cgp.netspec import layers
+        return getattr(layers, name)
+    raise AttributeError(f"module 'cgp.layers' has no attribute '{name}'")

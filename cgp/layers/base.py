@@ -90,7 +90,20 @@ Sources: is_source = True
 -------------------------
 Data layers (Data, Input) take no bottoms and make no per-chunk calls: the trainer runs
 load(start, iteration, seed, rows) once per iteration on the batch (or on the samples `rows`
-that this process computes), before the batch is cut into chunks, and sets `options` (cgp.net.RunOptions) before setup (see cgp/layers/data.py).
+that this process computes), before the batch is cut into chunks, and sets `options`
+(cgp.net.RunOptions) before setup (see cgp/layers/data.py).
+
+Sums over the whole batch: batch_sums = (forward, backward)
+-----------------------------------------------------------
+A layer whose output depends on sums over the whole batch (BatchNorm's mean and variance)
+says how many such sums its forward and its backward take, and yields SYNC in its
+forward_calls (backward_calls) between the calls before a sum and those after it. The calls
+before write each part's share of sum k into scratch["sums"][k][0], a (parts, m_k) float64
+array (sum_sizes() gives m_k); the engine pauses every call of the batch there, adds the
+chunks' shares in the fixed tree over chunk index into scratch["sums"][k][1], an (m_k,)
+float64 array that every call sees, and runs the layer's sync(k, totals, params) once
+(turning sums into means, updating moving averages); the calls after read the total. So the
+statistics are the whole batch's, bitwise the same however the batch is cut and grouped.
 """
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -98,6 +111,7 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
+from cgp.comm import sum_over_chunks
 from cgp.errors import NetError
 from cgp.proto import caffe_pb2
 from cgp.runtime.memory import aligned_zeros
@@ -164,6 +178,10 @@ def check_contract(cls):
                                 and hasattr(cls, "backward_parts")):
         raise TypeError(f"layer class {name} has takes_parts: it needs reduces_batch, "
                         f"forward_parts and backward_parts")
+    if any(cls.batch_sums) and (cls.calls_each_time or cls.reduces_batch
+                                or cls.sync is Layer.sync or cls.sum_sizes is Layer.sum_sizes):
+        raise TypeError(f"layer class {name} has batch_sums: it hands its calls over (SYNC "
+                        f"between them) and defines sum_sizes and sync")
 
 
 def supported_types():
@@ -236,6 +254,9 @@ class Layer:
     # part: for LeNet's loss, half of a call's Python, which threads take in turn.
     takes_parts = False
 
+    # -- sums over the whole batch (the module's docstring) ---------------------------------
+    batch_sums = (0, 0)   # how many sums forward and backward take
+
     def __init__(self, lp, index=0, phase=0):
         """lp: caffe_pb2.LayerParameter; index: position in the net (keys random
         streams); phase: caffe_pb2.TRAIN (0) or caffe_pb2.TEST (1)."""
@@ -289,6 +310,18 @@ class Layer:
         A is (rows, J) and B (rows, L) per sample, and the gradient is (J, L)."""
         raise NotImplementedError
 
+    def sum_sizes(self):
+        """[m_k, ...]: the elements of each sum over the whole batch (batch_sums), forward's
+        then backward's."""
+        raise NotImplementedError
+
+    def sync(self, k, totals, params):
+        """Sum k over the whole batch is totals[k] ((m_k,) float64, the chunks' shares added
+        in the fixed tree; totals: every sum of this layer's, those before k finished):
+        finish it in place (e.g. into a mean) and do what a sum is done for once per batch (a
+        moving average in params). Called once per batch, before any call reads it."""
+        raise NotImplementedError
+
     # -- per call ----------------------------------------------------------------
     # A layer whose calls depend on nothing but its arrays (which buffers, not the values in
     # them) and the call's layout (chunk.n, first, batch, part_starts; not its iteration,
@@ -308,14 +341,33 @@ class Layer:
 
     def forward(self, bottom, top, params, scratch, chunk):
         """The layer's forward now: its forward_calls made in order (or, with calls_each_time,
-        the layer's own)."""
-        for kernel, args in self.forward_calls(bottom, top, params, scratch, chunk):
-            kernel(*args)
+        the layer's own); at a SYNC, the sum over the call's parts (sum_now)."""
+        self._make(self.forward_calls(bottom, top, params, scratch, chunk), 0, scratch, params,
+                   chunk)
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
-        for kernel, args in self.backward_calls(top, top_diff, bottom, bottom_diff, params,
-                                                param_diff, scratch, chunk):
-            kernel(*args)
+        self._make(self.backward_calls(top, top_diff, bottom, bottom_diff, params, param_diff,
+                                       scratch, chunk), self.batch_sums[0], scratch, params,
+                   chunk)
+
+    def _make(self, calls, k, scratch, params, chunk):
+        for call in calls:
+            if call is SYNC:
+                self.sum_now(k, scratch, params, chunk)
+                k += 1
+            else:
+                call[0](*call[1])
+
+    def sum_now(self, k, scratch, params, chunk):
+        """Sum k over the batch made by a call that holds the whole batch: its parts' shares
+        (scratch["sums"]) added in the engine's tree over chunks, then sync."""
+        if chunk.n != chunk.batch_size:
+            raise ValueError(f"a call of {chunk.n} of {chunk.batch_size} samples cannot sum "
+                             "over the batch alone: the engine makes those sums")
+        sums = scratch["sums"]
+        shares, total = sums[k]
+        sum_over_chunks(shares[:chunk.parts], total)
+        self.sync(k, [t for _, t in sums], params)
 
     # -- sources -----------------------------------------------------------------
     def load(self, start, iteration, seed, rows=None):
@@ -397,6 +449,11 @@ def flat(a):
     return view(a, -1)
 
 
+# Yielded by forward_calls / backward_calls between the calls before a sum over the whole batch
+# and those after it (Layer.batch_sums).
+SYNC = "sync"
+
+
 def assign(target, value):
     """target[...] = value, as a call that a layer's forward_calls can hand over."""
     target[...] = value
@@ -430,14 +487,19 @@ def check_axis(layer, axis, ndim):
 
 # -- scratch buffers ---------------------------------------------------------------------
 
-def alloc_scratch(layer, n, dtype):
+def alloc_scratch(layer, n, dtype, shared=False, parts=1):
     """A layer's scratch buffers for chunks of up to n samples. scratch_shapes gives a
-    shape (the run's float dtype) or a (shape, dtype) pair, e.g. int32 argmax indices."""
+    shape (the run's float dtype) or a (shape, dtype) pair, e.g. int32 argmax indices.
+    shared: in memory that worker processes forked later share. A layer that sums over the
+    batch gets "sums": (shares (parts, m_k), total (m_k,)) float64 per sum (Layer.batch_sums)."""
     buffers = {}
+    if any(layer.batch_sums):
+        buffers["sums"] = [(aligned_zeros((parts, m), np.float64, shared),
+                            aligned_zeros(m, np.float64, shared)) for m in layer.sum_sizes()]
     for name, spec in layer.scratch_shapes(n).items():
         if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], tuple):
             shape, kind = spec
         else:
             shape, kind = spec, dtype
-        buffers[name] = aligned_zeros(shape, kind)
+        buffers[name] = aligned_zeros(shape, kind, shared)
     return buffers

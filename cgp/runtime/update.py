@@ -17,6 +17,8 @@ Numba compute in float64 and the result would no longer be Caffe's float32 arith
                its slices where they change; cgp.solver.Solver.apply): as scalars, the kernel
                reads two arrays fewer and its regularization test is the same for every
                element; local_rate and local_decay are the products Caffe forms per blob.
+Each returns whether every weight it wrote is finite (no NaN, no infinity): the check rides
+on the loop that writes them and costs nothing measurable (cgp.parallel stops training on it).
 Elementwise only, so results are bitwise identical however [0, n) is cut into slices. The
 loops index views of the slice from 0: an index that may be negative (lo + i) costs Numba a
 wrap-around test per element, which keeps the loop from being vectorised.
@@ -28,6 +30,18 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+
+FLOAT32_MAX = np.float32(np.finfo(np.float32).max)   # |x| <= it: x is finite
+
+
+@njit(cache=True, nogil=True)
+def all_finite(a):
+    """Whether every element of a (any shape) is finite."""
+    finite = True
+    for x in a.ravel():
+        finite &= abs(x) < np.inf   # false for infinities and NaN
+    return finite
 
 
 @njit(cache=True, nogil=True)
@@ -56,12 +70,16 @@ def sgd_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, we
     """h = local_rate * g + momentum * h; w -= h."""
     w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
     local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
+    finite = True
     for i in range(hi - lo):
         gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         step = local_rate * gi + momentum * h[i]
         h[i] = step
         g[i] = step
-        w[i] = w[i] - step
+        wi = w[i] - step
+        w[i] = wi
+        finite &= abs(wi) <= FLOAT32_MAX
+    return finite
 
 
 @njit(cache=True, nogil=True)
@@ -71,6 +89,7 @@ def nesterov_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accu
     one_plus_momentum = np.float32(1.0) + momentum
     w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
     local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
+    finite = True
     for i in range(hi - lo):
         gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         previous = h[i]
@@ -78,7 +97,10 @@ def nesterov_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accu
         h[i] = current
         step = one_plus_momentum * current - momentum * previous
         g[i] = step
-        w[i] = w[i] - step
+        wi = w[i] - step
+        w[i] = wi
+        finite &= abs(wi) <= FLOAT32_MAX
+    return finite
 
 
 @njit(cache=True, nogil=True)
@@ -87,13 +109,17 @@ def adagrad_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum
     """h += g^2; step = local_rate * (g / (sqrt(h) + delta)); w -= step."""
     w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
     local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
+    finite = True
     for i in range(hi - lo):
         gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         history = gi * gi + h[i]
         h[i] = history
         step = local_rate * (gi / (np.sqrt(history) + delta))
         g[i] = step
-        w[i] = w[i] - step
+        wi = w[i] - step
+        w[i] = wi
+        finite &= abs(wi) <= FLOAT32_MAX
+    return finite
 
 
 @njit(cache=True, nogil=True)
@@ -103,13 +129,17 @@ def rmsprop_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum
     one_minus_decay = np.float32(1.0) - rms_decay
     w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
     local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
+    finite = True
     for i in range(hi - lo):
         gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         history = one_minus_decay * (gi * gi) + rms_decay * h[i]
         h[i] = history
         step = local_rate * (gi / (np.sqrt(history) + delta))
         g[i] = step
-        w[i] = w[i] - step
+        wi = w[i] - step
+        w[i] = wi
+        finite &= abs(wi) <= FLOAT32_MAX
+    return finite
 
 
 @njit(cache=True, nogil=True)
@@ -121,6 +151,7 @@ def adadelta_update(w, g, h, u, lr_mult, decay_mult, lo, hi, rate, clip_scale, a
     one_minus_momentum = np.float32(1.0) - momentum
     w, g, h, u = w[lo:hi], g[lo:hi], h[lo:hi], u[lo:hi]
     local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
+    finite = True
     for i in range(hi - lo):
         gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         history = one_minus_momentum * (gi * gi) + momentum * h[i]
@@ -130,7 +161,10 @@ def adadelta_update(w, g, h, u, lr_mult, decay_mult, lo, hi, rate, clip_scale, a
         u[i] = one_minus_momentum * (d * d) + momentum * u[i]
         step = local_rate * d
         g[i] = step
-        w[i] = w[i] - step
+        wi = w[i] - step
+        w[i] = wi
+        finite &= abs(wi) <= FLOAT32_MAX
+    return finite
 
 
 @njit(cache=True, nogil=True)
@@ -143,6 +177,7 @@ def adam_update(w, g, m, v, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum
     one_minus_beta2 = np.float32(1.0) - beta2
     w, g, m, v = w[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
     local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
+    finite = True
     for i in range(hi - lo):
         gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
         mi = one_minus_beta1 * gi + beta1 * m[i]
@@ -151,7 +186,10 @@ def adam_update(w, g, m, v, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum
         v[i] = vi
         step = (local_rate * correction) * (mi / (np.sqrt(vi) + delta))
         g[i] = step
-        w[i] = w[i] - step
+        wi = w[i] - step
+        w[i] = wi
+        finite &= abs(wi) <= FLOAT32_MAX
+    return finite
 
 
 @njit(cache=True, nogil=True)

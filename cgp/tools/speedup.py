@@ -8,6 +8,8 @@ to JSON, CSV and (with matplotlib) a PNG, named by model and UTC time, with a de
 the machine (cgp.tools.machine), into ./cgp-results/ or --out. Not here: the kernels.
 """
 import os
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +66,11 @@ def add_bench(sub):
                         "copies of the 1-thread training at once, each in a process of its "
                         "own (fork: Linux, macOS; N copies of the net in memory), in the same "
                         "rounds; reports each speedup also as a share of it")
+    s.add_argument("--ranks", default="1",
+                   help="comma-separated numbers of MPI ranks: each above 1 also runs every "
+                        "thread count as that many ranks x threads (mpirun on this machine; "
+                        "pip install -e \".[mpi]\"), with its communication time per step, the "
+                        "share of it hidden behind backward, and bytes moved")
     s.add_argument("--out", default=OUT,
                    help=f"folder for the JSON, CSV and PNG results (default ./{OUT}/ under "
                         "the working directory)")
@@ -266,6 +273,57 @@ class Copies:
                 worker.terminate()
 
 
+class RankJob:
+    """A training on `ranks` MPI ranks of this machine (mpirun), timed as a configuration: a
+    job of cgp.tools.rank_job started once, whose rank 0 runs each operation it is sent with
+    every rank and answers it."""
+
+    def __init__(self, ranks, solver, config, folder):
+        import json
+        from dataclasses import asdict
+
+        from cgp import mpi
+        self.ranks, self.threads = ranks, config.threads
+        spec = Path(folder) / f"rank_job_{ranks}_{config.threads}_{config.workers}.json"
+        spec.write_text(json.dumps({"solver": str(solver), "config": asdict(config)}))
+        argv, env = mpi.local_job(ranks, ["-m", "cgp.tools.rank_job", str(spec)])
+        self.job = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+        self.workers = config.workers
+
+    def call(self, op, *args):
+        import json
+
+        from cgp.errors import CgpError
+        from cgp.tools.rank_job import REPLY
+        self.job.stdin.write(json.dumps([op, list(args)]) + "\n")
+        self.job.stdin.flush()
+        for line in self.job.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        raise CgpError(f"cgp bench: the job of {self.ranks} MPI ranks ended (status "
+                       f"{self.job.wait()})")
+
+    def config(self):
+        """The Config that times the job: threads counts every worker of every rank."""
+        config = Config("mpi", self.ranks * self.threads, f"{self.ranks} ranks",
+                        run=lambda n: self.call("run", n), context=_no_context,
+                        save=lambda: self.call("save"), restore=lambda: self.call("restore"),
+                        pause=lambda: self.call("pause"))
+        config.digest = lambda: self.call("digest")
+        config.clock = lambda: self.call("clock")
+        return config
+
+    def close(self):
+        if self.job.poll() is None:
+            try:
+                self.job.stdin.write('["end", []]\n')
+                self.job.stdin.flush()
+                self.job.wait(timeout=30)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                self.job.kill()
+
+
 def _no_context():
     from contextlib import nullcontext
     return nullcontext()
@@ -344,7 +402,9 @@ def write_results(out, stem, report, rows, log):
                "paired_speedup", "paired_speedup_ci", "cgp_over_torch", "paired_cgp_over_torch",
                "paired_cgp_over_torch_ci", "share_of_ceiling", "paired_share_of_ceiling",
                "paired_share_of_ceiling_ci", "quiet_rounds", "quiet_paired_speedup",
-               "quiet_paired_speedup_ci", "images_per_s", "steal"]
+               "quiet_paired_speedup_ci", "images_per_s", "steal", "ranks",
+               "comm_ms_per_step", "comm_exposed_ms_per_step", "comm_hidden_share",
+               "bytes_sent_per_step", "bytes_received_per_step"]
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
@@ -426,6 +486,8 @@ def cmd_speedup(args, log=print):
     sp = read_solver(path)
     trainers = {}   # (workers, threads) -> Trainer; ("ceiling", n) -> the copies' copy 0
     ceilings = []   # Copies, one per thread count above 1
+    ranks = [r for r in thread_list(args.ranks, "--ranks") if r > 1]
+    jobs = []       # RankJob, one per (ranks, workers, threads)
 
     def trainer(t, kind):
         config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
@@ -440,11 +502,17 @@ def cmd_speedup(args, log=print):
         for kind in workers:
             for t in threads:
                 trainers[kind, t] = trainer(t, kind)
+        folder = tempfile.mkdtemp(prefix="cgp-bench-")
+        for r in ranks:
+            for kind in workers:
+                for t in threads:
+                    jobs.append(RankJob(r, path, trainers[kind, t].config, folder))
         first = trainers[workers[0], 1]
         net = first.net
         images = net.batch_size * sp.iter_size
         configs = [cgp_config(t, trainers[kind, t], kind) for kind in workers for t in threads]
         configs += [copies.config() for copies in ceilings]
+        configs += [job.config() for job in jobs]
         if torch_ref is not None:
             if first.solver.type != "SGD":
                 log(f"cgp bench: note: PyTorch runs momentum SGD; the solver is "
@@ -475,12 +543,30 @@ def cmd_speedup(args, log=print):
         for copies in ceilings:
             if len(set(copies.digests())) != 1:
                 raise CgpError("cgp bench: the --ceiling copies ended on different weights")
+        # The ranks end on the weights of one process, bit for bit: the guarantee, checked.
+        for c in configs:
+            if c.impl == "mpi" and c.digest() != configs[0].digest():
+                raise CgpError(f"cgp bench: {c.label} ended on other weights than 1 thread")
+        clocks = {id(c): c.clock() for c in configs if c.impl == "mpi"}
     finally:
         for copies in ceilings:
             copies.close()
+        for job in jobs:
+            job.close()
         for t in trainers.values():
             t.close()
     rows, best = summarise(configs)
+    for row, c in zip(rows, configs):
+        if c.impl == "mpi":
+            clock = clocks[id(c)]
+            steps = max(clock["steps"], 1)
+            row.update(ranks=int(c.layout.split()[0]),
+                       comm_ms_per_step=round(1e3 * clock["busy"] / steps, 4),
+                       comm_exposed_ms_per_step=round(1e3 * clock["exposed"] / steps, 4),
+                       comm_hidden_share=round(max(0.0, 1 - clock["exposed"]
+                                                   / max(clock["busy"], 1e-12)), 4),
+                       bytes_sent_per_step=clock["bytes"][0],
+                       bytes_received_per_step=clock["bytes"][1])
     for line in table(rows, best):
         log(line)
     flops = training_flops(net)
@@ -508,7 +594,8 @@ def cmd_speedup(args, log=print):
               "iters": args.iters,
               "repeats": args.repeats, "warmup": args.warmup, "lead_in": args.lead_in,
               "seed": first.seed,
-              "threads": threads, "compare": args.compare, "ceiling": args.ceiling,
+              "threads": threads, "ranks": [1] + ranks, "compare": args.compare,
+              "ceiling": args.ceiling,
               "training_flops_per_image": flops,
               "numpy_matmul_gflops": [round(r, 2) for r in matmul],
               "cgp_1_thread_gflops": round(rate, 2),

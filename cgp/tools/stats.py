@@ -49,9 +49,11 @@ def summarise(configs):
 
     rows = []
     for c in configs:
-        # The ceiling's copies are cgp's 1-thread training: its speedup is over that.
+        # The ceiling's copies and MPI ranks run cgp's training: their speedup is over its
+        # 1 thread.
         base = next(b for b in configs if b.threads == 1 and (
-            b.impl == "cgp" if c.impl == "ceiling" else (b.impl, b.layout) == (c.impl, c.layout)))
+            b.impl == "cgp" if c.impl in ("ceiling", "mpi")
+            else (b.impl, b.layout) == (c.impl, c.layout)))
         median = statistics.median(c.rates)
         speedup = median / statistics.median(base.rates)
         # The same ratio taken within each round, whose timings lie minutes closer together:
@@ -132,6 +134,15 @@ def table(rows, best):
                      f"once, each in a process of its own: {top['median']:.1f} img/s in all, "
                      f"speedup {top['speedup']:.2f}, paired "
                      f"{_with_ci(top['paired_speedup'], top['paired_speedup_ci'])}; {reached}")
+    for row in (r for r in rows if r["impl"] == "mpi"):
+        lines.append(f"{row['ranks']} MPI ranks x {row['threads'] // row['ranks']} "
+                     f"{row['layout'] and 'workers'}: {row['median']:.1f} img/s, speedup "
+                     f"{row['speedup']:.2f} (efficiency {100 * row['efficiency']:.0f}%), paired "
+                     f"{_with_ci(row['paired_speedup'], row['paired_speedup_ci'])}; "
+                     f"communication {row['comm_ms_per_step']:.3f} ms a step, "
+                     f"{100 * row['comm_hidden_share']:.0f}% of it hidden behind backward; a "
+                     f"rank sends {row['bytes_sent_per_step'] / 2**20:.2f} MiB and receives "
+                     f"{row['bytes_received_per_step'] / 2**20:.2f} MiB a step")
     for row in (r for r in cgp if r["threads"] > 1):
         rounds = len(row["images_per_s"])
         quiet = (f"paired speedup there {_with_ci(row['quiet_paired_speedup'], row['quiet_paired_speedup_ci'])}"

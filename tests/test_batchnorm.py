@@ -1,0 +1,173 @@
+"""BatchNorm over the whole batch: Caffe's arithmetic (statistics, moving averages, global
+statistics), finite-difference gradients through the batch statistics, and bitwise the same
+results for any number of workers, however the batch is grouped into calls."""
+import numpy as np
+import pytest
+
+from cgp import models
+from cgp.comm import LocalCommunicator
+from cgp.engine import Engine
+from cgp.equivalence import compare, train_run
+from cgp.net import Net, RunOptions
+from cgp.proto import caffe_pb2
+from cgp.prototxt import parse_net, read_net, read_solver
+from cgp.runtime.procs import make_pool
+from cgp.train import RunConfig
+from layer_check import build, check_gradients, forward
+
+TRAIN_BN = 'type: "BatchNorm" bottom: "x" top: "y" batch_norm_param { eps: 0.001 }'
+
+
+def caffe_bn(x, eps=0.001):
+    """Caffe's training forward in float64: per channel, over samples and positions."""
+    axes = (0,) + tuple(range(2, x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps)
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 4, 5), (7, 4), (5, 2, 9)])
+def test_forward_normalises_over_the_whole_batch(shape):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape) * 3 + 1
+    layer = build(TRAIN_BN, [shape])
+    blobs = [np.zeros(shape[1], np.float32), np.zeros(shape[1], np.float32),
+             np.zeros(1, np.float32)]
+    (y,), _ = forward(layer, [x.astype(np.float32)], blobs)
+    np.testing.assert_allclose(y, caffe_bn(x), rtol=1e-4, atol=1e-5)
+
+
+def test_moving_averages_follow_caffe():
+    """After two training forwards: factor = f * (f * 0 + 1) + 1, mean_blob = mean_2 + f *
+    mean_1, variance_blob = m/(m-1) var_2 + f * m/(m-1) var_1, in float32 (Caffe's axpby),
+    with f the moving_average_fraction and m the values per channel."""
+    rng = np.random.default_rng(1)
+    shape = (5, 3, 2, 2)
+    layer = build('type: "BatchNorm" bottom: "x" top: "y" '
+                  'batch_norm_param { moving_average_fraction: 0.9 }', [shape])
+    blobs = [np.zeros(3, np.float32), np.zeros(3, np.float32), np.zeros(1, np.float32)]
+    f, m = np.float32(0.9), 5 * 4
+    want_mean, want_var, want_factor = (np.zeros(3, np.float32), np.zeros(3, np.float32),
+                                        np.float32(0))
+    for _ in range(2):
+        x = rng.standard_normal(shape).astype(np.float32)
+        forward(layer, [x], blobs)
+        x64 = x.astype(np.float64)
+        mean = x64.mean(axis=(0, 2, 3))
+        var = ((x64 - mean[:, None, None]) ** 2).mean(axis=(0, 2, 3))
+        want_factor = want_factor * f + np.float32(1)
+        want_mean = mean.astype(np.float32) + f * want_mean
+        want_var = np.float32(m) / np.float32(m - 1) * var.astype(np.float32) + f * want_var
+    assert blobs[2][0] == want_factor
+    np.testing.assert_allclose(blobs[0], want_mean, rtol=1e-6)
+    np.testing.assert_allclose(blobs[1], want_var, rtol=1e-6)
+
+
+def test_global_statistics_use_the_blobs_over_their_factor():
+    """TEST phase (use_global_stats by default): y = (x - mean_blob / factor) /
+    sqrt(var_blob / factor + eps), dx = dy / that; a factor of 0 divides by nothing."""
+    rng = np.random.default_rng(2)
+    shape = (4, 3, 2, 3)
+    layer = build('type: "BatchNorm" bottom: "x" top: "y"', [shape], phase=caffe_pb2.TEST)
+    assert layer.batch_sums == (0, 0)
+    blobs = [rng.standard_normal(3).astype(np.float32), rng.random(3).astype(np.float32) + 1,
+             np.array([2.5], np.float32)]
+    x = rng.standard_normal(shape)
+    mean = blobs[0] / 2.5
+    std = np.sqrt(blobs[1].astype(np.float64) / 2.5 + 1e-5)
+    want = (x - mean[:, None, None]) / std[:, None, None]
+    (y,), _ = forward(layer, [x.astype(np.float32)], blobs)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    check_gradients(layer, [x], params=blobs, check_params=False)
+    blobs[2][0] = 0
+    (y,), _ = forward(layer, [x.astype(np.float32)], blobs)
+    np.testing.assert_allclose(y, x / np.sqrt(1e-5), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(5, 2, 3, 3), (6, 3)])
+def test_gradients_through_the_batch_statistics(shape):
+    """dx of L = <y, W> against central differences in float64: the statistics depend on
+    every sample, so every sample's gradient does too."""
+    x = np.random.default_rng(3).standard_normal(shape)
+    layer = build(TRAIN_BN, [shape])
+    blobs = [np.zeros(shape[1]), np.zeros(shape[1]), np.zeros(1)]
+    check_gradients(layer, [x], params=blobs, rtol=1e-4, atol=1e-6)
+
+
+BN_NET = """
+name: "bn"
+layer { name: "data" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 11 dim: 3 dim: 6 dim: 6 } shape { dim: 11 } } }
+layer { name: "c1" type: "Convolution" bottom: "x" top: "c1"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "c1" top: "b1" }
+layer { name: "relu" type: "ReLU" bottom: "b1" top: "b1" }
+layer { name: "fc" type: "InnerProduct" bottom: "b1" top: "f"
+        inner_product_param { num_output: 6 weight_filler { type: "xavier" } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "f" top: "g" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "g" bottom: "label" top: "loss" }
+"""
+
+
+def test_calls_pause_at_each_sum_and_give_the_same_bits_for_any_grouping():
+    """A net with two BatchNorms on 1 to 3 workers, as threads and processes, in calls of 1,
+    2 or all 5 chunks: the same loss, gradient and moving averages, bit for bit; and one call
+    of the whole batch (its sums made in the call) gives them too."""
+    net = Net(parse_net(BN_NET, "bn.prototxt"), caffe_pb2.TRAIN, RunOptions())
+    net.init_params(3)
+    assert net.forward_syncs == [(1, 0), (1, 1), (4, 0), (4, 1)]
+    assert net.backward_syncs == [(4, 2), (1, 2)]
+    rng = np.random.default_rng(1)
+    batch = {net.sources[0].tops[0]: rng.standard_normal((11, 3, 6, 6)),
+             net.sources[0].tops[1]: rng.integers(0, 6, 11).astype(np.float64)}
+    start = net.params.copy()
+    results = []
+    for threads, group, kind in ((1, None, "threads"), (2, 1, "threads"), (3, 2, "threads"),
+                                 (2, None, "processes"), (3, 1, "processes"), (1, 5, "threads")):
+        pool = make_pool(kind, threads, [net])
+        net.params[...] = start
+        engine = Engine(net, 5, pool, LocalCommunicator(pool), group=group)
+        pool.start()
+        try:
+            _, loss, grad = engine.run(batch, 0, 7)
+            results.append((loss, grad.copy(), net.params.copy()))
+        finally:
+            pool.close()
+    assert np.count_nonzero(results[0][1]) > 0.5 * results[0][1].size
+    assert not np.array_equal(results[0][2], start)   # the moving averages moved
+    for loss, grad, params in results[1:]:
+        assert loss == results[0][0]
+        assert np.array_equal(grad, results[0][1]) and np.array_equal(params, results[0][2])
+
+
+def bn_lenet_solver(mnist_dir):
+    """LeNet with a BatchNorm after each convolution and after ip1."""
+    net = read_net(models.FOLDER / "lenet_train_test.prototxt")
+    layers = list(net.layer)
+    del net.layer[:]
+    for lp in layers:
+        net.layer.add().CopyFrom(lp)
+        if lp.name in ("conv1", "conv2", "ip1"):
+            bn = net.layer.add(name=f"{lp.name}_bn", type="BatchNorm", bottom=[lp.top[0]],
+                               top=[lp.top[0]])
+            bn.batch_norm_param.moving_average_fraction = 0.9
+    sp = read_solver(models.solver_path("mnist"))
+    sp.ClearField("net")
+    sp.net_param.CopyFrom(net)
+    del sp.test_iter[:]
+    sp.test_iter.append(1)
+    return sp
+
+
+def test_a_net_with_batchnorm_has_one_hash_for_any_thread_count(mnist_dir):
+    """LeNet with BatchNorm, 3 iterations: one hash, every loss and the test (on the moving
+    averages) the same for 1, 2, 3, 4, 7 and 16 workers, as processes and as threads."""
+    sp = bn_lenet_solver(mnist_dir)
+    outcomes = [train_run(sp, None, RunConfig(threads=t, data_dir=str(mnist_dir),
+                                              workers=kind), 3)
+                for kind, threads in (("processes", (1, 2, 3, 4, 7, 16)), ("threads", (2, 3)))
+                for t in threads]
+    rows, ok = compare(outcomes)
+    assert ok, rows
+    assert outcomes[0].losses[0] != outcomes[0].losses[-1]
+    assert 0 <= outcomes[0].accuracy["accuracy"] <= 1
