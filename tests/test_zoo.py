@@ -64,12 +64,12 @@ def many_layers_solver():
 
 
 def test_a_net_of_the_new_layers_trains_to_one_hash_on_1_2_3_workers(mnist_dir):
-    """Three steps on 1, 2 and 3 workers, in 5 chunks (which do not divide the batch of 12):
-    the same weights and losses bit for bit, and it trained."""
+    """Three steps on 1 and 2 worker threads and 3 worker processes, in 5 chunks (which do
+    not divide the batch of 12): the same weights and losses bit for bit, and it trained."""
     sp = many_layers_solver()
     outcomes = [train_run(sp, None, RunConfig(threads=t, chunks=5, data_dir=str(mnist_dir),
-                                              workers="threads"), 3)
-                for t in (1, 2, 3)]
+                                              workers=workers), 3)
+                for t, workers in ((1, "threads"), (2, "threads"), (3, "processes"))]
     rows, ok = compare(outcomes)
     assert ok, rows
     losses = outcomes[0].losses
