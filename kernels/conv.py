@@ -723,3 +723,369 @@ def conv_backward(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, col, stride_
                      dcols[g * CgRS:(g + 1) * CgRS])
             if not pointwise:
                 col2im(col, dx[n], R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, P, Q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deconvolution: the transpose of a convolution, through the im2col path's pieces
+
+@njit(cache=True, nogil=True)
+def deconv_forward(x, w, b, y, col, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, group):
+    """x: (N, C, H, W); w: (C, K/G, R, S); b: (K,), or (0,) for no bias; y: (N, K, P, Q), the
+    output of the convolution whose input gradient this is (P = stride_h*(H - 1) +
+    dil_h*(R - 1) + 1 - 2*pad_h); col: (K*R*S, H*W) scratch. Per sample n and group g:
+    col[g's K/G channels' rows] = w[g's C/G]^T @ x[n, g's C/G] (BLAS), y[n] = col2im(col),
+    then y[n, k] += b[k]: Caffe's Deconvolution forward."""
+    N, C, H, W = x.shape
+    Cw, Kg, R, S = w.shape
+    K, P, Q = y.shape[1], y.shape[2], y.shape[3]
+    Cg = C // group
+    KgRS = Kg * R * S
+    w2 = w.reshape((C, KgRS))
+    for n in range(N):
+        xn = x[n].reshape((C, H * W))
+        for g in range(group):
+            gemm(1.0, w2[g * Cg:(g + 1) * Cg].T, xn[g * Cg:(g + 1) * Cg], 0.0,
+                 col[g * KgRS:(g + 1) * KgRS])
+        col2im(col, y[n], R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, H, W)
+        if b.size > 0:
+            yn = y[n].reshape((K, P * Q))
+            for k in range(K):
+                bk = b[k]
+                yk = yn[k]
+                for i in range(P * Q):
+                    yk[i] += bk
+
+
+@njit(cache=True, nogil=True)
+def deconv_backward(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, col, stride_h, stride_w,
+                    pad_h, pad_w, dil_h, dil_w, group, need_dx):
+    """x: (N, C, H, W); w: (C, K/G, R, S); dy: (N, K, P, Q); dx: like x (any array when not
+    need_dx), OVERWRITTEN; col: (K*R*S, H*W) scratch. Parts, dws and dbs as in conv_backward:
+    part i's gradients (laid out like w, and (K,)) are ADDED to, one sample of the part at a
+    time in sample order. Per sample n: db += sums of dy[n] over (P, Q); col = im2col(dy[n]);
+    by group, dw += x[n] @ col^T and dx[n] = w @ col (BLAS): Caffe's Deconvolution backward,
+    a convolution's weight gradient and forward pass on dy."""
+    N, C, H, W = x.shape
+    Cw, Kg, R, S = w.shape
+    K, P, Q = dy.shape[1], dy.shape[2], dy.shape[3]
+    Cg = C // group
+    KgRS = Kg * R * S
+    w2 = w.reshape((C, KgRS))
+    if starts[0] != 0 or starts[-1] != N:
+        raise ValueError("deconv_backward: the parts must cover the samples")
+    part = 0
+    for n in range(N):
+        while n >= starts[part + 1]:
+            part += 1
+        dw2 = dws[part * dw_step:part * dw_step + C * KgRS].reshape((C, KgRS))
+        if dbs.size > 0:
+            dyn = dy[n].reshape((K, P * Q))
+            for k in range(K):
+                dyk = dyn[k]
+                acc = dyk[0] * 0
+                for i in range(P * Q):
+                    acc += dyk[i]
+                dbs[part * db_step + k] += acc
+        im2col(dy[n], col, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, H, W)
+        xn = x[n].reshape((C, H * W))
+        for g in range(group):
+            gemm(1.0, xn[g * Cg:(g + 1) * Cg], col[g * KgRS:(g + 1) * KgRS].T, 1.0,
+                 dw2[g * Cg:(g + 1) * Cg])
+        if need_dx:
+            dxn = dx[n].reshape((C, H * W))
+            for g in range(group):
+                gemm(1.0, w2[g * Cg:(g + 1) * Cg], col[g * KgRS:(g + 1) * KgRS], 0.0,
+                     dxn[g * Cg:(g + 1) * Cg])
+
+
+# ---------------------------------------------------------------------------------------------
+# Depthwise path: one input channel per group (MobileNet's group = channels)
+#
+# The other paths multiply blocks of channels; with one input channel per group their tiles
+# hold a single row, and a depthwise layer ran 3 to 100 times slower than PyTorch's
+# (bench/depthwise.py). Here each channel's plane is first copied, zero-padded, into scratch
+# ("plane") as stride_h x stride_w sub-planes, Hq x Wq each (space to depth: sub-plane
+# (a, c) holds the padded plane's rows a, a + stride_h, ... and columns c, c + stride_w, ...).
+# Tap (r, s) of every output (p, q) then reads sub-plane (r*dil_h % stride_h,
+# s*dil_w % stride_w) at (p + r*dil_h // stride_h, q + s*dil_w // stride_w): with the output
+# kept Wq wide ("wide"; the columns past Q are dropped when it is copied out), a tap is one
+# loop out[j] += w * sub[j + offset] over the flat output, for any stride. The loops run in
+# blocks of BLOCK outputs that stay in the L1 cache while every tap adds to them. The input
+# gradient runs the same loops the other way, each tap adding w * dy (kept Wq wide, zero past
+# Q) into the padded input gradient's sub-planes, whose inside is then copied out.
+#
+# Determinism. Each output element is one chain over its taps in (r, s) order from 0; each
+# input-gradient element adds its terms over the group's output channels, the blocks and the
+# taps in that order: the bits follow the layer's shape alone. Zeros (the padding, dy past
+# column Q) enter these sums and leave them as they are (x + 0 = x; only an infinite operand
+# would make a NaN of them). The weight gradient of one sample and tap sums its positions in
+# partial sums, one per position of a block (_lanes), added in a fixed tree at the end: the
+# same bits for any vector width. A part's gradient adds its samples' in order.
+
+BLOCK = 1024   # outputs per block (a power of two), and the most partial sums
+
+
+@njit(cache=True, nogil=True)
+def _depthwise_dims(H, W, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w):
+    """(P, Q, Hq, Wq): the output, and the sub-planes of the padded input."""
+    Hp, Wp = H + 2 * pad_h, W + 2 * pad_w
+    P = (Hp - dil_h * (R - 1) - 1) // stride_h + 1
+    Q = (Wp - dil_w * (S - 1) - 1) // stride_w + 1
+    return P, Q, (Hp + stride_h - 1) // stride_h, (Wp + stride_w - 1) // stride_w
+
+
+@njit(cache=True, nogil=True)
+def _lanes(n):
+    """The partial sums of a dot product over n positions: the least power of two >= n, at
+    most BLOCK (then position i goes to lane i mod BLOCK)."""
+    lanes = 1
+    while lanes < n and lanes < BLOCK:
+        lanes *= 2
+    return lanes
+
+
+@njit(cache=True, nogil=True)
+def depthwise_sizes(H, W, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w):
+    """Elements of the depthwise path's scratch (plane, wide, acc): the sub-planes, with
+    room for the last tap's reads past them; one output (or dy) plane Wq wide; the weight
+    gradient's partial sums for every tap."""
+    P, Q, Hq, Wq = _depthwise_dims(H, W, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w)
+    plane = stride_h * stride_w * Hq * Wq + dil_w * (S - 1) // stride_w + 1
+    return plane, P * Wq, R * S * _lanes(P * Wq)
+
+
+@njit(cache=True, nogil=True)
+def _to_depth(src, s0, H, W, dst, size, sh, sw, Hq, Wq, top, left):
+    """dst[:size] = 0, then the H x W plane src[s0:] placed at (top, left) of the padded
+    plane, stored as sh x sw sub-planes Hq x Wq (see above): padded (h', w') goes to
+    sub-plane (h' % sh, w' % sw), row h' // sh, column w' // sw. What falls outside is
+    dropped (top and left may be negative). Offsets are unsigned (np.uintp), as in im2col: a
+    signed index costs a wrap-around test per element that keeps a loop from being
+    vectorised."""
+    for i in range(size):
+        dst[np.uintp(i)] = 0
+    h_lo, h_hi = max(0, -top), min(H, sh * Hq - top)
+    w_lo, w_hi = max(0, -left), min(W, sw * Wq - left)
+    step = np.uintp(sw)
+    if sh == 1 and sw == 1:   # one plane: row copies, no divisions (each costs ~25 cycles)
+        for h in range(h_lo, h_hi):
+            d = np.uintp((h + top) * Wq + left + w_lo)
+            t = np.uintp(s0 + h * W + w_lo)
+            for i in range(w_hi - w_lo):
+                dst[d + np.uintp(i)] = src[t + np.uintp(i)]
+        return
+    for h in range(h_lo, h_hi):
+        hp = h + top
+        t0 = s0 + h * W - left
+        for c in range(sw):
+            # The columns j*sw + c whose source w = j*sw + c - left lies in [w_lo, w_hi).
+            j_lo = (w_lo + left - c + sw - 1) // sw
+            j_hi = (w_hi + left - c + sw - 1) // sw
+            if j_hi <= j_lo:
+                continue
+            d = np.uintp((((hp % sh) * sw + c) * Hq + hp // sh) * Wq + j_lo)
+            t = np.uintp(t0 + j_lo * sw + c)
+            for i in range(j_hi - j_lo):
+                dst[d + np.uintp(i)] = src[t + np.uintp(i) * step]
+
+
+@njit(cache=True, nogil=True)
+def _from_depth(dst, d0, H, W, src, sh, sw, Hq, Wq, top, left):
+    """The inverse of _to_depth for the H x W plane at (top, left): dst[d0 + h*W + w] = the
+    sub-planes' element of padded (h + top, w + left)."""
+    step = np.uintp(sw)
+    if sh == 1 and sw == 1:
+        _copy_rows(dst, d0, W, src, top * Wq + left, Wq, H, W, dst.dtype.type(0))
+        return
+    for h in range(H):
+        hp = h + top
+        for c in range(sw):
+            j_lo = (left - c + sw - 1) // sw
+            j_hi = (W + left - c + sw - 1) // sw
+            if j_hi <= j_lo:
+                continue
+            t = np.uintp((((hp % sh) * sw + c) * Hq + hp // sh) * Wq + j_lo)
+            d = np.uintp(d0 + h * W + j_lo * sw + c - left)
+            for i in range(j_hi - j_lo):
+                dst[d + np.uintp(i) * step] = src[t + np.uintp(i)]
+
+
+@njit(cache=True, nogil=True)
+def _copy_rows(dst, d0, dst_row, src, s0, src_row, rows, cols, add):
+    """dst[d0 + p*dst_row + q] = src[s0 + p*src_row + q] + add for p < rows, q < cols."""
+    for p in range(rows):
+        d, t = np.uintp(d0 + p * dst_row), np.uintp(s0 + p * src_row)
+        for q in range(cols):
+            dst[d + np.uintp(q)] = src[t + np.uintp(q)] + add
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _tap(out, o0, src, s0, wv, L):
+    """out[o0 + i] += wv * src[s0 + i] for i < L: one tap over a run."""
+    d, t = np.uintp(o0), np.uintp(s0)
+    for i in range(L):
+        out[d + np.uintp(i)] += wv * src[t + np.uintp(i)]
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _taps(out, o0, src, s0, s1, s2, w0, w1, w2, count, L):
+    """count (1 to 3) taps over a run in one pass: out[o0 + i] += w0 * src[s0 + i], then
+    w1 * src[s1 + i], then w2 * src[s2 + i], each element's additions in that order, as
+    count calls of _tap would make them (one load and store of out for all)."""
+    d, t0, t1, t2 = np.uintp(o0), np.uintp(s0), np.uintp(s1), np.uintp(s2)
+    if count == 1:
+        _tap(out, o0, src, s0, w0, L)
+    elif count == 2:
+        for i in range(L):
+            u = np.uintp(i)
+            v = out[d + u]
+            v += w0 * src[t0 + u]
+            v += w1 * src[t1 + u]
+            out[d + u] = v
+    else:
+        for i in range(L):
+            u = np.uintp(i)
+            v = out[d + u]
+            v += w0 * src[t0 + u]
+            v += w1 * src[t1 + u]
+            v += w2 * src[t2 + u]
+            out[d + u] = v
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _mul_add(out, o0, a, i0, b, j0, L):
+    """out[o0 + i] += a[i0 + i] * b[j0 + i] for i < L: partial sums of a dot product, one
+    per position (no chain across positions, so the loop runs at the vectors' throughput)."""
+    d, ta, tb = np.uintp(o0), np.uintp(i0), np.uintp(j0)
+    for i in range(L):
+        out[d + np.uintp(i)] += a[ta + np.uintp(i)] * b[tb + np.uintp(i)]
+
+
+@njit(cache=True, nogil=True)
+def _lanes_total(acc, a0, lanes):
+    """The sum of acc[a0:a0 + lanes] (a power of two) in a fixed tree: halves added lane by
+    lane, the lanes' values overwritten."""
+    step = lanes // 2
+    while step > 0:
+        d, t = np.uintp(a0), np.uintp(a0 + step)
+        for l in range(step):
+            acc[d + np.uintp(l)] += acc[t + np.uintp(l)]
+        step //= 2
+    return acc[a0]
+
+
+@njit(cache=True, nogil=True)
+def _tap_offsets(offs, R, S, stride_h, stride_w, dil_h, dil_w, Hq, Wq):
+    """offs[r*S + s] = where tap (r, s) of output 0 reads in the sub-planes (worked out once
+    per call: integer divisions are slow)."""
+    for r in range(R):
+        for s in range(S):
+            a, c = r * dil_h, s * dil_w
+            offs[r * S + s] = ((((a % stride_h) * stride_w + c % stride_w) * Hq + a // stride_h)
+                               * Wq + c // stride_w)
+
+
+@njit(cache=True, nogil=True)
+def depthwise_forward(x, w, b, y, plane, wide, offs, stride_h, stride_w, pad_h, pad_w, dil_h,
+                      dil_w):
+    """x: (N, C, H, W); w: (K, 1, R, S), K a multiple of C (output channel k reads input
+    channel k // (K/C)); b: (K,), or (0,) for no bias; y: (N, K, P, Q), overwritten; plane,
+    wide: flat scratch (depthwise_sizes); offs: (R*S,) integer scratch.
+    y[n, k, p, q] = (sum over (r, s) in order of w[k, 0, r, s] * x[n, k // M,
+    p*stride_h + r*dil_h - pad_h, q*stride_w + s*dil_w - pad_w], 0 outside x) + b[k]."""
+    N, C, H, W = x.shape
+    K, _, R, S = w.shape
+    M = K // C
+    P, Q, Hq, Wq = _depthwise_dims(H, W, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w)
+    sh, sw = stride_h, stride_w
+    xf, yf, wf = x.reshape(N * C * H * W), y.reshape(N * K * P * Q), w.reshape(K * R * S)
+    size = sh * sw * Hq * Wq + dil_w * (S - 1) // sw + 1
+    L = P * Wq
+    zero = y.dtype.type(0)
+    _tap_offsets(offs, R, S, sh, sw, dil_h, dil_w, Hq, Wq)
+    for n in range(N):
+        for g in range(C):
+            _to_depth(xf, (n * C + g) * H * W, H, W, plane, size, sh, sw, Hq, Wq, pad_h, pad_w)
+            for k in range(g * M, (g + 1) * M):
+                for j0 in range(0, L, BLOCK):
+                    jn = min(BLOCK, L - j0)
+                    for i in range(j0, j0 + jn):
+                        wide[i] = 0
+                    for r in range(R):
+                        # The row's taps three at a time, in order.
+                        for s in range(0, S, 3):
+                            count = min(3, S - s)
+                            s1, s2 = min(s + 1, S - 1), min(s + 2, S - 1)
+                            wr = (k * R + r) * S
+                            _taps(wide, j0, plane, j0 + offs[r * S + s], j0 + offs[r * S + s1],
+                                  j0 + offs[r * S + s2], wf[wr + s], wf[wr + s1], wf[wr + s2],
+                                  count, jn)
+                _copy_rows(yf, (n * K + k) * P * Q, Q, wide, 0, Wq, P, Q,
+                           b[k] if b.size > 0 else zero)
+
+
+@njit(cache=True, nogil=True)
+def depthwise_backward(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, plane, wide, acc, offs,
+                       stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, need_dx):
+    """x, w, dy as in depthwise_forward (dy: (N, K, P, Q)); dx: like x (any array when not
+    need_dx), OVERWRITTEN; parts, dws and dbs as in conv_backward (part i's gradients, laid out
+    like w and (K,), are ADDED to); plane, wide, acc: scratch (depthwise_sizes); offs: (R*S,)
+    integer scratch.
+    Per sample of a part, in order: db[k] += the float64 sum of dy[n, k] over positions;
+    dw[k, 0, r, s] += the sample's sum over positions of dy * x at tap (r, s): partial sums
+    by position of dy kept Wq wide (zero past column Q), added in a fixed tree. dx: each
+    output's terms w[k, 0, r, s] * dy[n, k, p, q] added where tap (r, s) read, in the order
+    the module's notes give."""
+    N, C, H, W = x.shape
+    K, _, R, S = w.shape
+    M = K // C
+    P, Q, Hq, Wq = _depthwise_dims(H, W, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w)
+    sh, sw = stride_h, stride_w
+    xf, dyf, wf = x.reshape(N * C * H * W), dy.reshape(N * K * P * Q), w.reshape(K * R * S)
+    size = sh * sw * Hq * Wq + dil_w * (S - 1) // sw + 1
+    L = P * Wq
+    lanes = _lanes(L)
+    if starts[0] != 0 or starts[-1] != N:
+        raise ValueError("depthwise_backward: the parts must cover the samples")
+    _tap_offsets(offs, R, S, sh, sw, dil_h, dil_w, Hq, Wq)
+    part = 0
+    for n in range(N):
+        while n >= starts[part + 1]:
+            part += 1
+        for g in range(C):
+            _to_depth(xf, (n * C + g) * H * W, H, W, plane, size, sh, sw, Hq, Wq, pad_h, pad_w)
+            for k in range(g * M, (g + 1) * M):
+                d0 = (n * K + k) * P * Q
+                if dbs.size > 0:
+                    t = 0.0
+                    for i in range(P * Q):
+                        t += dyf[d0 + i]
+                    dbs[part * db_step + k] += t
+                _to_depth(dyf, d0, P, Q, wide, L, 1, 1, P, Wq, 0, 0)
+                for i in range(R * S * lanes):
+                    acc[i] = 0
+                for j0 in range(0, L, lanes):
+                    jn = min(lanes, L - j0)
+                    for r in range(R):
+                        for s in range(S):
+                            _mul_add(acc, (r * S + s) * lanes, wide, j0, plane,
+                                     j0 + offs[r * S + s], jn)
+                dw0 = part * dw_step + k * R * S
+                for t in range(R * S):
+                    dws[dw0 + t] += _lanes_total(acc, t * lanes, lanes)
+    if not need_dx:
+        return
+    dxf = dx.reshape(N * C * H * W)
+    for n in range(N):
+        for g in range(C):
+            for i in range(size):
+                plane[i] = 0
+            for k in range(g * M, (g + 1) * M):
+                _to_depth(dyf, (n * K + k) * P * Q, P, Q, wide, L, 1, 1, P, Wq, 0, 0)
+                for j0 in range(0, L, BLOCK):
+                    jn = min(BLOCK, L - j0)
+                    for r in range(R):
+                        for s in range(S):
+                            _tap(plane, j0 + offs[r * S + s], wide, j0,
+                                 wf[(k * R + r) * S + s], jn)
+            _from_depth(dxf, (n * C + g) * H * W, H, W, plane, sh, sw, Hq, Wq, pad_h, pad_w)

@@ -265,3 +265,35 @@ def fc_backward(x, w, dy, dx, dw, db, transpose, need_dx, need_dw, overwrite, sc
             rows_dot(dy, w, dx)
         else:
             rows_axpy(dy, w, dx, scratch)
+
+
+# -- Embed: a lookup table, the product with a one-hot row --------------------------------------
+
+@njit(cache=True, nogil=True)
+def embed_forward(idx, w, b, y):
+    """idx: (M,) row indices, as floats; w: (V, K); b: (K,), or (0,) for no bias; y: (M, K),
+    overwritten: y[m] = w[idx[m]] + b. Returns the first m whose index is not an integer in
+    [0, V) (y is left partly written), or -1."""
+    V, K = w.shape
+    for m in range(idx.size):
+        v = idx[m]
+        if not (v >= 0 and v < V) or v != int(v):
+            return m
+        r = int(v)
+        for k in range(K):
+            y[m, k] = w[r, k] + b[k] if b.size > 0 else w[r, k]
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def embed_backward(idx, dy, dws, step, starts):
+    """idx: (M,) indices that embed_forward accepted; dy: (M, K); part i, rows
+    starts[i]:starts[i+1], ADDS dy[m] to row idx[m] of its weight gradient (V, K) at
+    dws[i*step:], its rows in order."""
+    K = dy.shape[1]
+    for i in range(starts.size - 1):
+        base = i * step
+        for m in range(starts[i], starts[i + 1]):
+            at = base + int(idx[m]) * K
+            for k in range(K):
+                dws[at + k] += dy[m, k]

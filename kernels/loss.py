@@ -1,4 +1,5 @@
-"""Softmax, softmax cross-entropy (SoftmaxWithLoss) and top-k accuracy kernels over one chunk.
+"""Softmax, softmax cross-entropy (SoftmaxWithLoss), infogain (InfogainLoss) and top-k accuracy
+kernels over one chunk.
 
 Caffe's formulas. The kernels know nothing of the global batch: the layers divide the chunk's
 sums by the batch-wide normaliser, so every chunk's scalar is its share of the batch value.
@@ -9,6 +10,7 @@ float arrays, as Caffe stores them, read as integers by truncation toward zero, 
 """
 import math
 
+import numpy as np
 from numba import njit
 
 # Caffe clamps a probability to FLT_MIN before taking its log, in float and double alike.
@@ -207,3 +209,58 @@ def accuracy_forward(x, label, top_k, has_ignore, ignore, correct):
                 total += 1
                 correct[k] += 1
     return total, -1
+
+
+@njit(cache=True, nogil=True)
+def infogain_forward(prob, label, H, has_ignore, ignore, threshold):
+    """prob: (O, C, I) softmax output; label: (O, I); H: (C, C) the infogain matrix;
+    threshold: Caffe's kLOG_THRESHOLD (1e-20) in the dtype. Returns (loss, count, bad): loss
+    is -sum over the positions not ignored and over l of H[label, l] * log(max(prob[o, l, i],
+    threshold)), each term in the dtype, summed in float64 in position order; count the
+    positions summed; bad the flat index of the first label that is not a class (the sum
+    stops there), or -1."""
+    O, C, I = prob.shape
+    loss, count = 0.0, 0
+    for o in range(O):
+        for i in range(I):
+            k = _class_of(label[o, i], C, has_ignore, ignore)
+            if k == BAD:
+                return loss, count, o * I + i
+            if k == IGNORED:
+                continue
+            for l in range(C):
+                loss -= float(H[k, l] * np.log(max(prob[o, l, i], threshold)))
+            count += 1
+    return loss, count, -1
+
+
+@njit(cache=True, nogil=True)
+def matrix_row_sums(H, sums):
+    """H: (C, C); sums: (C,), overwritten with each row's sum in the dtype, in order."""
+    for r in range(H.shape[0]):
+        t = H[r, 0] - H[r, 0]
+        for c in range(H.shape[1]):
+            t += H[r, c]
+        sums[r] = t
+
+
+@njit(cache=True, nogil=True)
+def infogain_backward(prob, label, H, sums, has_ignore, ignore, scale, dx):
+    """prob, dx: (O, C, I); label: (O, I); H: (C, C); sums: (C,) H's row sums. dx[o, l, i] =
+    scale * (prob[o, l, i] * sums[k] - H[k, l]), k the position's label, and 0 at ignored
+    positions; overwrites dx. Returns the flat index of the first label that is not a class
+    (its column zeroed), or -1."""
+    O, C, I = prob.shape
+    bad = -1
+    for o in range(O):
+        for i in range(I):
+            k = _class_of(label[o, i], C, has_ignore, ignore)
+            if k < 0:
+                for l in range(C):
+                    dx[o, l, i] = scale * 0
+                if k == BAD and bad < 0:
+                    bad = o * I + i
+                continue
+            for l in range(C):
+                dx[o, l, i] = scale * (prob[o, l, i] * sums[k] - H[k, l])
+    return bad

@@ -144,10 +144,12 @@ def check_parts(layer, bottom, starts, params=None):
     top_diff = [np.random.default_rng(5).standard_normal(t.shape).astype(np.float32)
                 for t in tops]
     _, whole_dx, whole_dp = backward(layer, bottom, params, top_diff,
-                                     Chunk(n=n, part_starts=tuple(starts)))
+                                     Chunk(n=n, batch=n, part_starts=tuple(starts)))
     for k, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        # The part alone, where it lies in the batch (a blob with a row per sample reads
+        # its own).
         _, dx, dp = backward(layer, [b[lo:hi] for b in bottom], params,
-                             [d[lo:hi] for d in top_diff], Chunk(n=hi - lo))
+                             [d[lo:hi] for d in top_diff], Chunk(n=hi - lo, first=lo, batch=n))
         for got, want in zip(whole_dp, dp):
             assert np.array_equal(got[k], want), f"{layer.type_name}: part {k}'s gradient"
         for got, want in zip(whole_dx, dx):

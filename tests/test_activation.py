@@ -10,7 +10,7 @@ from cgp.layers import Chunk
 from cgp.net import Net, Workspace
 from cgp.proto import caffe_pb2
 from cgp.prototxt import parse_net
-from layer_check import (backward, build, check_forward, check_gradients,
+from layer_check import (backward, build, check_forward, check_gradients, check_parts,
                          check_split_invariance, forward)
 
 SHAPE = (4, 3, 2, 3)
@@ -298,3 +298,161 @@ def test_dropout_masks_keyed_by_seed_iteration_sample_layer():
 def test_dropout_refuses_bad_ratio(ratio):
     with pytest.raises(NetError, match="dropout_ratio"):
         dropout(ratio)
+
+
+# -- ELU, BNLL, Exp, Log, Power, Threshold, Clip, Swish, PReLU ---------------------------------
+
+def elu_ref(alpha):
+    return lambda x: np.where(x > 0, x, alpha * (np.exp(np.minimum(x, 0)) - 1))
+
+
+def bnll_ref(x):
+    return np.logaddexp(0, x)
+
+
+def exp_ref(base, scale, shift):
+    b = np.e if base == -1 else base
+    return lambda x: b ** (shift + scale * x)
+
+
+def log_ref(base, scale, shift):
+    lb = 1.0 if base == -1 else np.log(base)
+    return lambda x: np.log(shift + scale * x) / lb
+
+
+def power_ref(power, scale, shift):
+    return lambda x: (shift + scale * x) ** power
+
+
+def swish_ref(beta):
+    return lambda x: x / (1 + np.exp(-beta * x))
+
+
+@pytest.mark.parametrize("kind, extra, reference", [
+    ("ELU", "", elu_ref(1.0)),
+    ("ELU", "elu_param { alpha: 0.4 }", elu_ref(0.4)),
+    ("BNLL", "", bnll_ref),
+    ("Exp", "", exp_ref(-1, 1, 0)),
+    ("Exp", "exp_param { base: 2 scale: 0.5 shift: 0.3 }", exp_ref(2, 0.5, 0.3)),
+    ("Exp", "exp_param { base: -1 scale: -1.5 shift: -1 }", exp_ref(-1, -1.5, -1)),
+    ("Power", "", power_ref(1, 1, 0)),
+    ("Power", "power_param { power: 2 scale: 0.5 shift: 0.25 }", power_ref(2, 0.5, 0.25)),
+    ("Power", "power_param { power: 3 scale: -2 }", power_ref(3, -2, 0)),
+    ("Power", "power_param { power: 1 scale: 3 shift: 1 }", power_ref(1, 3, 1)),
+    ("Swish", "", swish_ref(1.0)),
+    ("Swish", "swish_param { beta: 2.5 }", swish_ref(2.5)),
+    ("Clip", "clip_param { min: -0.5 max: 1.2 }", lambda x: np.clip(x, -0.5, 1.2)),
+])
+def test_neuron(kind, extra, reference):
+    x = away_from_zero(SHAPE)
+    layer = build(layer_text(kind, extra), [SHAPE])
+    assert layer.top_shapes == [SHAPE]
+    check_forward(layer, [x], reference, rtol=2e-5)
+    check_gradients(layer, [x])
+    check_split_invariance(layer, [x], cut=1)
+
+
+@pytest.mark.parametrize("extra, reference", [
+    ("", log_ref(-1, 1, 0)),
+    ("log_param { base: 10 scale: 2 shift: 0.5 }", log_ref(10, 2, 0.5)),
+    ("log_param { base: 0.5 scale: 0.5 }", log_ref(0.5, 0.5, 0)),
+])
+def test_log(extra, reference):
+    x = np.abs(away_from_zero(SHAPE)) + 0.2      # inside the logarithm's domain
+    layer = build(layer_text("Log", extra), [SHAPE])
+    check_forward(layer, [x], reference)
+    check_gradients(layer, [x])
+
+
+def test_power_with_shift_and_fractional_power():
+    x = np.abs(away_from_zero(SHAPE))
+    layer = build(layer_text("Power", "power_param { power: 0.5 scale: 1.5 shift: 0.2 }"),
+                  [SHAPE])
+    check_forward(layer, [x], power_ref(0.5, 1.5, 0.2))
+    check_gradients(layer, [x])
+
+
+@pytest.mark.parametrize("extra, value", [("power_param { power: 0 scale: 3 }", 1.0),
+                                          ("power_param { power: 3 scale: 0 shift: 2 }", 8.0)])
+def test_power_ignoring_its_input(extra, value):
+    """Caffe's special case: power or scale 0 gives a constant and a zero gradient, whatever
+    the input (NaN included)."""
+    x = away_from_zero((2, 3))
+    x[0, 0] = np.nan
+    layer = build(layer_text("Power", extra), [(2, 3)])
+    tops, (dx,), _ = backward(layer, [x], [], [np.ones((2, 3))])
+    np.testing.assert_array_equal(tops[0], np.full((2, 3), value))
+    np.testing.assert_array_equal(dx, np.zeros((2, 3)))
+
+
+def test_elu_kink_and_bnll_saturation():
+    layer = build(layer_text("ELU", "elu_param { alpha: 0.5 }"), [(1, 3)])
+    check_gradients(layer, [np.array([[-1e-3, 1e-3, -3.0]])], eps=1e-7)
+    layer = build(layer_text("BNLL"), [(1, 4)])
+    x = np.array([[-100.0, -60.0, 60.0, 100.0]], np.float32)
+    with np.errstate(all="raise"):
+        (y,), (dx,), _ = backward(layer, [x], [], [np.ones((1, 4), np.float32)])
+    np.testing.assert_allclose(y, [[0, 0, 60, 100]], atol=1e-25)
+    np.testing.assert_allclose(dx, [[0, 0, 1, 1]], atol=1e-25)
+
+
+def test_clip_gradient_passes_at_its_bounds():
+    layer = build(layer_text("Clip", "clip_param { min: -1 max: 2 }"), [(1, 5)])
+    x = np.array([[-1.5, -1.0, 0.5, 2.0, 2.5]])
+    tops, (dx,), _ = backward(layer, [x], [], [np.full((1, 5), 3.0)])
+    np.testing.assert_array_equal(tops[0], [[-1.0, -1.0, 0.5, 2.0, 2.0]])
+    np.testing.assert_array_equal(dx, [[0, 3, 3, 3, 0]])
+    check_gradients(layer, [np.array([[-1.2, -0.9, 1.9, 2.1]])])
+
+
+def test_threshold_forward_and_no_gradient():
+    layer = build(layer_text("Threshold", "threshold_param { threshold: 0.5 }"), [(1, 4)])
+    x = np.array([[0.2, 0.5, 0.51, 3.0]])
+    check_forward(layer, [x], lambda x: (x > 0.5).astype(float), rtol=0, atol=0)
+    tops, _ = forward(layer, [x], [])
+    # Caffe implements no backward: a net that needs one is refused, one that does not runs.
+    assert list(layer.backward_calls(tops, [x], [x], [None], [], [], {}, Chunk(n=1))) == []
+    with pytest.raises(NetError, match="has no gradient"):
+        layer.backward_calls(tops, [x], [x], [np.zeros_like(x)], [], [], {}, Chunk(n=1))
+
+
+@pytest.mark.parametrize("kind, extra, message", [
+    ("Exp", "exp_param { base: -2 }", "strictly positive"),
+    ("Log", "log_param { base: 0 }", "strictly positive"),
+    ("Log", "log_param { base: 1 }", "base 1"),
+    ("Clip", "clip_param { min: 2 max: 1 }", "must not exceed"),
+])
+def test_neuron_parameters_refused(kind, extra, message):
+    with pytest.raises(NetError, match=message):
+        build(layer_text(kind, extra), [SHAPE])
+
+
+def prelu_ref(x, slope):
+    a = slope.reshape((1, -1) + (1,) * (x.ndim - 2)) if slope.ndim else slope
+    return np.where(x > 0, x, a * x)
+
+
+@pytest.mark.parametrize("shape", [SHAPE, (4, 5)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_prelu(shape, shared):
+    layer = build(layer_text("PReLU", f"prelu_param {{ channel_shared: {str(shared).lower()} }}"),
+                  [shape])
+    assert layer.param_shapes() == [() if shared else (shape[1],)]
+    x = away_from_zero(shape)
+    params = [np.asarray(np.random.default_rng(3).uniform(0.1, 0.4, layer.param_shapes()[0]))]
+    check_forward(layer, [x], prelu_ref, params=params)
+    check_gradients(layer, [x], params=params)
+    check_split_invariance(layer, [x], params=params, cut=1)
+    check_parts(layer, [x], (0, 1, 3, 4), params=params)
+
+
+def test_prelu_default_filler_and_slope_gradient():
+    layer = build(layer_text("PReLU"), [(2, 2, 3)])
+    [filler] = layer.param_fillers()
+    assert (filler.type, filler.value) == ("constant", 0.25)
+    x = np.array([[[-1.0, 2.0, -3.0], [0.0, -1.0, 1.0]], [[1.0, -2.0, 4.0], [-0.5, 2.0, 3.0]]])
+    dy = np.arange(12.0).reshape(2, 2, 3)
+    _, _, (dslope,) = backward(layer, [x], [np.array([0.25, 0.5])], [dy])
+    # Elements with x <= 0 only (x = 0 adds 0): channel 0: 0*-1 + 2*-3 + 7*-2; channel 1:
+    # 4*-1 + 9*-0.5.
+    np.testing.assert_array_equal(dslope, [-20.0, -8.5])

@@ -13,8 +13,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-TOOLS = {"call_size.py", "fake_cifar10.py", "kernel_ab.py", "machine_scaling.py",
-         "many_cores.sh", "revision_ab.py", "scale_model.py", "step_tail.py"}
+TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "kernel_ab.py",
+         "machine_scaling.py", "many_cores.sh", "revision_ab.py", "scale_model.py",
+         "step_tail.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
 
 
@@ -73,6 +74,15 @@ def test_kernel_ab_gives_the_same_bits_on_the_same_kernels(tmp_path):
     rows = [line for line in text.splitlines() if line.strip().startswith("lenet-pool2")]
     assert len(rows) == 2 and all(line.endswith("same bits: yes") for line in rows)
     assert all(x > 0 for x in numbers(r"speed x(\d+\.\d+)", text))
+
+
+def test_depthwise_times_each_pass_of_each_layer(tmp_path):
+    text = run("depthwise.py", "--layers", "dw1024,dw512s2", "--samples", "1", "--rounds", "2",
+               "--no-torch", cwd=tmp_path)
+    rows = [line.split() for line in text.splitlines()[1:]]
+    assert [row[:2] for row in rows] == [["dw1024", "forward"], ["dw1024", "backward"],
+                                         ["dw512s2", "forward"], ["dw512s2", "backward"]]
+    assert all(float(x) > 0 for row in rows for x in row[2:])
 
 
 def test_machine_scaling_counts_each_copy(tmp_path):

@@ -74,6 +74,18 @@ CONFIGS = {
     "group_unpadded": ("kernel_size: 2 group: 2", (2, 4, 4, 5), dict(group=2)),
     "dilation_unpadded": ("kernel_h: 2 kernel_w: 3 dilation: 2", (2, 2, 5, 7),
                           dict(dilation=(2, 2))),
+    # One input channel per group runs the depthwise kernels: stride 1 over flat padded
+    # planes, other strides row by row; two outputs per channel; padding beyond the kernel.
+    "depthwise": ("kernel_size: 3 pad: 1 group: 4", (2, 4, 5, 6), dict(pad=(1, 1), group=4)),
+    "depthwise_stride": ("kernel_size: 3 pad: 1 stride: 2 group: 4", (2, 4, 7, 6),
+                         dict(stride=(2, 2), pad=(1, 1), group=4)),
+    "depthwise_multiplier": ("kernel_size: 3 dilation: 2 pad: 2 group: 2", (2, 2, 6, 7),
+                             dict(pad=(2, 2), dilation=(2, 2), group=2)),
+    "depthwise_rect": ("kernel_h: 2 kernel_w: 3 pad_w: 2 stride_h: 1 stride_w: 2 group: 4",
+                       (2, 4, 5, 6), dict(stride=(1, 2), pad=(0, 2), group=4)),
+    "depthwise_unpadded": ("kernel_size: 3 group: 4", (2, 4, 5, 5), dict(group=4)),
+    "depthwise_wide_pad": ("kernel_size: 2 pad: 2 group: 4", (2, 4, 4, 5),
+                           dict(pad=(2, 2), group=4)),
 }
 
 
@@ -227,10 +239,17 @@ LARGE = [
      dict(pad=(2, 2), dilation=(2, 2), group=2)),
     (20, "kernel_h: 5 kernel_w: 3 pad: 2", (2, 20, 6, 9), dict(pad=(2, 2))),
 ]
+# MobileNet's depthwise layers at real widths (rows longer than the lanes of the weight
+# gradient's partial sums, and not a multiple of them), stride 1 and 2.
+DEPTHWISE = [
+    (32, "kernel_size: 3 pad: 1 group: 32", (2, 32, 15, 13), dict(pad=(1, 1), group=32)),
+    (24, "kernel_size: 3 pad: 1 stride: 2 group: 24", (2, 24, 15, 14),
+     dict(stride=(2, 2), pad=(1, 1), group=24)),
+]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("num_output, fields, shape, kw", LARGE)
+@pytest.mark.parametrize("num_output, fields, shape, kw", LARGE + DEPTHWISE)
 def test_large_against_reference(num_output, fields, shape, kw, dtype):
     layer = build(conv_text(fields, num_output), [shape])
     x = data(shape)
@@ -249,7 +268,7 @@ def test_results_ignore_scratch_contents_and_alignment():
     """Scratch full of NaN, and every buffer moved by a few elements, give bitwise the same
     tops and gradients: the kernels read only what they wrote (padding lanes and tiles that
     hang over an edge are never stored), and alignment changes only the speed."""
-    for num_output, fields, shape, _ in LARGE[:5] + LARGE[-3:]:
+    for num_output, fields, shape, _ in LARGE[:5] + LARGE[-3:] + DEPTHWISE:
         layer = build(conv_text(fields, num_output), [shape])
         x = data(shape).astype(np.float32)
         params = [p.astype(np.float32) for p in random_params(layer)]
@@ -258,7 +277,9 @@ def test_results_ignore_scratch_contents_and_alignment():
         for shift, fill in ((0, 0.0), (3, np.nan), (5, np.nan)):
             scratch = {}
             for name, buf in alloc_scratch(layer, shape[0], np.float32).items():
-                moved = np.full(buf.size + shift, fill, np.float32)[shift:].reshape(buf.shape)
+                # Integer scratch (the depthwise path's tap offsets) gets garbage of its type.
+                junk = fill if buf.dtype.kind == "f" else -7 * (shift > 0)
+                moved = np.full(buf.size + shift, junk, buf.dtype)[shift:].reshape(buf.shape)
                 scratch[name] = moved
             top = np.zeros(layer.top_shapes[0], np.float32)
             layer.forward([x], [top], params, scratch, Chunk(n=shape[0]))
@@ -636,3 +657,87 @@ def test_lenet_test_forward_matches_caffe(caffe_dir):
         y = labels[b * 100:(b + 1) * 100]
         assert np.mean(z.argmax(axis=1) == y) == pytest.approx(float(accuracy), abs=1e-9)
         assert -log_p[np.arange(100), y].mean() == pytest.approx(float(loss), rel=2e-5)
+
+
+# -- Deconvolution -----------------------------------------------------------------------------
+
+def deconv_text(extra, num_output=4, bottoms=("x",), tops=("y",)):
+    return conv_text(extra, num_output, bottoms, tops).replace('"Convolution"', '"Deconvolution"')
+
+
+def deconv_ref(x, w, b=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), group=1):
+    """The transpose of conv_ref: each input element scatters its weights, tap by tap, into
+    the padded output; the padding is then cut away."""
+    N, C, H, W = x.shape
+    _, Kg, R, S = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, pad, dilation
+    P = sh * (H - 1) + dh * (R - 1) + 1 - 2 * ph
+    Q = sw * (W - 1) + dw * (S - 1) + 1 - 2 * pw
+    yp = np.zeros((N, Kg * group, P + 2 * ph, Q + 2 * pw))
+    Cg = C // group
+    for c in range(C):
+        g = c // Cg
+        for r in range(R):
+            for s in range(S):
+                yp[:, g * Kg:(g + 1) * Kg, r * dh:r * dh + sh * (H - 1) + 1:sh,
+                   s * dw:s * dw + sw * (W - 1) + 1:sw] += np.einsum("nhw,k->nkhw", x[:, c],
+                                                                      w[c, :, r, s])
+    y = yp[:, :, ph:ph + P, pw:pw + Q]
+    return y if b is None else y + b[None, :, None, None]
+
+
+DECONV = {
+    "plain": ("kernel_size: 3", (2, 3, 4, 5), {}),
+    "fcn_upsample": ("kernel_size: 4 stride: 2 pad: 1", (2, 3, 3, 4),
+                     dict(stride=(2, 2), pad=(1, 1))),
+    "rect": ("kernel_h: 2 kernel_w: 3 stride_h: 3 stride_w: 1 pad_w: 1", (2, 2, 3, 4),
+             dict(stride=(3, 1), pad=(0, 1))),
+    "group2": ("kernel_size: 3 stride: 2 group: 2", (2, 4, 3, 3), dict(stride=(2, 2), group=2)),
+    "dilation": ("kernel_size: 3 dilation: 2 pad: 1", (2, 2, 4, 4),
+                 dict(pad=(1, 1), dilation=(2, 2))),
+    "pointwise": ("kernel_size: 1", (2, 3, 3, 2), {}),
+}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", sorted(DECONV))
+def test_deconvolution(name, bias):
+    fields, shape, kw = DECONV[name]
+    layer = build(deconv_text(f"{fields} bias_term: {str(bias).lower()}"), [shape])
+    params = random_params(layer)
+    group = kw.get("group", 1)
+    assert params[0].shape[:2] == (shape[1], 4 // group)
+    assert layer.top_shapes == [deconv_ref(data(shape), params[0], **kw).shape]
+    check_forward(layer, [data(shape)], lambda x, w, b=None: deconv_ref(x, w, b, **kw),
+                  params=params)
+    check_gradients(layer, [data(shape)])
+    check_parts(layer, [data((5,) + shape[1:])], (0, 2, 3, 5))
+    check_split_invariance(layer, [data((3,) + shape[1:])], cut=1)
+
+
+def test_deconvolution_two_bottoms_and_no_dx():
+    shape = (2, 3, 3, 3)
+    layer = build(deconv_text("kernel_size: 2 stride: 2", bottoms=("a", "b"), tops=("c", "d")),
+                  [shape, shape])
+    a, b = data(shape, 1), data(shape, 2)
+    check_forward(layer, [a, b], lambda a, b, w, bias: (
+        deconv_ref(a, w, bias, stride=(2, 2)), deconv_ref(b, w, bias, stride=(2, 2))))
+    check_gradients(layer, [a, b], check=[True, False])
+
+
+def test_deconvolution_refuses_an_empty_output():
+    with pytest.raises(NetError, match="output would be"):
+        build(deconv_text("kernel_size: 1 pad: 1"), [(2, 3, 2, 2)])
+
+
+def test_dilated_convolution_gradients_match_the_reference():
+    """Convolution's dilation (as in Caffe's DeepLab nets), which cgp had already:
+    the input gradient and weight gradient against conv_ref_grads."""
+    shape = (2, 3, 9, 9)
+    layer = build(conv_text("kernel_size: 3 dilation: 3 pad: 3"), [shape])
+    x, params = data(shape), random_params(layer)
+    dy = data((2, 4, 9, 9), 4)
+    _, (dx,), (dw, db) = backward(layer, [x], params, [dy])
+    want = conv_ref_grads(x, params[0], dy, pad=(3, 3), dilation=(3, 3))
+    for got, ref in zip((dx, dw, db), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)

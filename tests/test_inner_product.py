@@ -1,6 +1,6 @@
 """InnerProduct against float64 einsum references (axis 1, 2, -1, transpose, no bias),
 gradient checks (row counts around the kernels' blocks of four), split invariance at many cuts,
-shape rules and Caffe's parameter rules."""
+shape rules and Caffe's parameter rules; Embed against a NumPy lookup."""
 import numpy as np
 import pytest
 
@@ -303,3 +303,64 @@ def test_rows_dot_kernel(dtype):
         assert out[0, r] == lanes[0]
         in_row_order += out[0, r] == np.cumsum(w[r])[-1]
     assert in_row_order < R  # values on which the order shows
+
+
+# -- Embed -------------------------------------------------------------------------------------
+
+def embed_text(extra=""):
+    return (f'type: "Embed" bottom: "i" top: "y" embed_param {{ num_output: 3 input_dim: 5 '
+            f'{extra} }}')
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(4,), (4, 2, 3)])
+def test_embed(shape, bias):
+    layer = build(embed_text(f"bias_term: {str(bias).lower()}"), [shape])
+    assert layer.top_shapes == [shape + (3,)]
+    assert layer.param_shapes() == [(5, 3)] + ([(3,)] if bias else [])
+    idx = np.random.default_rng(0).integers(0, 5, shape).astype(float)
+
+    def reference(i, w, b=None):
+        y = w[i.astype(int)]
+        return y if b is None else y + b
+    check_forward(layer, [idx], reference)
+    check_gradients(layer, [idx], check=[False])
+    check_split_invariance(layer, [idx], cut=1)
+    check_parts_no_dx(layer, idx)
+
+
+def check_parts_no_dx(layer, idx):
+    """check_parts without an input gradient (Embed has none): each part's weight and bias
+    gradients in a call of three parts are those of the part alone, bitwise."""
+    params = random_params(layer, np.float32)
+    idx = idx.astype(np.float32)
+    dy = np.random.default_rng(5).standard_normal((4,) + layer.top_shapes[0][1:]).astype(
+        np.float32)
+    _, _, whole = backward(layer, [idx], params, [dy], Chunk(n=4, part_starts=(0, 1, 3, 4)),
+                           propagate=[False])
+    for k, (lo, hi) in enumerate(((0, 1), (1, 3), (3, 4))):
+        _, _, own = backward(layer, [idx[lo:hi]], params, [dy[lo:hi]],
+                             Chunk(n=hi - lo, first=lo, batch=4), propagate=[False])
+        for got, want in zip(whole, own):
+            assert np.array_equal(got[k], want)
+
+
+@pytest.mark.parametrize("bad", [5.0, -1.0, 1.5, np.nan])
+def test_embed_refuses_an_index_that_is_no_row(bad):
+    layer = build(embed_text(), [(3, 2)])
+    idx = np.array([[0.0, 1.0], [2.0, bad], [4.0, 4.0]])
+    with pytest.raises(NetError, match=r"sample 1 of the batch, position 1\).*\[0, 5\)"):
+        forward(layer, [idx[1:]], random_params(layer), Chunk(n=2, first=1, batch=3))
+
+
+def test_embed_has_no_input_gradient():
+    layer = build(embed_text(), [(2,)])
+    with pytest.raises(NetError, match="cannot backpropagate to its input"):
+        backward(layer, [np.zeros(2)], random_params(layer), [np.zeros((2, 3))])
+
+
+@pytest.mark.parametrize("fields, message", [("num_output: 0 input_dim: 2", "num_output"),
+                                             ("num_output: 2", "input_dim")])
+def test_embed_refused(fields, message):
+    with pytest.raises(NetError, match=message):
+        build(f'type: "Embed" bottom: "i" top: "y" embed_param {{ {fields} }}', [(2,)])

@@ -26,7 +26,26 @@ PARAM_MESSAGES = [f.name for f in caffe_pb2.LayerParameter.DESCRIPTOR.fields
 # A small net for each layer type that hands its calls over: INPUT, then the layer "l".
 HANDS_OVER = {
     "AbsVal": 'type: "AbsVal" bottom: "data" top: "y"',
+    "ArgMax": 'type: "ArgMax" bottom: "data" top: "y" argmax_param { top_k: 2 }',
+    "BNLL": 'type: "BNLL" bottom: "data" top: "y"',
     "BatchNorm": 'type: "BatchNorm" bottom: "data" top: "y"',
+    "Bias": 'type: "Bias" bottom: "data" top: "y"',
+    "Clip": 'type: "Clip" bottom: "data" top: "y" clip_param { min: -1 max: 1 }',
+    "Crop": 'type: "Crop" bottom: "data" bottom: "data" top: "y"',
+    "Deconvolution": 'type: "Deconvolution" bottom: "data" top: "y" '
+                     'convolution_param { num_output: 2 kernel_size: 2 stride: 2 }',
+    "ELU": 'type: "ELU" bottom: "data" top: "y"',
+    "Exp": 'type: "Exp" bottom: "data" top: "y"',
+    "Log": 'type: "Log" bottom: "data" top: "y"',
+    "MVN": 'type: "MVN" bottom: "data" top: "y"',
+    "Power": 'type: "Power" bottom: "data" top: "y" power_param { power: 2 }',
+    "PReLU": 'type: "PReLU" bottom: "data" top: "y"',
+    "Scale": 'type: "Scale" bottom: "data" top: "y" scale_param { bias_term: true }',
+    "Silence": 'type: "Silence" bottom: "data" bottom: "label"',
+    "Slice": 'type: "Slice" bottom: "data" top: "y" top: "z" slice_param { axis: 2 }',
+    "Swish": 'type: "Swish" bottom: "data" top: "y"',
+    "Threshold": 'type: "Threshold" bottom: "data" top: "y"',
+    "Tile": 'type: "Tile" bottom: "data" top: "y" tile_param { tiles: 2 }',
     "Concat": 'type: "Concat" bottom: "data" bottom: "data" top: "y"',
     "Convolution": 'type: "Convolution" bottom: "data" top: "y" '
                    'convolution_param { num_output: 2 kernel_size: 3 }',
@@ -45,8 +64,13 @@ HANDS_OVER = {
     "TanH": 'type: "TanH" bottom: "data" top: "y"',
 }
 # Layers that run Python at every call (calls_each_time), and the data layers (is_source).
-EACH_TIME = {"Accuracy", "Dropout", "SoftmaxWithLoss"}
+EACH_TIME = {"Accuracy", "ContrastiveLoss", "Dropout", "Embed", "EuclideanLoss", "HingeLoss",
+             "InfogainLoss", "Reduction", "SigmoidCrossEntropyLoss", "SoftmaxWithLoss"}
 SOURCES = {"Data", "Input"}
+# Layers of HANDS_OVER with nothing to do one way: Silence computes no top; ArgMax and
+# Threshold have no gradient (Caffe implements none) and refuse a net that needs one.
+NO_FORWARD = {"Silence"}
+NO_GRADIENT = {"ArgMax", "Threshold"}
 
 
 def test_every_registered_type_is_walked():
@@ -75,14 +99,21 @@ def test_layer_hands_its_kernel_calls_over(kind):
     params = net.param_views(net.params)[i]
     grads = net.param_views(np.zeros((1, net.n_params), np.float32))[i]
     bottom, top = [data[b] for b in entry.bottoms], [data[t] for t in entry.tops]
+    bottom_diff = [diff[b] for b in entry.bottoms]
+    top_diff = [diff[t] for t in entry.tops]
     forward = layer.forward_calls(bottom, top, params, ws.scratch[i], chunk)
-    back = layer.backward_calls(top, [diff[t] for t in entry.tops], bottom,
-                                [diff[b] for b in entry.bottoms], params, grads, ws.scratch[i],
+    if kind in NO_GRADIENT:
+        with pytest.raises(NetError, match="has no gradient"):
+            layer.backward_calls(top, top_diff, bottom, bottom_diff, params, grads,
+                                 ws.scratch[i], chunk)
+        bottom_diff = [None] * len(bottom)
+    back = layer.backward_calls(top, top_diff, bottom, bottom_diff, params, grads, ws.scratch[i],
                                 chunk)
-    for calls, k in ((forward, 0), (back, layer.batch_sums[0])):
+    for calls, k, empty in ((forward, 0, kind in NO_FORWARD),
+                            (back, layer.batch_sums[0], kind in NO_GRADIENT)):
         assert calls is not None, f"{kind} hands no calls over"
         calls = list(calls)
-        assert calls
+        assert bool(calls) != empty
         for call in calls:
             if call is SYNC:   # a sum over the batch (this call holds all of it)
                 layer.sum_now(k, ws.scratch[i], params, chunk)
@@ -161,7 +192,7 @@ def _layer_param(kind, message=None):
     cls = REGISTRY[kind]
     lp = caffe_pb2.LayerParameter(name="l", type=kind)
     lp.bottom.extend(f"b{i}" for i in range(cls.bottoms[0]))
-    lp.top.extend(f"t{i}" for i in range(max(1, cls.tops[0])))
+    lp.top.extend(f"t{i}" for i in range(cls.tops[0]))
     if message:
         getattr(lp, message).SetInParent()
     return lp
@@ -189,6 +220,16 @@ CAFFE_READS = {
     "ReLU": ("relu_param",), "Reshape": ("reshape_param",), "Sigmoid": ("sigmoid_param",),
     "Softmax": ("softmax_param",), "SoftmaxWithLoss": ("softmax_param", "loss_param"),
     "Split": (), "TanH": ("tanh_param",),
+    "ArgMax": ("argmax_param",), "BNLL": (), "Bias": ("bias_param",), "Clip": ("clip_param",),
+    "ContrastiveLoss": ("contrastive_loss_param",), "Crop": ("crop_param",),
+    "Deconvolution": ("convolution_param",), "ELU": ("elu_param",), "Embed": ("embed_param",),
+    "EuclideanLoss": (), "Exp": ("exp_param",), "HingeLoss": ("hinge_loss_param",),
+    # InfogainLoss's inner Softmax, made through Caffe's registry, reads softmax_param's engine.
+    "InfogainLoss": ("infogain_loss_param", "loss_param", "softmax_param"),
+    "Log": ("log_param",), "MVN": ("mvn_param",), "PReLU": ("prelu_param",),
+    "Power": ("power_param",), "Reduction": ("reduction_param",), "Scale": ("scale_param",),
+    "SigmoidCrossEntropyLoss": ("loss_param",), "Silence": (), "Slice": ("slice_param",),
+    "Swish": ("swish_param",), "Threshold": ("threshold_param",), "Tile": ("tile_param",),
 }
 
 
@@ -223,6 +264,10 @@ SHAPE = (2, 3, 4, 4)
 ENGINES = {
     "Convolution": ('type: "Convolution" bottom: "x" top: "y" '
                     'convolution_param { num_output: 2 kernel_size: 3 {} }', [SHAPE]),
+    "Deconvolution": ('type: "Deconvolution" bottom: "x" top: "y" '
+                      'convolution_param { num_output: 2 kernel_size: 3 stride: 2 {} }', [SHAPE]),
+    "InfogainLoss": ('type: "InfogainLoss" bottom: "x" bottom: "label" bottom: "H" top: "loss" '
+                     'softmax_param { {} }', [(2, 3), (2,), (3, 3)]),
     "LRN": ('type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 3 {} }', [SHAPE]),
     "LRN within": ('type: "LRN" bottom: "x" top: "y" '
                    'lrn_param { local_size: 3 norm_region: WITHIN_CHANNEL {} }', [SHAPE]),
@@ -252,14 +297,18 @@ def test_engine_is_a_hint_cgp_ignores(kind, engine):
     hinted = build(text.replace("{}", f"engine: {engine}"), shapes)
     rng = np.random.default_rng(2)
     bottom = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    if kind == "SoftmaxWithLoss":
+    chunk = None
+    if kind in ("SoftmaxWithLoss", "InfogainLoss"):
         bottom[1] = np.array([0, 2], np.float32)
+    if kind == "InfogainLoss":
+        bottom[2] = np.abs(bottom[2])
+        chunk = Chunk(n=2, batch_tops={"H": bottom[2]})
     params = random_params(plain, np.float32)
     top_diff = [rng.standard_normal(s if plain.reduces_batch else (shapes[0][0],) + s[1:])
                 .astype(np.float32) for s in plain.top_shapes]
     propagate = [True] + [False] * (len(shapes) - 1)
-    want = backward(plain, bottom, params, top_diff, propagate=propagate)
-    got = backward(hinted, bottom, params, top_diff, propagate=propagate)
+    want = backward(plain, bottom, params, top_diff, chunk, propagate=propagate)
+    got = backward(hinted, bottom, params, top_diff, chunk, propagate=propagate)
     for w, g in zip(want, got):
         for a, b in zip(w, g):
             assert (a is None and b is None) or a.tobytes() == b.tobytes()

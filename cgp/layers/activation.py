@@ -1,5 +1,5 @@
-"""Activation layers: ReLU, Sigmoid, TanH, AbsVal and Dropout, with Caffe's formulas and
-parameters.
+"""Activation layers (Caffe's neuron layers): ReLU, Sigmoid, TanH, AbsVal, Dropout, ELU, BNLL,
+Exp, Log, Power, Threshold, Clip, Swish and PReLU, with Caffe's formulas and parameters.
 
 Each works elementwise on one bottom and one top of the same shape. Caffe nets often run them
 "in place" (top named like the bottom); the net builder gives every top its own buffer, except
@@ -7,8 +7,12 @@ a ReLU's where sharing changes no bit (Layer.in_place), so the others never see 
 arrays. Dropout draws its mask from a counter-based stream keyed by (seed, iteration, global
 sample, layer index, element), so any split of the batch draws the same mask.
 """
+import math
+
+import numpy as np
+
 from cgp.kernels import activation as K
-from cgp.layers.base import Layer, flat, register
+from cgp.layers.base import Layer, flat, part_span, register, view
 from cgp.proto import caffe_pb2
 
 
@@ -138,3 +142,233 @@ class Dropout(_Elementwise):
             return
         mask = scratch["mask"][:chunk.n]
         K.dropout_backward(flat(mask), flat(top_diff[0]), flat(dx))
+
+
+class _Neuron(_Elementwise):
+    """An elementwise layer whose kernels take scalar parameters in the arrays' dtype, as
+    Caffe's Dtype: forward_args and backward_args give them for a dtype."""
+    # (forward kernel, backward kernel), in a tuple: a Numba kernel as a class attribute
+    # would bind as a method.
+    kernels = (None, None)
+    backward_reads = ("x", "dy")   # what the backward kernel takes before dx: x, y, dy
+
+    def forward_args(self, dtype):
+        return ()
+
+    def backward_args(self, dtype):
+        return self.forward_args(dtype)
+
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        x = bottom[0]
+        yield self.kernels[0], (flat(x), flat(top[0]), *self.forward_args(x.dtype.type))
+
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
+        if bottom_diff[0] is None:
+            return
+        arrays = {"x": bottom[0], "y": top[0], "dy": top_diff[0]}
+        reads = [flat(arrays[a]) for a in self.backward_reads]
+        yield self.kernels[1], (*reads, flat(bottom_diff[0]),
+                                *self.backward_args(bottom[0].dtype.type))
+
+
+@register("ELU")
+class ELU(_Neuron):
+    """y = x where x > 0, else alpha * (exp(x) - 1); backward reads x and y, as Caffe's."""
+    params_read = ("elu_param",)
+    kernels = (K.elu_forward, K.elu_backward)
+    backward_reads = ("x", "y", "dy")
+
+    def forward_args(self, dtype):
+        return (dtype(self.lp.elu_param.alpha),)
+
+
+@register("BNLL")
+class BNLL(_Neuron):
+    """y = log(1 + exp(x)) (binomial normal log likelihood), computed as Caffe does."""
+    kernels = (K.bnll_forward, K.bnll_backward)
+    backward_reads_top = False
+
+    def backward_args(self, dtype):
+        return (dtype(K.BNLL_THRESHOLD),)
+
+
+def _log_base(layer, base, dtype):
+    """Caffe's log(base) in the dtype, 1 for base -1 (meaning e); refuses a base <= 0."""
+    if base == -1:
+        return dtype(1)
+    if not base > 0:
+        raise layer.error(f"base must be strictly positive (or -1 for e), got {base:g}")
+    return dtype(np.log(dtype(base)))
+
+
+@register("Exp")
+class Exp(_Neuron):
+    """y = base ^ (shift + scale * x), base -1 meaning e; backward reads y, as Caffe's."""
+    params_read = ("exp_param",)
+    kernels = (K.exp_forward, K.exp_backward)
+    backward_reads = ("y", "dy")
+
+    def setup(self, bottom_shapes):
+        _log_base(self, self.lp.exp_param.base, np.float64)
+        return super().setup(bottom_shapes)
+
+    def forward_args(self, dtype):
+        p = self.lp.exp_param
+        inner = _log_base(self, p.base, dtype) * dtype(p.scale)
+        if p.shift == 0:
+            outer = dtype(1)
+        elif p.base != -1:
+            outer = dtype(np.power(dtype(p.base), dtype(p.shift)))
+        else:
+            outer = dtype(np.exp(dtype(p.shift)))
+        return inner, outer
+
+    def backward_args(self, dtype):
+        return self.forward_args(dtype)[:1]
+
+
+@register("Log")
+class Log(_Neuron):
+    """y = log_base(shift + scale * x), base -1 meaning e."""
+    params_read = ("log_param",)
+    kernels = (K.log_forward, K.log_backward)
+    backward_reads_top = False
+
+    def setup(self, bottom_shapes):
+        if _log_base(self, self.lp.log_param.base, np.float64) == 0:
+            raise self.error("base 1 has no logarithms (1 / log(base) is infinite)")
+        return super().setup(bottom_shapes)
+
+    def forward_args(self, dtype):
+        p = self.lp.log_param
+        return dtype(p.scale), dtype(p.shift), dtype(1) / _log_base(self, p.base, dtype)
+
+    def backward_args(self, dtype):
+        p = self.lp.log_param
+        return dtype(p.scale), dtype(p.shift), dtype(p.scale) / _log_base(self, p.base, dtype)
+
+
+@register("Power")
+class Power(_Neuron):
+    """y = (shift + scale * x) ^ power; backward in Caffe's special cases (power_backward)."""
+    params_read = ("power_param",)
+    kernels = (K.power_forward, K.power_backward)
+    backward_reads = ("x", "y", "dy")
+
+    def forward_args(self, dtype):
+        p = self.lp.power_param
+        return dtype(p.power), dtype(p.scale), dtype(p.shift)
+
+    def backward_args(self, dtype):
+        power, scale, shift = self.forward_args(dtype)
+        if power * scale == 0 or power == 1:
+            case = K.POWER_CONSTANT
+        elif power == 2:
+            case = K.POWER_SQUARE
+        elif shift == 0:
+            case = K.POWER_NO_SHIFT
+        else:
+            case = K.POWER_GENERAL
+        return power, scale, shift, case
+
+
+class _NoGradient(_Neuron):
+    """A layer Caffe gives no backward (NOT_IMPLEMENTED): a net whose loss needs a gradient
+    through it is refused when its calls are bound, before any step, as Caffe stops at its
+    first backward."""
+
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
+        if any(d is not None for d in bottom_diff):
+            raise self.error("has no gradient (Caffe implements none), but the net needs one "
+                             "through it: keep its top away from the loss or set "
+                             "propagate_down: false on the layer after it")
+        return iter(())
+
+
+@register("Threshold")
+class Threshold(_NoGradient):
+    """y = 1 where x > threshold, else 0. No backward, as in Caffe."""
+    params_read = ("threshold_param",)
+    kernels = (K.threshold_forward, None)
+    backward_reads_top = False
+
+    def forward_args(self, dtype):
+        return (dtype(self.lp.threshold_param.threshold),)
+
+
+@register("Clip")
+class Clip(_Neuron):
+    """y = min(max(x, min), max); the gradient passes where min <= x <= max."""
+    params_read = ("clip_param",)
+    kernels = (K.clip_forward, K.clip_backward)
+    backward_reads_top = False
+
+    def setup(self, bottom_shapes):
+        p = self.lp.clip_param
+        if not (p.HasField("min") and p.HasField("max")):
+            raise self.error("clip_param needs both min and max")
+        if not p.min <= p.max:
+            raise self.error(f"clip_param.min ({p.min:g}) must not exceed max ({p.max:g})")
+        return super().setup(bottom_shapes)
+
+    def forward_args(self, dtype):
+        p = self.lp.clip_param
+        return dtype(p.min), dtype(p.max)
+
+
+@register("Swish")
+class Swish(_Neuron):
+    """y = x * sigmoid(beta * x); backward reads x and y."""
+    params_read = ("swish_param",)
+    kernels = (K.swish_forward, K.swish_backward)
+    backward_reads = ("x", "y", "dy")
+
+    def forward_args(self, dtype):
+        return (dtype(self.lp.swish_param.beta),)
+
+
+@register("PReLU")
+class PReLU(Layer):
+    """y = x where x > 0, else a * x, with a learnt slope per channel (axis 1; blob (C,)) or
+    one for all (channel_shared; blob of shape ()), filled with 0.25 unless prelu_param.filler
+    says otherwise. Each part's slope gradient adds dy * x over its elements with x <= 0."""
+    params_read = ("prelu_param",)
+    backward_reads_top = False
+
+    def setup(self, bottom_shapes):
+        shape = tuple(bottom_shapes[0])
+        if len(shape) < 2:
+            raise self.error(f"the bottom needs at least 2 axes (num, channels), got {shape}")
+        self.shape = shape
+        self.shared = bool(self.lp.prelu_param.channel_shared)
+        return [shape]
+
+    def param_shapes(self):
+        return [() if self.shared else (self.shape[1],)]
+
+    def param_fillers(self):
+        p = self.lp.prelu_param
+        if p.HasField("filler"):
+            return [p.filler]
+        return [caffe_pb2.FillerParameter(type="constant", value=0.25)]
+
+    def _rows(self, a, n):
+        return view(a, (n, self.shape[1], math.prod(self.shape[2:])))
+
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        n = chunk.n
+        yield K.prelu_forward, (self._rows(bottom[0], n), self._rows(top[0], n),
+                                view(params[0], -1), self.shared)
+
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
+        n = chunk.n
+        x, dy = self._rows(bottom[0], n), self._rows(top_diff[0], n)
+        dslopes, step = part_span(param_diff[0].reshape(param_diff[0].shape[0], -1))
+        # The slope gradient first: it reads x, never dx.
+        yield K.prelu_slope_parts, (x, dy, dslopes, step, chunk.starts, self.shared)
+        if bottom_diff[0] is not None:
+            yield K.prelu_backward, (x, dy, self._rows(bottom_diff[0], n), view(params[0], -1),
+                                     self.shared)

@@ -1,4 +1,5 @@
-"""The Convolution layer: Caffe's 2-d convolution with padding, stride, dilation and groups.
+"""The Convolution and Deconvolution layers: Caffe's 2-d convolution with padding, stride,
+dilation and groups, and its transpose.
 
 Convolution over other than two spatial axes, or along an axis other than 1, is refused.
 Each sample is convolved on its own with the same weights, so chunks need nothing from each
@@ -24,7 +25,9 @@ def spatial_values(layer, p, name, default):
     if has_h or has_w:
         if values:
             raise layer.error(f"give either {name} or {h_field}/{w_field}, not both")
-        if not (has_h and has_w):
+        # Caffe reads both fields where either is set: a lone pad_h or pad_w takes the
+        # other's default 0; the kernel and stride fields have no usable default.
+        if not (has_h and has_w) and name != "pad":
             raise layer.error(f"{h_field} and {w_field} must be given together")
         return int(getattr(p, h_field)), int(getattr(p, w_field))
     if not values:
@@ -51,14 +54,19 @@ class Convolution(Layer):
     worker. No buffer grows with the chunk: the others hold the weights repacked, one sample
     or a block of its positions ("dycl", dy transposed).
     Sizes suit both float32 and float64. Other strides run im2col: "col", the column matrix
-    of one sample (C*R*S, P*Q).
+    of one sample (C*R*S, P*Q). One input channel per group (group = channels, MobileNet's
+    depthwise layers; any stride) runs the depthwise kernels: "plane", one zero-padded
+    channel, "wide", one output channel Wp wide, "acc", the weight gradient's partial sums,
+    "offs", where each tap reads.
     """
     bottoms = (1, None)
     tops = (1, None)
     params_read = ("convolution_param",)
     backward_reads_top = False
 
-    def setup(self, bottom_shapes):
+    def _read(self, bottom_shapes):
+        """Check the bottoms and read convolution_param: sets the kernel, padding, stride,
+        dilation, K (num_output), group and bias_term, and C, H, W; returns the bottom shape."""
         if len(self.lp.top) != len(self.lp.bottom):
             raise self.error(f"needs one top per bottom, got {len(self.lp.bottom)} bottom(s) "
                              f"and {len(self.lp.top)} top(s)")
@@ -97,6 +105,13 @@ class Convolution(Layer):
                              f"multiple of group ({self.group})")
         if self.K % self.group:
             raise self.error(f"num_output ({self.K}) must be a multiple of group ({self.group})")
+        self.C, self.H, self.W = C, H, W
+        self.bias_term = bool(p.bias_term)
+        return shape
+
+    def setup(self, bottom_shapes):
+        shape = self._read(bottom_shapes)
+        H, W = self.H, self.W
         extent_h = self.dil_h * (self.R - 1) + 1
         extent_w = self.dil_w * (self.S - 1) + 1
         if extent_h > H + 2 * self.pad_h or extent_w > W + 2 * self.pad_w:
@@ -105,8 +120,6 @@ class Convolution(Layer):
                              f"of bottom shape {shape}")
         self.P = (H + 2 * self.pad_h - extent_h) // self.stride_h + 1
         self.Q = (W + 2 * self.pad_w - extent_w) // self.stride_w + 1
-        self.C, self.H, self.W = C, H, W
-        self.bias_term = bool(p.bias_term)
         return [(shape[0], self.K, self.P, self.Q)] * len(bottom_shapes)
 
     def param_shapes(self):
@@ -117,10 +130,19 @@ class Convolution(Layer):
         p = self.lp.convolution_param
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
 
+    def _depthwise(self):
+        return self.C == self.group
+
     def _direct(self):
-        return self.stride_h == 1 and self.stride_w == 1
+        return self.stride_h == 1 and self.stride_w == 1 and not self._depthwise()
 
     def scratch_shapes(self, n):
+        if self._depthwise():
+            plane, wide, acc = K.depthwise_sizes(self.H, self.W, self.R, self.S,
+                                                 self.stride_h, self.stride_w, self.pad_h,
+                                                 self.pad_w, self.dil_h, self.dil_w)
+            return {"plane": (plane,), "wide": (wide,), "acc": (acc,),
+                    "offs": ((self.R * self.S,), np.int64)}
         if self._direct():
             # Sizes depend on the SIMD width, which differs by dtype: take the larger of the
             # float32 and float64 needs.
@@ -136,6 +158,8 @@ class Convolution(Layer):
         return {"col": (self.C * self.R * self.S, self.P * self.Q)}
 
     def _geometry(self):
+        if self._depthwise():
+            return self.stride_h, self.stride_w, self.pad_h, self.pad_w, self.dil_h, self.dil_w
         if self._direct():
             return self.pad_h, self.pad_w, self.dil_h, self.dil_w, self.group
         return (self.stride_h, self.stride_w, self.pad_h, self.pad_w, self.dil_h, self.dil_w,
@@ -145,7 +169,10 @@ class Convolution(Layer):
         w = params[0]
         b = params[1] if self.bias_term else np.empty(0, w.dtype)
         for i, (x, y) in enumerate(zip(bottom, top)):
-            if self._direct():
+            if self._depthwise():
+                yield K.depthwise_forward, (x, w, b, y, scratch["plane"], scratch["wide"],
+                                            scratch["offs"], *self._geometry())
+            elif self._direct():
                 yield K.conv_forward_direct, (x, w, b, y, scratch["e"][i], scratch["wpt"],
                                               *self._geometry())
             else:
@@ -161,7 +188,11 @@ class Convolution(Layer):
             need_dx = dx is not None
             # Without dx the kernels never touch their dx argument; x stands in for the type.
             dx = dx if need_dx else x
-            if self._direct():
+            if self._depthwise():
+                yield K.depthwise_backward, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
+                                             scratch["plane"], scratch["wide"], scratch["acc"],
+                                             scratch["offs"], *self._geometry(), need_dx)
+            elif self._direct():
                 yield K.conv_backward_direct, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
                                                scratch["e"][i], scratch["dycl"], scratch["dwt"],
                                                scratch["dbacc"], scratch["eb"], scratch["wft"],
@@ -169,3 +200,49 @@ class Convolution(Layer):
             else:
                 yield K.conv_backward, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
                                         scratch["col"], *self._geometry(), need_dx)
+
+
+@register("Deconvolution")
+class Deconvolution(Convolution):
+    """Caffe's Deconvolution, the transpose of Convolution: top (N, K, P, Q) from bottom
+    (N, C, H, W) with weight (C, K/group, R, S) and bias (K,), P = stride_h*(H - 1) +
+    dilation_h*(R - 1) + 1 - 2*pad_h, likewise Q. The forward pass is a convolution's input
+    gradient, the input gradient a convolution's forward pass, as in Caffe: per sample, the
+    column matrix of the output (im2col's, cgp.kernels.conv) and one BLAS GEMM per group.
+    Scratch "col": (K*R*S, H*W)."""
+
+    def setup(self, bottom_shapes):
+        shape = self._read(bottom_shapes)
+        self.P = self.stride_h * (self.H - 1) + self.dil_h * (self.R - 1) + 1 - 2 * self.pad_h
+        self.Q = self.stride_w * (self.W - 1) + self.dil_w * (self.S - 1) + 1 - 2 * self.pad_w
+        if self.P <= 0 or self.Q <= 0:
+            raise self.error(f"the output would be {self.P}x{self.Q}: the padding is larger "
+                             f"than the upsampled input of bottom shape {shape}")
+        return [(shape[0], self.K, self.P, self.Q)] * len(bottom_shapes)
+
+    def param_shapes(self):
+        weight = (self.C, self.K // self.group, self.R, self.S)
+        return [weight, (self.K,)] if self.bias_term else [weight]
+
+    def scratch_shapes(self, n):
+        return {"col": (self.K * self.R * self.S, self.H * self.W)}
+
+    def _geometry(self):
+        return (self.stride_h, self.stride_w, self.pad_h, self.pad_w, self.dil_h, self.dil_w,
+                self.group)
+
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        w = params[0]
+        b = params[1] if self.bias_term else np.empty(0, w.dtype)
+        for x, y in zip(bottom, top):
+            yield K.deconv_forward, (x, w, b, y, scratch["col"], *self._geometry())
+
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
+        w = params[0]
+        dw, dw_step = part_span(param_diff[0])
+        db, db_step = part_span(param_diff[1]) if self.bias_term else (np.empty(0, w.dtype), 0)
+        for x, dy, dx in zip(bottom, top_diff, bottom_diff):
+            need_dx = dx is not None
+            yield K.deconv_backward, (x, w, dy, dx if need_dx else x, dw, dw_step, db, db_step,
+                                      chunk.starts, scratch["col"], *self._geometry(), need_dx)

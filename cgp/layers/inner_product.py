@@ -1,4 +1,5 @@
-"""The InnerProduct layer: Caffe's fully connected layer over the axes from `axis` on.
+"""The InnerProduct layer: Caffe's fully connected layer over the axes from `axis` on; and
+Embed, its lookup-table form (a one-hot input).
 
 Rows never mix and every row goes through the same code, so a sample's output does not depend
 on its chunk (see cgp.kernels.fc). Axis 0 is refused.
@@ -87,3 +88,58 @@ class InnerProduct(Layer):
         if self.bias_term:
             db, step = part_span(param_diff[1])
             yield K.bias_parts, (dy, db, step, starts, self.overwrite_param_diff)
+
+
+@register("Embed")
+class Embed(Layer):
+    """Caffe's Embed: each bottom element is a row index in [0, input_dim) (an integer held
+    as a float), and the top takes that row of the weight (input_dim, num_output) plus the
+    bias (num_output,): top shape is the bottom's + (num_output,). No gradient to the indices
+    (Caffe has none). It checks the indices at every call (calls_each_time): one that is no
+    row is refused by sample, where Caffe reads past its table."""
+    params_read = ("embed_param",)
+    calls_each_time = True
+    backward_reads_top = False
+
+    def setup(self, bottom_shapes):
+        p = self.lp.embed_param
+        shape = tuple(bottom_shapes[0])
+        self.K, self.V = int(p.num_output), int(p.input_dim)
+        if self.K <= 0:
+            raise self.error("num_output must be given and positive")
+        if self.V <= 0:
+            raise self.error("input_dim must be given and positive")
+        self.bias_term = bool(p.bias_term)
+        self.per_sample = int(np.prod(shape[1:]))
+        return [shape + (self.K,)]
+
+    def param_shapes(self):
+        return [(self.V, self.K)] + ([(self.K,)] if self.bias_term else [])
+
+    def param_fillers(self):
+        p = self.lp.embed_param
+        return [p.weight_filler] + ([p.bias_filler] if self.bias_term else [])
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        idx = view(bottom[0], -1)
+        w = params[0]
+        b = params[1] if self.bias_term else np.empty(0, w.dtype)
+        bad = K.embed_forward(idx, w, b, view(top[0], (idx.size, self.K)))
+        if bad >= 0:
+            raise self.error(f"index {float(idx[bad]):g} (sample "
+                             f"{chunk.first + bad // self.per_sample} of the batch, position "
+                             f"{bad % self.per_sample}) is not a row of the table: indices "
+                             f"must be integers in [0, {self.V}) (input_dim)")
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if bottom_diff[0] is not None:
+            raise self.error("cannot backpropagate to its input, the indices (Caffe cannot "
+                             "either): set propagate_down: false")
+        idx = view(bottom[0], -1)
+        dy = view(top_diff[0], (idx.size, self.K))
+        starts = chunk.starts * self.per_sample
+        dw, step = part_span(param_diff[0])
+        K.embed_backward(idx, dy, dw, step, starts)
+        if self.bias_term:
+            db, step = part_span(param_diff[1])
+            K.bias_parts(dy, db, step, starts, False)

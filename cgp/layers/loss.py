@@ -1,6 +1,6 @@
-"""Softmax, SoftmaxWithLoss and Accuracy layers, with Caffe's semantics.
+"""Softmax, SoftmaxWithLoss, InfogainLoss and Accuracy layers, with Caffe's semantics.
 
-SoftmaxWithLoss and Accuracy reduce the batch: each chunk writes its share, its own sum over
+The losses and Accuracy reduce the batch: each chunk writes its share, its own sum over
 its samples divided by the batch-wide normaliser, and the engine adds the shares. A normaliser
 that counts non-ignored labels needs the whole batch's labels, which the engine passes in
 chunk.batch_tops when the label blob comes from a data layer. Other losses live elsewhere.
@@ -13,12 +13,45 @@ from cgp.errors import shorten
 from cgp.kernels import loss as K
 from cgp.layers.base import Layer, check_axis, register, view
 from cgp.proto import caffe_pb2
+from cgp.snapshot import read_blob
 
 LossP = caffe_pb2.LossParameter
+# Caffe's kLOG_THRESHOLD: InfogainLoss clamps a probability to it before its log.
+LOG_THRESHOLD = 1e-20
+
+
+def normalization_mode(layer, p, default):
+    """Caffe's normalization mode from loss_param `p`: `normalization` where set, else the
+    old `normalize` (true: VALID, false: BATCH_SIZE), else `default`."""
+    if p.HasField("normalization"):
+        mode = p.normalization
+    elif p.HasField("normalize"):
+        mode = LossP.VALID if p.normalize else LossP.BATCH_SIZE
+    else:
+        mode = default
+    if mode not in (LossP.FULL, LossP.VALID, LossP.BATCH_SIZE, LossP.NONE):
+        raise layer.error(f"unknown normalization {mode}")
+    return mode
+
+
+def normaliser(mode, positions, outer, valid):
+    """Caffe's get_normalizer for the whole batch, as a float of at least 1: FULL, all
+    `positions`; VALID, valid() (the batch's count of positions not ignored; called only
+    then); BATCH_SIZE, `outer`; NONE, 1. Some nets give a batch no labels to turn a loss
+    off: the max() avoids 0 / 0."""
+    if mode == LossP.FULL:
+        value = positions
+    elif mode == LossP.VALID:
+        value = valid()
+    elif mode == LossP.BATCH_SIZE:
+        value = outer
+    else:
+        value = 1
+    return max(1.0, float(value))
 
 
 class _ClassAxis(Layer):
-    """Shared by the three layers: bottom 0 seen as (O, C, I) around the class axis, where
+    """Shared by the layers here: bottom 0 seen as (O, C, I) around the class axis, where
     O = samples * `per_sample` (the axes between the batch axis and the class axis)."""
 
     def _split_axis(self, shape, axis):
@@ -84,6 +117,19 @@ class _ClassAxis(Layer):
             raise self._bad_label(labels, bad, 0)
         return counts
 
+    def normaliser(self, chunk):
+        """Caffe's get_normalizer for the whole batch, as a float (losses: their
+        self.normalization)."""
+        return normaliser(self.normalization, self._positions(chunk),
+                          chunk.batch_size * self.per_sample, lambda: self._valid(chunk))
+
+    def _valid(self, chunk):
+        """The batch's positions whose label is not ignored."""
+        if not self.has_ignore:
+            return self._positions(chunk)
+        return int(self._batch_label_counts(
+            chunk, "normalization VALID with an ignore_label").sum())
+
 
 @register("Softmax")
 class Softmax(_ClassAxis):
@@ -146,12 +192,7 @@ class SoftmaxWithLoss(_ClassAxis):
         self._check_labels(bottom_shapes)
         p = self.lp.loss_param
         self._read_ignore(p)
-        if not p.HasField("normalization") and p.HasField("normalize"):
-            self.normalization = LossP.VALID if p.normalize else LossP.BATCH_SIZE
-        else:
-            self.normalization = p.normalization
-        if self.normalization not in (LossP.FULL, LossP.VALID, LossP.BATCH_SIZE, LossP.NONE):
-            raise self.error(f"unknown normalization {self.normalization}")
+        self.normalization = normalization_mode(self, p, LossP.VALID)
         # Caffe's backward reads only the loss top's diff: a weight on the probabilities
         # would change the reported loss but not the gradient.
         if len(self.lp.loss_weight) > 1 and any(w != 0 for w in self.lp.loss_weight[1:]):
@@ -162,24 +203,6 @@ class SoftmaxWithLoss(_ClassAxis):
 
     def scratch_shapes(self, n):
         return {"prob": (n,) + self.score_shape[1:], "work": (self.inner,), "scales": (n,)}
-
-    def normaliser(self, chunk):
-        """Caffe's get_normalizer for the whole batch, as a float."""
-        mode = self.normalization
-        if mode == LossP.FULL:
-            value = self._positions(chunk)
-        elif mode == LossP.VALID:
-            if self.has_ignore:
-                value = int(self._batch_label_counts(
-                    chunk, "normalization VALID with an ignore_label").sum())
-            else:
-                value = self._positions(chunk)
-        elif mode == LossP.BATCH_SIZE:
-            value = chunk.batch_size * self.per_sample
-        else:
-            value = 1
-        # Caffe: some nets give a batch no labels to turn a loss off; max() avoids 0 / 0.
-        return max(1.0, float(value))
 
     def forward(self, bottom, top, params, scratch, chunk):
         """A call of one part: the tops as setup shaped them (see forward_parts)."""
@@ -274,3 +297,116 @@ class Accuracy(_ClassAxis):
 
     def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
         """Accuracy has no gradient; the net never asks this layer for one."""
+
+
+@register("InfogainLoss")
+class InfogainLoss(_ClassAxis):
+    """Softmax along infogain_loss_param.axis (default 1), then
+    loss = -sum over the positions not ignored and over l of H[label, l] * log(max(p_l, 1e-20))
+    over Caffe's normaliser (loss_param.normalization, default VALID; the old `normalize` is
+    refused, as Caffe refuses it). H is C x C: the BlobProto file infogain_loss_param.source
+    (relative to the working directory, as in Caffe), or the third bottom, of C*C elements,
+    which must be a data layer's top: like labels that a loss counts, cgp reads it for the
+    whole batch (chunk.batch_tops), where each chunk sees only its own rows of other blobs.
+    Gradient: (p_l * sum_m H[label, m] - H[label, l]) * top diff / normaliser.
+    Tops: the loss share; optionally the probabilities, as SoftmaxWithLoss gives them.
+    Scratch: "prob", "work" and "sums" (H's row sums, for a third bottom)."""
+    batch_bottoms = (1, 2)   # the labels (for VALID with an ignore_label) and H
+    bottoms = (2, 3)
+    tops = (1, 2)
+    # Caffe's inner Softmax takes softmax_param (its engine; the axis is this layer's).
+    params_read = ("infogain_loss_param", "loss_param", "softmax_param")
+    reduces_batch = True
+    calls_each_time = True   # it checks the labels, and may count the whole batch's
+    default_loss_weight = 1.0
+
+    def setup(self, bottom_shapes):
+        scores = tuple(bottom_shapes[0])
+        p = self.lp.infogain_loss_param
+        self._split_axis(scores, p.axis)
+        self._check_labels(bottom_shapes[:2])
+        lossp = self.lp.loss_param
+        if lossp.HasField("normalize"):
+            raise self.error("loss_param.normalize is deprecated and InfogainLoss refuses it "
+                             "(as Caffe's): use normalization")
+        self._read_ignore(lossp)
+        self.normalization = normalization_mode(self, lossp, LossP.VALID)
+        if len(self.lp.loss_weight) > 1 and any(w != 0 for w in self.lp.loss_weight[1:]):
+            raise self.error("a loss_weight on the probabilities top (top 1) is not supported: "
+                             "Caffe backpropagates only the loss top")
+        C = self.classes
+        self.matrices = None
+        if len(bottom_shapes) == 3:
+            if prod(bottom_shapes[2]) != C * C:
+                raise self.error(f"the infogain matrix (bottom 2, {tuple(bottom_shapes[2])}) "
+                                 f"must hold {C}x{C} elements for the {C} classes")
+        else:
+            if not p.source:
+                raise self.error("infogain_loss_param.source must name the infogain matrix "
+                                 "file (a BlobProto), or give the matrix as a third bottom")
+            H = read_blob(p.source, f"layer '{self.name}' infogain matrix")
+            if H.size != C * C:
+                raise self.error(f"the infogain matrix {p.source} holds {H.size} elements, "
+                                 f"not {C}x{C} for the {C} classes")
+            # Per dtype: H and its row sums, as Caffe sums them in its Dtype.
+            self.matrices = {}
+            for dtype in (np.float32, np.float64):
+                h = np.ascontiguousarray(H.reshape(C, C), dtype)
+                sums = np.zeros(C, dtype)
+                K.matrix_row_sums(h, sums)
+                self.matrices[np.dtype(dtype)] = (h, sums)
+        self.score_shape = scores
+        return [()] + ([scores] if len(self.lp.top) > 1 else [])
+
+    def scratch_shapes(self, n):
+        return {"prob": (n,) + self.score_shape[1:], "work": (self.inner,),
+                "sums": (self.classes,)}
+
+    def _matrix(self, chunk, dtype, scratch):
+        """(H, its row sums) in the dtype: the file's, or the third bottom's of the batch."""
+        if self.matrices is not None:
+            return self.matrices[dtype]
+        name = self.lp.bottom[2]
+        H = chunk.batch_tops.get(name)
+        if H is None:
+            raise self.error(f"the infogain matrix, bottom '{name}', must be a data layer's "
+                             f"top: cgp reads it for the whole batch")
+        H = np.ascontiguousarray(H, dtype).reshape(self.classes, self.classes)
+        K.matrix_row_sums(H, scratch["sums"])
+        return H, scratch["sums"]
+
+    def forward(self, bottom, top, params, scratch, chunk):
+        n = chunk.n
+        x = bottom[0]
+        prob = scratch["prob"][:n]
+        K.softmax_forward(self._scores(x, n), self._scores(prob, n), scratch["work"])
+        H, _ = self._matrix(chunk, x.dtype, scratch)
+        labels = self._labels(bottom[1], n)
+        loss, _, bad = K.infogain_forward(self._scores(prob, n), labels, H, self.has_ignore,
+                                          self.ignore, x.dtype.type(LOG_THRESHOLD))
+        if bad >= 0:
+            raise self._bad_label(labels, bad, chunk.first)
+        top[0][...] = loss / self.normaliser(chunk)
+        if len(top) > 1:
+            out = top[1]
+            if out.shape[0] == n:
+                out[...] = prob
+            else:   # the batch-value buffer (see SoftmaxWithLoss): its own rows
+                out[...] = 0
+                out[chunk.first:chunk.first + n] = prob
+
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
+        if any(d is not None for d in bottom_diff[1:]):
+            raise self.error("cannot backpropagate to the labels or the infogain matrix "
+                             "(bottoms 1 and 2)")
+        if bottom_diff[0] is None:
+            return
+        n, x = chunk.n, bottom[0]
+        H, sums = self._matrix(chunk, x.dtype, scratch)
+        scale = x.dtype.type(float(top_diff[0]) / self.normaliser(chunk))
+        labels = self._labels(bottom[1], n)
+        bad = K.infogain_backward(self._scores(scratch["prob"][:n], n), labels, H, sums,
+                                  self.has_ignore, self.ignore, scale,
+                                  self._scores(bottom_diff[0], n))
+        if bad >= 0:
+            raise self._bad_label(labels, bad, chunk.first)

@@ -1,0 +1,70 @@
+"""Broadcast product and sum kernels (Caffe's Scale and Bias layers): a blob of factors or
+addends along some middle axes of the bottom, learnt or given as a second bottom.
+
+The bottom is seen as (O, D, I): O rows (the chunk's samples times the axes before the
+broadcast axes), D broadcast elements, I inner elements (the axes after them). Element d of
+row o takes the factor s[off + o*o_step + d]: o_step 0 for one blob shared by every row,
+D where each row has its own (a blob that begins at the batch axis).
+
+Dimension letters: O, D, I as above; parts as in cgp.layers.base (starts: the parts' first
+rows, then O).
+"""
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def scale_forward(x, s, off, o_step, y):
+    """x, y: (O, D, I); s: flat factors. y[o, d, i] = s[off + o*o_step + d] * x[o, d, i]."""
+    O, D, I = x.shape
+    for o in range(O):
+        for d in range(D):
+            f = s[off + o * o_step + d]
+            for i in range(I):
+                y[o, d, i] = f * x[o, d, i]
+
+
+@njit(cache=True, nogil=True)
+def bias_forward(x, b, off, o_step, y):
+    """x, y: (O, D, I), y may be x; b: flat addends. y[o, d, i] = x[o, d, i] +
+    b[off + o*o_step + d]."""
+    O, D, I = x.shape
+    for o in range(O):
+        for d in range(D):
+            a = b[off + o * o_step + d]
+            for i in range(I):
+                y[o, d, i] = x[o, d, i] + a
+
+
+@njit(cache=True, nogil=True)
+def product_sums(dy, x, out, off, o_step, starts, step, accumulate):
+    """dy, x: (O, D, I); out: flat; starts: (parts + 1,) the parts' first rows, then O.
+    For each row o of part p and each d: t = the float64 sum over i in order of
+    dy[o, d, i] * x[o, d, i], then out[p*step + off + o*o_step + d] += t (accumulate) or = t
+    (each element written once: o_step D). The factors' gradient, Caffe's sums over I then
+    over the rows."""
+    O, D, I = dy.shape
+    for p in range(starts.size - 1):
+        base = p * step + off
+        for o in range(starts[p], starts[p + 1]):
+            for d in range(D):
+                t = 0.0
+                for i in range(I):
+                    t += dy[o, d, i] * x[o, d, i]
+                k = base + o * o_step + d
+                out[k] = out[k] + t if accumulate else t
+
+
+@njit(cache=True, nogil=True)
+def row_sums(dy, out, off, o_step, starts, step, accumulate):
+    """dy: (O, D, I); out, starts as in product_sums. out[p*step + off + o*o_step + d] (+)=
+    the float64 sum over i in order of dy[o, d, i]: the addends' gradient."""
+    O, D, I = dy.shape
+    for p in range(starts.size - 1):
+        base = p * step + off
+        for o in range(starts[p], starts[p + 1]):
+            for d in range(D):
+                t = 0.0
+                for i in range(I):
+                    t += dy[o, d, i]
+                k = base + o * o_step + d
+                out[k] = out[k] + t if accumulate else t
