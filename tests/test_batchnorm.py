@@ -171,3 +171,23 @@ def test_a_net_with_batchnorm_has_one_hash_for_any_thread_count(mnist_dir):
     assert ok, rows
     assert outcomes[0].losses[0] != outcomes[0].losses[-1]
     assert 0 <= outcomes[0].accuracy["accuracy"] <= 1
+
+
+def test_resnet20_trains_with_one_hash_for_any_thread_count(cifar_dir):
+    """The bundled ResNet-20 (BatchNorm and Scale after every convolution) on generated
+    CIFAR-10 files, its batch cut to 16: one hash, every loss and the test on 1, 2 and 3
+    workers."""
+    sp = read_solver(models.solver_path("resnet20"))
+    sp.ClearField("net")
+    net = read_net(models.FOLDER / "resnet20_cifar10_train_test.prototxt")
+    for lp in net.layer:
+        if lp.type == "Data":
+            lp.data_param.batch_size = 16
+    sp.net_param.CopyFrom(net)
+    del sp.test_iter[:]
+    sp.test_iter.append(1)
+    outcomes = [train_run(sp, None, RunConfig(threads=t, data_dir=str(cifar_dir)), 2)
+                for t in (1, 2, 3)]
+    rows, ok = compare(outcomes)
+    assert ok, rows
+    assert np.isfinite(outcomes[0].losses).all()
