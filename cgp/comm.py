@@ -154,9 +154,9 @@ class Communicator(Protocol):
         """array's rows parts[i] (ranges, in process order) were written by process i: fills
         in those of the others."""
 
-    def gather_blocks(self, values, n):
-        """Per-block values (float) of this process's update_blocks(n) -> those of every
-        block, in order."""
+    def gather_values(self, values):
+        """This process's list of floats -> every process's lists, concatenated in process
+        order (per-block values of update_blocks(), which are contiguous runs of blocks)."""
 
     def collect(self, array):
         """Gives the leader every process's update_blocks() columns of a (n,) array (the
@@ -263,7 +263,7 @@ class LocalCommunicator:
     def gather(self, array, parts):
         """Nothing to gather: every row is this process's."""
 
-    def gather_blocks(self, values, n):
+    def gather_values(self, values):
         return list(values)
 
     def collect(self, array):

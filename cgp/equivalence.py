@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from google.protobuf import text_format
 from threadpoolctl import threadpool_limits
 
 from cgp.comm import LocalCommunicator
 from cgp.engine import Engine
 from cgp.errors import CgpError
+from cgp.prototxt import format_solver, solver_extras
 from cgp.runtime.pool import Pool
 from cgp.train import RunConfig, Trainer
 
@@ -58,7 +58,7 @@ def mpi_run(sp, solver_path, config, ranks, iters):
     from cgp import mpi
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
-        (folder / "solver.prototxt").write_text(text_format.MessageToString(sp))
+        (folder / "solver.prototxt").write_text(format_solver(sp))
         (folder / "spec.json").write_text(json.dumps({
             "solver_path": None if solver_path is None else str(solver_path),
             "config": asdict(config), "iters": iters}))
@@ -160,10 +160,11 @@ def run(sp, solver_path, config, threads_list, iters, log=print, workers=None, r
         + (", in " + " and in ".join(workers) if len(workers) > 1 else "") + ": "
         + ("yes" if ok else "NO"))
     plain_sgd = (sp.type == "SGD" and sp.iter_size == 1 and sp.clip_gradients < 0
-                 and sp.regularization_type == "L2" and not config.staleness)
+                 and sp.regularization_type == "L2" and not config.staleness
+                 and not solver_extras(sp).ListFields())
     if not plain_sgd:
         log("one-step float64 comparison: skipped (it covers synchronous SGD with L2, "
-            "iter_size 1, no clipping)")
+            "iter_size 1, no clipping, no large-batch rule)")
     else:
         error, loss32, loss64 = step_against_float64(sp, solver_path, replace(config, threads=1))
         passed = error <= STEP_TOLERANCE

@@ -364,11 +364,12 @@ class MPICommunicator:
         comm.Allgatherv(self.MPI.IN_PLACE, [flat, (counts * row, displs * row),
                                             _mpi_type(self.MPI, flat)])
 
-    def gather_blocks(self, values, n):
-        counts = np.array([len(b) for b in self._blocks_of(n)], np.int64)
+    def gather_values(self, values):
+        mine = np.array(values, np.float64)
+        counts = np.array(self.comm.allgather(len(mine)), np.int64)
         every = np.empty(counts.sum(), np.float64)
-        self.comm.Allgatherv(np.array(values, np.float64),
-                             [every, (counts, np.cumsum(counts) - counts), self.MPI.DOUBLE])
+        self.comm.Allgatherv(mine, [every, (counts, np.cumsum(counts) - counts),
+                                    self.MPI.DOUBLE])
         return every.tolist()
 
     def collect(self, array):

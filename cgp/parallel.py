@@ -123,10 +123,10 @@ class DataParallelStep:
                     self.pool.run(self._accumulate, len(self.blocks), k)
         if step is None and updates:
             gradient = self.slots[applied] if S else self.gradient
-            squares = (self.comm.gather_blocks(self.solver.squares(gradient, self.blocks),
-                                               len(self.params))
-                       if self.solver.needs_norm else None)
-            step = self.solver.prepare(it, squares)
+            statistics = (self.comm.gather_values(
+                self.solver.statistics(self.params, gradient, self.blocks))
+                if self.solver.needs_norm else None)
+            step = self.solver.prepare(it, statistics)
             self.pool.run(self._update, len(self.blocks), step.plain(), applied)
         bad = self.comm.max(int(self.found[1]))   # any process's column
         if bad:

@@ -6,10 +6,12 @@ is a PrototxtError whose message is "<file>:<line>:<col>: <what>".
 import math
 from pathlib import Path
 
-from google.protobuf import text_format
+from functools import lru_cache
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
 from cgp.errors import PrototxtError, shorten
-from cgp.proto import caffe_pb2
+from cgp.proto import caffe_pb2, cgp_pb2
 
 # Caffe's own spelling of each old SolverParameter.solver_type value as a `type` string.
 _SOLVER_TYPE_NAMES = {
@@ -47,9 +49,55 @@ def parse_net(text, filename="<string>"):
     return net
 
 
+@lru_cache(maxsize=None)
+def _solver_text():
+    """The message a solver prototxt is parsed into: caffe.SolverParameter's fields and
+    cgp.SolverExtras' (the forks' large-batch fields), in one descriptor (their numbers
+    never meet), so that a file may name both and a misspelt field is still refused."""
+    pool = descriptor_pool.DescriptorPool()
+    proto = descriptor_pb2.FileDescriptorProto()
+    caffe_pb2.DESCRIPTOR.CopyToProto(proto)
+    pool.Add(proto)
+    union = descriptor_pb2.FileDescriptorProto(name="cgp_solver_text.proto", package="cgp_text",
+                                               dependency=[proto.name])
+    message = union.message_type.add()
+    caffe_pb2.SolverParameter.DESCRIPTOR.CopyToProto(message)
+    message.name = "SolverText"
+    message.ClearField("nested_type")
+    message.ClearField("enum_type")
+    extras = descriptor_pb2.DescriptorProto()
+    cgp_pb2.SolverExtras.DESCRIPTOR.CopyToProto(extras)
+    message.field.extend(extras.field)
+    for field in message.field:   # the nested enums stay caffe.SolverParameter's
+        if field.type_name.startswith(".caffe.SolverParameter."):
+            continue
+        if field.type_name and not field.type_name.startswith("."):
+            field.type_name = f".caffe.{field.type_name}"
+    pool.Add(union)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("cgp_text.SolverText"))
+
+
+def solver_extras(solver):
+    """The forks' large-batch fields of a SolverParameter that parse_solver read
+    (cgp.SolverExtras; their defaults where the file has none)."""
+    return cgp_pb2.SolverExtras.FromString(solver.SerializeToString())
+
+
+def format_solver(solver):
+    """A SolverParameter's prototxt text, the forks' fields (solver_extras) included."""
+    return text_format.MessageToString(_solver_text().FromString(solver.SerializeToString()))
+
+
 def parse_solver(text, filename="<string>"):
-    """Parse a solver prototxt into a SolverParameter, upgrading the old `solver_type` as Caffe does."""
-    solver = parse_text(text, caffe_pb2.SolverParameter(), filename)
+    """Parse a solver prototxt into a SolverParameter, upgrading the old `solver_type` as
+    Caffe does. The large-batch fields of Intel's and NVIDIA's Caffe (cgp.SolverExtras) are
+    read too and kept in it as unknown fields (solver_extras gets them back)."""
+    try:
+        both = parse_text(text, _solver_text()(), filename)
+    except PrototxtError as e:
+        raise PrototxtError(str(e).replace("cgp_text.SolverText", "caffe.SolverParameter")) \
+            from None
+    solver = caffe_pb2.SolverParameter.FromString(both.SerializeToString())
     if solver.HasField("solver_type"):
         if solver.HasField("type"):
             raise PrototxtError(

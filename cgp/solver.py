@@ -12,9 +12,10 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from cgp.comm import blocks
 from cgp.errors import PrototxtError, shorten
 from cgp.runtime import update
-from cgp.prototxt import non_finite
+from cgp.prototxt import non_finite, solver_extras
 from cgp.runtime.memory import aligned_zeros
 
 # Caffe's solver registry, and the order of the deprecated SolverParameter.SolverType enum (0..5).
@@ -31,6 +32,7 @@ class Step(NamedTuple):
     clip_scale: np.float32       # clip_gradients / ||g|| when clipping triggered, else 1
     correction: np.float32       # Adam's bias correction for this iteration; 1 for other rules
     grad_norm: Optional[float]   # global L2 norm of the gradients, when clip_gradients >= 0
+    momentum_scale: np.float32 = f32(1.0)   # SGD's momentum scaled during a warm-up
 
     def plain(self):
         """The Step as a tuple of Python numbers (floats hold float32 values exactly), as it
@@ -38,13 +40,14 @@ class Step(NamedTuple):
         pickles and loads in a tenth of the time or less that a Step takes, whose pickle
         names its type and rebuilds NumPy scalars. Step.of makes the Step again."""
         return (self.it, float(self.rate), float(self.clip_scale), float(self.correction),
-                self.grad_norm)
+                self.grad_norm, float(self.momentum_scale))
 
     @classmethod
     def of(cls, plain):
         """The Step of its plain() tuple, with its float32 fields float32 again."""
-        it, rate, clip_scale, correction, grad_norm = plain
-        return cls(it, f32(rate), f32(clip_scale), f32(correction), grad_norm)
+        it, rate, clip_scale, correction, grad_norm, momentum_scale = plain
+        return cls(it, f32(rate), f32(clip_scale), f32(correction), grad_norm,
+                   f32(momentum_scale))
 
 
 def _c_pow(base, exponent):
@@ -203,8 +206,12 @@ class Solver:
     shared memory, for updates that run in worker processes (cgp.runtime.procs).
     """
 
-    def __init__(self, param, lr_mult, decay_mult, shared=False):
+    def __init__(self, param, lr_mult, decay_mult, shared=False, blobs=()):
+        """blobs: (offset, size) of each parameter blob, for the layer-wise rules (LARS,
+        LARC), whose rate is a blob's."""
         self.type = check_values(param)
+        self.extras = extras = solver_extras(param)
+        self._check_extras(extras)
         self.param = param
         self.lr_mult = np.ascontiguousarray(lr_mult, dtype=np.float32)
         self.decay_mult = np.ascontiguousarray(decay_mult, dtype=np.float32)
@@ -234,6 +241,14 @@ class Solver:
         # (it, its Step, the current_step its prepare() sets or None) made by prepare_ahead
         self._ahead = None
         self.histories = [aligned_zeros(n, np.float32, shared) for _ in range(count)]
+        # Layer-wise rates (LARS, LARC): each blob's (rate, multiplier) of the latest Step,
+        # made by prepare() in this process, read by apply() in every worker.
+        self.layerwise = extras.local_lr_auto or extras.larc
+        self.blobs = list(blobs)
+        if self.layerwise and not self.blobs:
+            raise ValueError("layer-wise rates need the blobs' (offset, size)")
+        self.local = aligned_zeros((len(self.blobs), 2), np.float32, shared)
+        self._starts = np.array([offset for offset, _ in self.blobs] + [n], np.int64)
 
     def learning_rate(self, it):
         """Caffe's GetLearningRate at iteration it, returned as a float holding a float32 value.
@@ -242,9 +257,16 @@ class Solver:
         while inv, poly and sigmoid stay in float. The rate depends on it alone; current_step
         is recorded for solverstate files.
         """
-        p = self.param
+        p, x = self.param, self.extras
         policy = p.lr_policy
         base_lr, gamma, power = f32(p.base_lr), f32(p.gamma), f32(p.power)
+        if 0 <= it < x.warmup_iter:
+            return float(self._warmup_rate(it))
+        if 0 <= it < x.rampup_interval:
+            # NVIDIA Caffe: rampup_lr + (base_lr - rampup_lr) * alpha^2, in float.
+            alpha = f32(it) / f32(x.rampup_interval)
+            start = f32(x.rampup_lr)
+            return float(start + (base_lr - start) * alpha * alpha)
         if policy == "fixed":
             rate = base_lr
         elif policy in ("step", "multistep"):
@@ -266,21 +288,70 @@ class Solver:
             raise PrototxtError(f"solver: lr_policy '{policy}' is not supported")
         return float(rate)
 
+    def _check_extras(self, x):
+        where = "solver"
+        if x.warmup_iter < 0 or x.rampup_interval < 0:
+            raise PrototxtError(f"{where}: warmup_iter and rampup_interval must be at least 0")
+        if x.warmup_iter and x.rampup_interval:
+            raise PrototxtError(f"{where}: give Intel Caffe's warmup_iter or NVIDIA Caffe's "
+                                "rampup_interval, not both")
+        if x.local_lr_auto and x.larc:
+            raise PrototxtError(f"{where}: give LARS (local_lr_auto) or LARC (larc), not both")
+        if x.larc and x.larc_policy not in ("scale", "clip"):
+            raise PrototxtError(f"{where}: larc_policy '{shorten(x.larc_policy)}' is not one "
+                                "of scale, clip")
+        if (x.local_lr_auto or x.larc) and self.type not in ("SGD", "Nesterov"):
+            raise PrototxtError(f"{where}: LARS and LARC scale SGD's and Nesterov's rates; "
+                                f"the solver is {self.type}")
+        for name in ("warmup_start_lr", "local_gw_ratio", "rampup_lr", "larc_eta"):
+            if not math.isfinite(getattr(x, name)) or getattr(x, name) < 0:
+                raise PrototxtError(f"{where}: {name} must be finite and at least 0")
+
+    def _warmup_rate(self, it):
+        """Intel Caffe's warm-up: (it * base_lr + (warmup_iter - it) * warmup_start_lr) /
+        warmup_iter, in float, with it below 0 taken as 0."""
+        x = self.extras
+        it = max(it, 0)
+        return ((f32(it) * f32(self.param.base_lr)
+                 + f32(x.warmup_iter - it) * f32(x.warmup_start_lr)) / f32(x.warmup_iter))
+
     @property
     def needs_norm(self):
-        """Whether a Step needs the gradient's norm (clip_gradients), so the gradient first."""
-        return self.param.clip_gradients >= 0
+        """Whether a Step needs norms of the gradient (clip_gradients) or of each blob's
+        gradient and weights (LARS, LARC): then the gradient first (Solver.statistics)."""
+        return self.param.clip_gradients >= 0 or self.layerwise
 
-    @staticmethod
-    def squares(grads, slices):
-        """The float64 sum of squares of grads over each slice (lo, hi), in order: what the
-        gradient norm of prepare() adds up. grads: (n,) float32."""
-        return [update.sum_of_squares(grads, lo, hi) for lo, hi in slices]
+    def statistics(self, params, grads, blocks):
+        """What prepare() adds up, for the fixed blocks (lo, hi) of the columns given, in
+        order: per block, its gradient's sum of squares, then (with LARS or LARC) for each
+        blob it holds a piece of, the weights' and the gradient's sums of squares there; all
+        float64, each in index order. Every process computes its blocks'; the list of every
+        block is the same for any split of the work."""
+        values = []
+        for lo, hi in blocks:
+            values.append(update.sum_of_squares(grads, lo, hi))
+            if self.layerwise:
+                for _, a, b in self._blob_pieces(lo, hi):
+                    values += [update.sum_of_squares(params, a, b),
+                               update.sum_of_squares(grads, a, b)]
+        return values
 
-    def prepare(self, it, squares=None):
-        """The Step for iteration it. squares: with clip_gradients >= 0, the gradient's sums of
-        squares (Solver.squares) over a fixed list of slices covering it, which the norm adds
-        in list order, so it is the same for any split of the work as long as the list is."""
+    def _blob_pieces(self, lo, hi):
+        """[(blob, a, b), ...]: the blobs' pieces of columns lo..hi, in order."""
+        first = int(np.searchsorted(self._starts, lo, side="right")) - 1
+        pieces = []
+        for blob in range(max(first, 0), len(self.blobs)):
+            a, b = max(lo, self._starts[blob]), min(hi, self._starts[blob + 1])
+            if a >= hi:
+                break
+            if b > a:
+                pieces.append((blob, int(a), int(b)))
+        return pieces
+
+    def prepare(self, it, statistics=None):
+        """The Step for iteration it. statistics: with clip_gradients, LARS or LARC, those of
+        every block of the parameters (Solver.statistics over comm.blocks, in order), which
+        the norms add in that order, so they are the same for any split of the work."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == it:
             if ahead[2] is not None:
@@ -289,6 +360,8 @@ class Solver:
         rate = f32(self.learning_rate(it))
         clip_scale, grad_norm = f32(1.0), None
         clip = f32(self.param.clip_gradients)
+        if self.needs_norm:
+            squares, blobs = self._gather(statistics)
         if clip >= 0:
             sumsq = 0.0
             for value in squares:
@@ -297,13 +370,55 @@ class Solver:
             # Caffe compares and scales in float32.
             if f32(grad_norm) > clip:
                 clip_scale = clip / f32(grad_norm)
+        if self.layerwise:
+            self._layer_rates(rate, clip_scale, blobs)
+        momentum_scale = f32(1.0)
+        if self.type == "SGD" and 0 <= it < self.extras.warmup_iter:
+            # Intel Caffe scales SGD's momentum by the rate's growth during the warm-up (1
+            # where the rate before was 0, which would divide by it).
+            before = self._warmup_rate(it - 1)
+            momentum_scale = rate / before if before > 0 else f32(1.0)
         correction = f32(1.0)
         if self.type == "Adam":
             # Caffe: sqrt(Dtype(1) - pow(beta2, t)) / (Dtype(1) - pow(beta1, t)) in double.
             t = it + 1
             beta1, beta2 = float(f32(self.param.momentum)), float(f32(self.param.momentum2))
             correction = f32(math.sqrt(1.0 - math.pow(beta2, t)) / (1.0 - math.pow(beta1, t)))
-        return Step(it, rate, clip_scale, correction, grad_norm)
+        return Step(it, rate, clip_scale, correction, grad_norm, momentum_scale)
+
+    def _gather(self, statistics):
+        """(the blocks' gradient sums of squares in order, each blob's [weights', gradient's]
+        sums of squares, added over its pieces in block order) from statistics()."""
+        squares, blobs, at = [], np.zeros((len(self.blobs), 2)), 0
+        for lo, hi in blocks(self.lr_mult.size):
+            squares.append(statistics[at])
+            at += 1
+            if self.layerwise:
+                for blob, _, _ in self._blob_pieces(lo, hi):
+                    blobs[blob] += statistics[at:at + 2]
+                    at += 2
+        return squares, blobs
+
+    def _layer_rates(self, rate, clip_scale, blobs):
+        """Each blob's (rate, multiplier) for apply(), in float as the forks compute them:
+        LARS (Intel Caffe) gw_ratio |w| / (|g| + weight_decay |w|), LARC (NVIDIA Caffe)
+        (1 - momentum) eta |w| / |g|, 1 where a norm is 0, in place of a positive lr_mult
+        (0 stays 0); LARC's clip policy takes min(rate, that) as the rate. |g| is the
+        gradient as the rule sees it: clipped and divided by iter_size. apply() keeps a zero
+        lr_mult zero."""
+        x = self.extras
+        for blob in range(len(self.blobs)):
+            w = f32(math.sqrt(blobs[blob, 0]))
+            g = f32(math.sqrt(blobs[blob, 1])) * clip_scale * self._accum
+            local = f32(1.0)
+            if w > 0 and g > 0:
+                local = (f32(x.local_gw_ratio) * w / (g + self._weight_decay * w)
+                         if x.local_lr_auto else
+                         (f32(1.0) - f32(self.param.momentum)) * f32(x.larc_eta) * w / g)
+            if x.larc and x.larc_policy == "clip":
+                self.local[blob] = (min(rate, local), f32(1.0))
+            else:
+                self.local[blob] = (rate, local)
 
     def prepare_ahead(self, it):
         """Makes the Step of iteration it before its turn, for the prepare(it) that follows
@@ -324,28 +439,42 @@ class Solver:
         taken (as Caffe leaves it in the diff). Touches nothing outside [lo, hi). Returns whether
         every updated weight is finite."""
         extra = (step.correction,) if self.type == "Adam" else ()   # changes every iteration
+        hyper = self._hyper
+        if self.type == "SGD":
+            hyper = (hyper[0] * step.momentum_scale,)   # exactly momentum unless warming up
         finite = True
-        for a, b, lr_mult, decay_mult in self._pieces(lo, hi):
+        for a, b, lr_mult, decay_mult, blob in self._pieces(lo, hi):
+            rate = step.rate
+            if self.layerwise:   # a blob's rate in place of a positive lr_mult
+                rate, local = self.local[blob]
+                lr_mult = local if lr_mult > 0 else lr_mult
             finite &= self._kernel(params, grads, *self.histories, lr_mult, decay_mult, a, b,
-                                   step.rate, step.clip_scale, self._accum, self._weight_decay,
-                                   self._l1, *self._hyper, *extra)
+                                   rate, step.clip_scale, self._accum, self._weight_decay,
+                                   self._l1, *hyper, *extra)
         return finite
 
     def _pieces(self, lo, hi):
-        """[(a, b, lr_mult, decay_mult), ...]: [lo, hi) cut where the multipliers change, each
-        piece's pair as float32 scalars (the kernels take them so). Cut once per slice."""
+        """[(a, b, lr_mult, decay_mult, blob), ...]: [lo, hi) cut where the multipliers change
+        (and, with layer-wise rates, where a blob ends), each piece's pair as float32 scalars
+        (the kernels take them so), and its blob where layer-wise. Cut once per slice."""
         key = (lo, hi)
         if key not in self._cuts:
             lr, decay = self.lr_mult[lo:hi], self.decay_mult[lo:hi]
-            changes = np.flatnonzero((lr[1:] != lr[:-1]) | (decay[1:] != decay[:-1])) + 1
-            bounds = [0, *changes.tolist(), hi - lo]
-            self._cuts[key] = [(lo + a, lo + b, lr[a], decay[a])
-                               for a, b in zip(bounds, bounds[1:]) if b > a]
+            changes = set((np.flatnonzero((lr[1:] != lr[:-1]) | (decay[1:] != decay[:-1]))
+                           + 1).tolist())
+            if self.layerwise:
+                changes |= {int(s) - lo for s in self._starts if lo < s < hi}
+            bounds = [0, *sorted(changes), hi - lo]
+            self._cuts[key] = [
+                (lo + a, lo + b, lr[a], decay[a],
+                 int(np.searchsorted(self._starts, lo + a, side="right")) - 1)
+                for a, b in zip(bounds, bounds[1:]) if b > a]
         return self._cuts[key]
 
     def update(self, params, grads, it):
         """prepare + apply over the whole array as one slice; returns the Step."""
         n = params.size
-        step = self.prepare(it, self.squares(grads, [(0, n)]))
+        step = self.prepare(it, self.statistics(params, grads, blocks(n))
+                            if self.needs_norm else None)
         self.apply(step, params, grads, 0, n)
         return step

@@ -250,7 +250,8 @@ class Trainer:
         self.pool = make_pool(config.workers, config.threads, [self.net] + self.test_nets,
                               config.affinity, config.denormals == "flush")
         # Histories in shared memory where workers write them (processes).
-        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory)
+        self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory,
+                             [(b.offset, b.size) for b in self.net.param_blobs])
         self.comm = comm = make_communicator(self.pool)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm)

@@ -256,3 +256,18 @@ def test_staleness_gives_one_hash_across_ranks(staleness, ranks, threads, mnist_
     status = run(sp, None, RunConfig(data_dir=str(mnist_dir), staleness=staleness), threads,
                  5, log=lines.append, ranks=ranks)
     assert status == 0, "\n".join(lines)
+
+
+def test_lars_and_warmup_give_one_hash_across_ranks(mnist_dir):
+    """Intel Caffe's LARS and warm-up, read from the solver as Intel's files name them: the
+    layer-wise norms add up over blocks in a fixed order, so 1 and 3 ranks x 1 and 2 workers
+    give one hash."""
+    from cgp.prototxt import parse_solver
+    path = models.solver_path("mnist")
+    sp = parse_solver(path.read_text() + "\nlocal_lr_auto: true\nlocal_gw_ratio: 0.01\n"
+                      "warmup_iter: 3\nwarmup_start_lr: 0.001\n", str(path))
+    sp.net = str(models.FOLDER / sp.net)
+    lines = []
+    status = run(sp, None, RunConfig(data_dir=str(mnist_dir)), [1, 2], 5, log=lines.append,
+                 ranks=[1, 3])
+    assert status == 0, "\n".join(lines)

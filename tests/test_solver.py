@@ -7,12 +7,12 @@ import re
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
 from numba import njit
 
+from cgp.comm import blocks
 from cgp.errors import PrototxtError
+from cgp.prototxt import parse_solver
 from cgp.runtime import update
-from cgp.proto import caffe_pb2
 from cgp.solver import Solver, multistep_count
 
 N = 37          # odd, so slices do not fall on SIMD-width boundaries
@@ -44,7 +44,7 @@ def f(x):
 
 
 def solver_param(text):
-    return text_format.Parse(text, caffe_pb2.SolverParameter())
+    return parse_solver(text)
 
 
 def rule_param(type_, extra="", lr="base_lr: 0.05 lr_policy: 'fixed'"):
@@ -144,10 +144,10 @@ def test_clip_cases_do_what_their_names_say():
     w, grads = data()
     lr_mult, decay_mult = multipliers()
     triggered = Solver(rule_param("SGD", CASES["clip_triggered"]), lr_mult, decay_mult)
-    step = triggered.prepare(0, triggered.squares(grads[0], [(0, N)]))
+    step = triggered.prepare(0, triggered.statistics(w, grads[0], [(0, N)]))
     assert step.grad_norm > 0.5 and step.clip_scale == np.float32(0.5) / np.float32(step.grad_norm)
     quiet = Solver(rule_param("SGD", CASES["clip_not_triggered"]), lr_mult, decay_mult)
-    assert quiet.prepare(0, quiet.squares(grads[0], [(0, N)])).clip_scale == 1
+    assert quiet.prepare(0, quiet.statistics(w, grads[0], [(0, N)])).clip_scale == 1
     off = Solver(rule_param("SGD"), lr_mult, decay_mult)
     assert not off.needs_norm and off.prepare(0).grad_norm is None
 
@@ -229,7 +229,7 @@ def test_slices_are_bitwise_identical_to_one_slice(type_):
     slices = [(0, 13), (13, 14), (14, N)]
     for it, g in enumerate(grads):
         g_whole, g_cut = g.copy(), g.copy()
-        step = whole.prepare(it, whole.squares(g_whole, slices))
+        step = whole.prepare(it, whole.statistics(w_whole, g_whole, blocks(N)))
         whole.apply(step, w_whole, g_whole, 0, N)
         for lo, hi in reversed(slices):         # order does not matter either
             cut.apply(step, w_cut, g_cut, lo, hi)
@@ -452,7 +452,7 @@ def test_a_step_made_ahead_is_the_step_and_keeps_current_step_until_its_turn():
                                   "lr_policy: 'fixed'"), ones, ones)
     clipped.prepare_ahead(1)
     grads = np.full(n, 2, np.float32)
-    assert clipped.prepare(1, clipped.squares(grads, [(0, n)])).clip_scale == np.float32(0.25)
+    assert clipped.prepare(1, clipped.statistics(grads, grads, blocks(n))).clip_scale == np.float32(0.25)
 
 
 def test_a_slice_is_cut_where_the_multipliers_change():
@@ -462,7 +462,98 @@ def test_a_slice_is_cut_where_the_multipliers_change():
     decay = np.array([1, 1, 0, 0, 0, 0, 1, 1], np.float32)
     solver = Solver(rule_param("SGD"), lr, decay)
     pieces = solver._pieces(1, 7)
-    assert [(a, b, float(m), float(d)) for a, b, m, d in pieces] == [
+    assert [(a, b, float(m), float(d)) for a, b, m, d, _ in pieces] == [
         (1, 2, 1, 1), (2, 3, 1, 0), (3, 5, 2, 0), (5, 6, 0, 0), (6, 7, 0, 1)]
-    assert all(type(m) is np.float32 and type(d) is np.float32 for _, _, m, d in pieces)
+    assert all(type(m) is np.float32 and type(d) is np.float32 for _, _, m, d, _ in pieces)
     assert solver._pieces(3, 3) == []
+    # With layer-wise rates the pieces end where a blob ends too, each naming its blob.
+    lars = Solver(rule_param("SGD", "local_lr_auto: true"), lr, decay, blobs=[(0, 4), (4, 4)])
+    assert [(a, b, blob) for a, b, _, _, blob in lars._pieces(1, 7)] == [
+        (1, 2, 0), (2, 3, 0), (3, 4, 0), (4, 5, 1), (5, 6, 1), (6, 7, 1)]
+
+
+# ------------------------------------------------------------------- large-batch rules (forks)
+
+def test_intel_warmup_and_nvidia_rampup_rates():
+    """Intel Caffe's warmup_iter: the rate ramps linearly from warmup_start_lr to base_lr;
+    NVIDIA Caffe's rampup_interval: quadratically from rampup_lr; after them, the policy.
+    SGD's momentum grows with the rate during Intel's warm-up."""
+    lr_mult, decay_mult = multipliers()
+    warm = Solver(rule_param("SGD", "warmup_iter: 4 warmup_start_lr: 0.01",
+                             lr="base_lr: 0.1 lr_policy: 'step' stepsize: 10 gamma: 0.5"),
+                  lr_mult, decay_mult)
+    for it in range(6):
+        want = (it * 0.1 + (4 - it) * 0.01) / 4 if it < 4 else 0.1
+        assert warm.learning_rate(it) == pytest.approx(want, rel=1e-6)
+    step = warm.prepare(2)
+    assert step.momentum_scale == pytest.approx((0.1 * 2 + 0.01 * 2) / (0.1 + 0.01 * 3), rel=1e-6)
+    assert warm.prepare(5).momentum_scale == 1
+    ramp = Solver(rule_param("SGD", "rampup_interval: 5 rampup_lr: 0.02",
+                             lr="base_lr: 0.1 lr_policy: 'fixed'"), lr_mult, decay_mult)
+    for it in range(7):
+        want = 0.02 + (0.1 - 0.02) * (it / 5) ** 2 if it < 5 else 0.1
+        assert ramp.learning_rate(it) == pytest.approx(want, rel=1e-6)
+
+
+BLOBS = [(0, 10), (10, 7), (17, N - 17)]
+
+
+def layerwise_reference(w, g, lr_mult, rate, wd, rule, ratio, momentum=0.0):
+    """float64: each blob's local rate (LARS: ratio |w| / (|g| + wd |w|), LARC: (1 -
+    momentum) ratio |w| / |g|, without weight decay), in place of a positive lr_mult, then
+    w -= rate * local * (g + wd w), from zero history."""
+    w, g = w.astype(np.float64), g.astype(np.float64)
+    out = w.copy()
+    for offset, size in BLOBS:
+        s = slice(offset, offset + size)
+        wn, gn = np.linalg.norm(w[s]), np.linalg.norm(g[s])
+        local = (ratio * wn / (gn + wd * wn) if rule == "lars"
+                 else (1 - momentum) * ratio * wn / gn)
+        mult = np.where(lr_mult[s] > 0, local, 0.0)
+        out[s] = w[s] - rate * mult * (g[s] + wd * w[s])
+    return out
+
+
+@pytest.mark.parametrize("rule", ["lars", "larc"])
+def test_layerwise_rates_against_a_float64_reference(rule):
+    """One SGD step with LARS (Intel Caffe's local_lr_auto) or LARC (NVIDIA Caffe's larc,
+    scale policy) against the float64 arithmetic; a frozen piece (lr_mult 0) stays frozen."""
+    lr_mult, decay_mult = multipliers()
+    decay_mult[:] = 1
+    text = ("local_lr_auto: true local_gw_ratio: 0.02" if rule == "lars"
+            else "larc: true larc_eta: 0.02")
+    solver = Solver(rule_param("SGD", f"weight_decay: 0.01 {text}"), lr_mult, decay_mult,
+                    blobs=BLOBS)
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(N).astype(np.float32)
+    g = (rng.standard_normal(N) * 0.1).astype(np.float32)
+    momentum = float(np.float32(solver.param.momentum))
+    want = layerwise_reference(w, g, lr_mult, 0.05, 0.01, rule, 0.02, momentum)
+    params, grads = w.copy(), g.copy()
+    step = solver.prepare(0, solver.statistics(params, grads, blocks(N)))
+    solver.apply(step, params, grads, 0, N)
+    np.testing.assert_allclose(params, want, rtol=2e-6, atol=1e-7)
+    assert np.array_equal(params[lr_mult == 0], w[lr_mult == 0])
+
+
+def test_larc_clip_caps_the_global_rate():
+    lr_mult, decay_mult = multipliers()
+    solver = Solver(rule_param("SGD", "larc: true larc_eta: 1000 larc_policy: 'clip'"),
+                    lr_mult, decay_mult, blobs=BLOBS)
+    rng = np.random.default_rng(4)
+    w, g = rng.standard_normal(N).astype(np.float32), rng.standard_normal(N).astype(np.float32)
+    solver.prepare(0, solver.statistics(w, g, blocks(N)))
+    for blob, (offset, _) in enumerate(BLOBS):   # the eta is huge: the cap is the rate
+        assert tuple(solver.local[blob]) == (np.float32(0.05), 1.0)
+
+
+def test_large_batch_fields_are_checked():
+    lr_mult, decay_mult = multipliers()
+    for extra, message in [("warmup_iter: 3 rampup_interval: 3", "not both"),
+                           ("local_lr_auto: true larc: true", "LARS .* or LARC"),
+                           ("larc: true larc_policy: 'cap'", "larc_policy 'cap'"),
+                           ("local_gw_ratio: -1", "local_gw_ratio must be")]:
+        with pytest.raises(PrototxtError, match=message):
+            Solver(rule_param("SGD", extra), lr_mult, decay_mult, blobs=BLOBS)
+    with pytest.raises(PrototxtError, match="LARS and LARC scale SGD"):
+        Solver(rule_param("Adam", "local_lr_auto: true"), lr_mult, decay_mult, blobs=BLOBS)

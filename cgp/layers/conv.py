@@ -54,8 +54,8 @@ class Convolution(Layer):
     worker. No buffer grows with the chunk: the others hold the weights repacked, one sample
     or a block of its positions ("dycl", dy transposed).
     Sizes suit both float32 and float64. Other strides run im2col: "col", the column matrix
-    of one sample (C*R*S, P*Q). One input channel per group (group = channels, MobileNet's
-    depthwise layers; any stride) runs the depthwise kernels: "plane", one zero-padded
+    of one sample (C*R*S, P*Q). One input channel per group of several (group = channels > 1,
+    MobileNet's depthwise layers; any stride) runs the depthwise kernels: "plane", one zero-padded
     channel, "wide", one output channel Wp wide, "acc", the weight gradient's partial sums,
     "offs", where each tap reads.
     """
@@ -131,7 +131,8 @@ class Convolution(Layer):
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
 
     def _depthwise(self):
-        return self.C == self.group
+        # group > 1: a single channel in one group (LeNet's conv1) keeps the dense path.
+        return self.C == self.group > 1
 
     def _direct(self):
         return self.stride_h == 1 and self.stride_w == 1 and not self._depthwise()
