@@ -139,8 +139,8 @@ def upgrade_input(net, where):
         shapes = [dims[4 * i:4 * i + 4] for i in range(len(names))]
     else:
         # Caffe strips a bare `input:` (a legacy .caffemodel's); a net file needs the shapes.
-        raise PrototxtError(f"{where}: input '{shorten(names[0])}' has no input_shape or input_dim; "
-                            "give its shape (or declare an Input layer)")
+        raise PrototxtError(f"{where}: input '{shorten(names[0])}' has no input_shape or "
+                            "input_dim; give its shape (or declare an Input layer)")
     layer = caffe_pb2.LayerParameter(name="input", type="Input", top=names)
     for dims in shapes:
         layer.input_param.shape.add().dim.extend(dims)
