@@ -17,7 +17,8 @@ import numpy as np
 from cgp import images as imagelib
 from cgp.datasets import store
 from cgp.errors import CgpError, DataError
-from cgp.lmdb_data import open_database, require_lmdb
+from cgp.databases import open_database
+from cgp.lmdb_data import require_lmdb
 from cgp.proto import caffe_pb2
 from cgp.snapshot import atomic_write, writable_folder
 

@@ -20,7 +20,8 @@ from cgp.fillers import SUPPORTED as FILLERS
 from cgp.fillers import fill
 from cgp.kernels import data as K
 from cgp.layers.base import Layer, register
-from cgp.lmdb_data import ArrayRecords, open_database
+from cgp.databases import open_database
+from cgp.lmdb_data import ArrayRecords
 from cgp.proto import caffe_pb2
 from cgp.snapshot import read_blob
 
