@@ -225,25 +225,79 @@ def cmd_test(args, log=print):
 
 
 def add_convert(sub):
-    p = sub.add_parser("convert", help="write a data set as a Caffe LMDB, like Caffe's "
-                       "convert_mnist_data / convert_cifar_data")
-    p.add_argument("dataset", choices=("mnist", "cifar10"))
-    p.add_argument("--to", required=True, choices=("lmdb",), help="output format")
-    p.add_argument("out", help="the LMDB folder to create (it must not exist)")
-    p.add_argument("--split", default="train", choices=("train", "test"))
-    p.add_argument("--data-dir", default=None, help="folder holding the data set")
-    p.add_argument("--no-download", action="store_true", help="never download a missing data set")
-    p.add_argument("--limit", type=int, default=None, help="write only the first N records")
-    p.add_argument("--mean", default=None, metavar="FILE",
-                   help="also write the records' mean image as a .binaryproto, like Caffe's "
-                        "compute_image_mean")
-    p.set_defaults(run=cmd_convert)
+    p = sub.add_parser("convert", help="write a data set or a list of images as a Caffe "
+                       "database, like Caffe's convert_mnist_data / convert_cifar_data / "
+                       "convert_imageset")
+    kinds = p.add_subparsers(dest="dataset", required=True, metavar="{mnist,cifar10,imageset}")
+    for name in ("mnist", "cifar10"):
+        q = kinds.add_parser(name, help=f"{name} as an LMDB, like Caffe's "
+                             f"convert_{'mnist' if name == 'mnist' else 'cifar'}_data")
+        q.add_argument("--to", required=True, choices=("lmdb",), help="output format")
+        q.add_argument("out", help="the LMDB folder to create (it must not exist)")
+        q.add_argument("--split", default="train", choices=("train", "test"))
+        q.add_argument("--data-dir", default=None, help="folder holding the data set")
+        q.add_argument("--no-download", action="store_true",
+                       help="never download a missing data set")
+        q.add_argument("--limit", type=int, default=None, help="write only the first N records")
+        q.add_argument("--mean", default=None, metavar="FILE",
+                       help="also write the records' mean image as a .binaryproto, like "
+                            "Caffe's compute_image_mean")
+        q.set_defaults(run=cmd_convert)
+    q = kinds.add_parser("imageset", help="the images of a list file ('path label' lines) as "
+                         "an LMDB or LevelDB of Datum records, like Caffe's convert_imageset",
+                         description="cgp convert imageset [options] ROOTFOLDER/ LISTFILE DB: "
+                                     "Caffe's convert_imageset; its flags are also taken with "
+                                     "underscores (--resize_height ...)")
+    q.add_argument("root", help="prepended to each path of the list as it is (end it with /)")
+    q.add_argument("listfile", help="a text file of lines 'path label'")
+    q.add_argument("out", help="the database folder to create (it must not exist)")
+    for flag, what in (("resize-height", "height"), ("resize-width", "width")):
+        q.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", type=int, default=0,
+                       help=f"resize each image to this {what} (OpenCV's INTER_LINEAR), with "
+                            "the other one")
+    q.add_argument("--gray", action="store_true", help="read the images as grayscale")
+    q.add_argument("--shuffle", action="store_true", help="shuffle the lines (seeded: --seed)")
+    q.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default 0)")
+    q.add_argument("--encoded", action="store_true",
+                   help="store the images encoded (the files' bytes where they need no change)")
+    q.add_argument("--encode-type", "--encode_type", default="",
+                   help="encode as this format (jpg, png, ...; default: each file's own)")
+    q.add_argument("--backend", default="lmdb", choices=("lmdb", "leveldb"))
+    q.add_argument("--check-size", "--check_size", action="store_true",
+                   help="refuse images of different sizes")
+    q.set_defaults(run=cmd_convert_imageset)
 
 
 def cmd_convert(args, log=print):
     from cgp.convert import convert
     convert(args.dataset, args.out, split=args.split, data_dir=args.data_dir,
             download=not args.no_download, limit=args.limit, mean=args.mean, log=log)
+    return 0
+
+
+def cmd_convert_imageset(args, log=print):
+    from cgp.convert import convert_imageset
+    convert_imageset(args.root, args.listfile, args.out, args.resize_height, args.resize_width,
+                     gray=args.gray, shuffle=args.shuffle, encoded=args.encoded,
+                     encode_type=args.encode_type, backend=args.backend,
+                     check_size=args.check_size, seed=args.seed, log=log)
+    return 0
+
+
+def add_compute_mean(sub):
+    p = sub.add_parser("compute-mean", help="the mean image of a database as a .binaryproto, "
+                       "like Caffe's compute_image_mean")
+    p.add_argument("db", help="an LMDB or LevelDB folder of Datum records (raw or encoded)")
+    p.add_argument("out", nargs="?", default=None,
+                   help="the .binaryproto to write (default: only print the channel means)")
+    p.add_argument("--backend", default=None, choices=("lmdb", "leveldb"),
+                   help="what the database is (default: as its files say)")
+    p.set_defaults(run=cmd_compute_mean)
+
+
+def cmd_compute_mean(args, log=print):
+    from cgp.convert import compute_mean
+    compute_mean(args.db, args.out, backend=args.backend, log=log)
     return 0
 
 
@@ -282,6 +336,7 @@ def build_parser():
     add_time(sub)
     add_test(sub)
     add_convert(sub)
+    add_compute_mean(sub)
     add_plot(sub)
     add_export(sub)
     return parser

@@ -22,9 +22,12 @@ def _fan(shape, variance_norm, fp):
     return fan_in
 
 
-def fill(array, fp, rng, where="?"):
-    """Fill `array` in place according to the FillerParameter `fp`."""
+def fill(array, fp, rng, where="?", shape=None):
+    """Fill `array` in place according to the FillerParameter `fp`. shape: the whole blob's
+    shape where `array` is a part of it (a sample of DummyData's top), for the fans of
+    xavier and msra; array's own by default."""
     kind = fp.type
+    shape = array.shape if shape is None else shape
     if kind == "constant":
         array[...] = fp.value
     elif kind == "uniform":
@@ -43,10 +46,10 @@ def fill(array, fp, rng, where="?"):
             keep = min(1.0, fp.sparse / (array.size / array.shape[0]))
             array *= rng.random(array.shape) < keep
     elif kind == "xavier":
-        scale = np.sqrt(3.0 / _fan(array.shape, fp.variance_norm, fp))
+        scale = np.sqrt(3.0 / _fan(shape, fp.variance_norm, fp))
         array[...] = rng.uniform(-scale, scale, array.shape)
     elif kind == "msra":
-        std = np.sqrt(2.0 / _fan(array.shape, fp.variance_norm, fp))
+        std = np.sqrt(2.0 / _fan(shape, fp.variance_norm, fp))
         array[...] = rng.normal(0.0, std, array.shape)
     elif kind == "positive_unitball":
         values = rng.random(array.shape).reshape(array.shape[0], -1)

@@ -1,12 +1,16 @@
-"""Record sets for the Data layer: Caffe LMDB databases of Datum records, and the bundled
-data sets held in memory, behind one small interface (len, shape, read(start, count)).
+"""Record sets for the Data layer: Caffe databases of Datum records (LMDB here; LevelDB in
+cgp/leveldb_data.py, through the same reader) and the bundled data sets held in memory,
+behind one small interface (len, shape, read(start, count), where(position), close).
 
 read(start, count) returns the records start, start+1, ... in key order, wrapping around
 at the end as Caffe's reader does, so which records a batch holds is a function of its
-start alone. Small databases are decoded once into memory; bigger ones are read batch by
-batch by one reader thread that fetches the next batch while the current one trains. It
-reads records only: transformations are the Data layer's, writing databases convert.py's.
-The `lmdb` package is an optional dependency, imported only when a database is opened.
+start alone. A Datum holds raw pixels (or float_data), or an encoded image (JPEG, PNG, as
+convert_imageset --encoded writes) that is decoded only when its record is read (cgp.images),
+so a process decodes only the records it reads. Small databases are read once into memory
+(raw records decoded, encoded ones kept as bytes); bigger ones are read batch by batch by one
+reader thread that fetches the next batch while the current one trains. It reads records
+only: transformations are the Data layer's, writing databases convert.py's. The `lmdb`
+package is an optional dependency, imported only when a database is opened.
 """
 import collections
 import os
@@ -22,11 +26,13 @@ import numpy as np
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
+from cgp import images
 from cgp.errors import DataError, shorten
 from cgp.proto import caffe_pb2
 
-# Databases whose records take at most this many bytes as float32 are decoded into memory
-# once; bigger ones are streamed. Tests lower it to exercise the streaming reader.
+# Databases whose records take at most this many bytes (raw records as float32, encoded
+# ones as stored) are read into memory once; bigger ones are streamed. Tests lower it to
+# exercise the streaming reader.
 CACHE_BYTES = 1 << 30
 # One key is kept every ANCHOR_STRIDE records, so that a read can seek to any position
 # without a list of every key of a big database.
@@ -75,9 +81,8 @@ class ArrayRecords:
         pass
 
 
-def decode_datum(value, where):
-    """One serialized caffe.Datum -> (record (C, H, W) uint8 or float32, label). Float
-    records holding NaN or infinities are refused: they would only show as a NaN loss."""
+def parse_datum(value, where):
+    """One serialized caffe.Datum, checked to be one."""
     datum = caffe_pb2.Datum()
     try:
         datum.ParseFromString(bytes(value))
@@ -85,10 +90,18 @@ def decode_datum(value, where):
         raise DataError(f"{where} is not a caffe Datum ({shorten(e)})") from None
     if len(unknown_fields.UnknownFieldSet(datum)):
         raise DataError(f"{where} is not a caffe Datum (it holds fields that Datum does not have)")
+    return datum
+
+
+def decode_datum(value, where, color=None):
+    """One serialized caffe.Datum -> (record (C, H, W) uint8 or float32, label). An encoded
+    one is decoded as Caffe's DataTransformer does: color True / False forces 3 channels or
+    1 (force_color, force_gray), None keeps the image's own (BGR for color). Float records
+    holding NaN or infinities are refused: they would only show as a NaN loss."""
+    datum = parse_datum(value, where)
     if datum.encoded:
-        raise DataError(f"{where} is an encoded image (JPEG/PNG bytes); cgp reads raw Datum "
-                        "records only: convert the images without --encoded "
-                        "(Caffe's convert_imageset --encoded=false)")
+        image = images.decode(datum.data, color, where)
+        return np.ascontiguousarray(image.transpose(2, 0, 1)), datum.label
     c, h, w = datum.channels, datum.height, datum.width
     if min(c, h, w) <= 0:
         raise DataError(f"{where} is not a caffe Datum (channels x height x width is "
@@ -108,15 +121,12 @@ def decode_datum(value, where):
     return record, datum.label
 
 
+# -- LMDB ---------------------------------------------------------------------------------
+
 # One lmdb.Environment per database folder, shared by every reader in the process: LMDB
 # forbids opening one database twice in a process.
 _ENVS = {}
 _ENVS_LOCK = threading.RLock()
-# Readers dropped without close(): their finalizer runs from the garbage collector, on
-# whichever thread happens to allocate, possibly while it holds a lock that shutting down
-# needs (ours, the thread pool's, lmdb's): it only queues the shutdown, and the next reader
-# opened, read or closed runs the queue.
-_ORPHANS = collections.deque()
 
 
 def _open_env(path):
@@ -257,6 +267,42 @@ def _lmdb_errors():
     return (lmdb.Error,)
 
 
+class LmdbStore:
+    """How the reader reaches an LMDB: open and release its environment (shared in the
+    process, checked: _open_env), begin a read transaction whose cursor has lmdb's set_key,
+    item, key, next and iternext, check that what it hands over lies inside data.mdb, and
+    which errors of the binding a damaged database raises."""
+    kind = "LMDB"
+
+    def open(self, path):
+        return _open_env(path)
+
+    def release(self, path):
+        _release_env(path)
+
+    def begin(self, env):
+        """(cursor, end): a cursor of a new read transaction, and the call that ends it."""
+        txn = env.begin(buffers=True)
+        return txn.cursor(), txn.abort
+
+    def checker(self, path):
+        """check(buffer, where): refuses a key or value outside the file (_check_inside)."""
+        extent = _extent(path)
+        return lambda buffer, where: _check_inside(buffer, extent, where)
+
+    def errors(self):
+        return _lmdb_errors()
+
+
+# -- the reader, for any store ---------------------------------------------------------------
+
+# Readers dropped without close(): their finalizer runs from the garbage collector, on
+# whichever thread happens to allocate, possibly while it holds a lock that shutting down
+# needs (ours, the thread pool's, the database's): it only queues the shutdown, and the next
+# reader opened, read or closed runs the queue.
+_ORPHANS = collections.deque()
+
+
 class _FloatRecords(Exception):
     """A float_data record among raw ones: decode into float32 instead of uint8."""
 
@@ -264,36 +310,37 @@ class _FloatRecords(Exception):
 class _Cursor:
     """A read transaction and cursor positioned by record index. Used by one thread only."""
 
-    def __init__(self, env, path, anchors, count):
-        self.env, self.path, self.anchors, self.count = env, path, anchors, count
-        self.extent = _extent(path)
-        self.txn = None
+    def __init__(self, store, handle, path, anchors, count):
+        self.store, self.handle, self.path = store, handle, path
+        self.anchors, self.count = anchors, count
+        self.check = store.checker(path)
         self.cursor = None
+        self._end = None
         self.position = None     # the record index the cursor points at, None if unknown
 
     def seek(self, index):
-        if self.txn is None:
-            self.txn = self.env.begin(buffers=True)
-            self.cursor = self.txn.cursor()
+        if self.cursor is None:
+            self.cursor, self._end = self.store.begin(self.handle)
         if self.position == index:
             return
         anchor, skip = divmod(index, ANCHOR_STRIDE)
         if not self.cursor.set_key(self.anchors[anchor]):
-            raise DataError(f"LMDB {shorten(self.path)}: the database changed while being "
-                            f"read (key {_key_text(self.anchors[anchor])} is gone)")
+            raise DataError(f"{self.store.kind} {shorten(self.path)}: the database changed "
+                            f"while being read (key {_key_text(self.anchors[anchor])} is gone)")
         for _ in range(skip):
             self.cursor.next()
         self.position = index
 
-    def read(self, start, count, shape, dtype):
-        """Decode records start.. (wrapping): images (count, *shape) dtype, labels (count,).
-        The binding's errors (a damaged page) become a DataError naming the database."""
+    def values(self, start, count):
+        """[(where, value bytes), ...] of records start.. (wrapping). The store's errors (a
+        damaged page) become a DataError naming the database."""
         try:
-            return self._read(start, count, shape, dtype)
-        except _lmdb_errors() as e:
+            return self._values(start, count)
+        except self.store.errors() as e:
             self.position = None
-            raise DataError(f"LMDB {shorten(self.path)}: cannot read records from {start} on: "
-                            f"{shorten(e)} (a damaged database: copy it again)") from None
+            raise DataError(f"{self.store.kind} {shorten(self.path)}: cannot read records from "
+                            f"{start} on: {shorten(e)} (a damaged database: copy it "
+                            "again)") from None
 
     def key(self, index):
         """The key of record `index`, for a message."""
@@ -301,107 +348,165 @@ class _Cursor:
         self.position = None
         return _key_text(self.cursor.key())
 
-    def _read(self, start, count, shape, dtype):
-        images = np.empty((count,) + shape, dtype)
-        labels = np.empty(count, np.float32)
-        done, index = 0, start % self.count
-        while done < count:
-            run = min(count - done, self.count - index)
+    def _values(self, start, count):
+        out = []
+        index = start % self.count
+        while len(out) < count:
+            run = min(count - len(out), self.count - index)
             self.seek(index)
             self.position = None     # unknown until the run is read (an error may stop it)
             for j in range(run):
                 key, value = self.cursor.item()
-                where = f"LMDB {shorten(self.path)}: record {index + j} (key {_key_text(key)})"
-                _check_inside(value, self.extent, where)
-                record, label = decode_datum(value, where)
-                if record.shape != shape:
-                    raise DataError(f"{where} has shape {record.shape}, the first record "
-                                    f"{shape}; cgp needs records of one shape")
-                if record.dtype != dtype and dtype == np.uint8:
-                    raise _FloatRecords
-                images[done + j] = record
-                labels[done + j] = label
+                where = (f"{self.store.kind} {shorten(self.path)}: record {index + j} "
+                         f"(key {_key_text(key)})")
+                self.check(value, where)
+                out.append((where, bytes(value)))
                 self.cursor.next()
-            done += run
             index = (index + run) % self.count
             self.position = index if index else None   # past the end: seek to the start
-        return images, labels
+        return out
 
     def close(self):
-        if self.txn is not None:
-            self.txn.abort()
-            self.txn = self.cursor = None
+        if self.cursor is not None:
+            self._end()
+            self.cursor = self._end = None
 
 
-class LmdbRecords:
-    """The Datum records of one Caffe LMDB database, in key order."""
+class _Decoder:
+    """Decodes a database's records: what the reader thread needs of its DatabaseRecords,
+    without holding on to it (a reader dropped unclosed must be collectable)."""
 
-    def __init__(self, path, cache_bytes=None):
+    def __init__(self, color, encoded, shape=None):
+        self.color, self.encoded, self.shape = color, encoded, shape
+        self.decoded = 0      # encoded images decoded so far
+
+    def decode(self, where, value):
+        record, label = decode_datum(value, where, self.color)
+        if self.encoded:
+            self.decoded += 1
+        return record, label
+
+    def assemble(self, values, dtype):
+        """Decode [(where, value), ...] -> (images, labels): images (n, C, H, W) of dtype,
+        or for encoded records of several shapes a list of (C, H, W) uint8 arrays."""
+        records, labels = [], np.empty(len(values), np.float32)
+        for j, (where, value) in enumerate(values):
+            record, labels[j] = self.decode(where, value)
+            if record.shape != self.shape and not self.encoded:
+                raise DataError(f"{where} has shape {record.shape}, the first record "
+                                f"{self.shape}; cgp needs records of one shape")
+            if record.dtype != dtype and dtype == np.uint8:
+                if self.encoded:
+                    raise DataError(f"{where} holds float_data among encoded images; cgp "
+                                    "needs a database of one kind of record")
+                raise _FloatRecords
+            records.append(record)
+        if any(r.shape != records[0].shape for r in records):
+            return records, labels
+        batch = np.empty((len(records),) + records[0].shape, dtype)
+        for j, record in enumerate(records):
+            batch[j] = record
+        return batch, labels
+
+
+def _read(cursor, decoder, start, count):
+    """On the reader thread: records start.. decoded (raw ones as float32: a float_data
+    record may come)."""
+    return decoder.assemble(cursor.values(start, count),
+                            np.uint8 if decoder.encoded else np.float32)
+
+
+class DatabaseRecords:
+    """The Datum records of one Caffe database, in key order. color: how encoded images
+    decode (see decode_datum)."""
+    store = LmdbStore()
+
+    def __init__(self, path, cache_bytes=None, color=None):
         _shut_down_orphans()
         self.path = Path(path)
+        self.name = f"{self.store.kind} {shorten(self.path)}"
         cache_bytes = CACHE_BYTES if cache_bytes is None else cache_bytes
-        env = _open_env(self.path)
+        handle = self.store.open(self.path)
         try:
             try:
-                anchors, count, first = self._index(env)
-            except _lmdb_errors() as e:
-                raise DataError(f"LMDB {shorten(self.path)}: cannot read: {shorten(e)} (a "
-                                "damaged database: copy it again)") from None
+                anchors, count, first = self._index(handle)
+            except self.store.errors() as e:
+                raise DataError(f"{self.name}: cannot read: {shorten(e)} (a damaged database: "
+                                "copy it again)") from None
             self.count = count
             self._anchors = anchors
-            record, _ = decode_datum(first, f"LMDB {shorten(self.path)}: record 0 (key "
-                                            f"{_key_text(anchors[0])})")
-            self.shape = record.shape
-            cursor = _Cursor(env, self.path, anchors, count)
-            if count * record.size * 4 <= cache_bytes:
-                self._memory = self._decode_all(cursor, record.dtype)
-                _release_env(self.path)
+            where = f"{self.name}: record 0 (key {_key_text(anchors[0])})"
+            self._decoder = _Decoder(color, parse_datum(first, where).encoded)
+            record, _ = self._decoder.decode(where, first)
+            self.shape = self._decoder.shape = record.shape
+            cursor = _Cursor(self.store, handle, self.path, anchors, count)
+            # Encoded records are kept as bytes: about the first one's size each.
+            size = count * (len(first) if self.encoded else record.size * 4)
+            if size <= cache_bytes:
+                self._memory = self._read_all(cursor, record.dtype)
+                self.store.release(self.path)
                 self._reader = None
                 return
         except BaseException:
-            _release_env(self.path)
+            self.store.release(self.path)
             raise
         self._memory = None
         # The one thread that reads the database: it owns the transaction and decodes the
         # next batch while the current one trains.
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="cgp-lmdb")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"cgp-{self.store.kind}")
         self._cursor = cursor
         self._pending = None     # (start, count, future) of the batch read ahead
+        self._last = None        # the start of the last read, to guess the next one
         self._finalizer = weakref.finalize(self, _ORPHANS.append,
-                                           (self._reader, cursor, self.path))
+                                           (self._reader, cursor, self.store, self.path))
         self._finalizer.atexit = False
 
-    def _index(self, env):
+    def _index(self, handle):
         """(every ANCHOR_STRIDE-th key, record count, the first value): one pass over the
         records, which checks that each key and value lies inside the file (not reading
         them)."""
         anchors, count, first = [], 0, None
-        extent = _extent(self.path)
-        with env.begin(buffers=True) as txn:
-            cursor = txn.cursor()
+        check = self.store.checker(self.path)
+        cursor, end = self.store.begin(handle)
+        try:
             for key, value in cursor.iternext(keys=True, values=True):
-                where = f"LMDB {shorten(self.path)}: record {count}"
-                _check_inside(key, extent, f"{where}'s key")
-                _check_inside(value, extent, where)
+                where = f"{self.name}: record {count}"
+                check(key, f"{where}'s key")
+                check(value, where)
                 if count % ANCHOR_STRIDE == 0:
                     anchors.append(bytes(key))
                 if count == 0:
                     first = bytes(value)
                 count += 1
-            if count == 0:
-                raise DataError(f"LMDB {shorten(self.path)}: the database holds no records")
+        finally:
+            end()
+        if count == 0:
+            raise DataError(f"{self.name}: the database holds no records")
         return anchors, count, first
 
-    def _decode_all(self, cursor, dtype):
-        """Every record, decoded once: uint8 images if every record is raw bytes."""
+    @property
+    def encoded(self):
+        return self._decoder.encoded
+
+    @property
+    def decoded(self):
+        """How many encoded images this reader has decoded (the first one at opening)."""
+        return self._decoder.decoded
+
+    def _read_all(self, cursor, dtype):
+        """Every record into memory: raw ones decoded (uint8 images if every record is raw
+        bytes), encoded ones as their bytes, decoded when read."""
         try:
-            try:
-                images, labels = cursor.read(0, self.count, self.shape, dtype)
-            except _FloatRecords:
-                images, labels = cursor.read(0, self.count, self.shape, np.float32)
+            values = cursor.values(0, self.count)
         finally:
             cursor.close()
-        return ArrayRecords(images, labels, name=f"LMDB {shorten(self.path)}")
+        if self.encoded:
+            return values
+        try:
+            images, labels = self._decoder.assemble(values, dtype)
+        except _FloatRecords:
+            images, labels = self._decoder.assemble(values, np.float32)
+        return ArrayRecords(images, labels, name=self.name)
 
     def __len__(self):
         return self.count
@@ -409,30 +514,39 @@ class LmdbRecords:
     def where(self, position):
         """Which record a position (wrapping) is, with its key, for a message."""
         index = position % self.count
-        where = f"LMDB {shorten(self.path)}: record {index}"
+        where = f"{self.name}: record {index}"
         try:
-            env = _open_env(self.path)
+            handle = self.store.open(self.path)
         except DataError:
             return where
-        cursor = _Cursor(env, self.path, self._anchors, self.count)
+        cursor = _Cursor(self.store, handle, self.path, self._anchors, self.count)
         try:
             return f"{where} (key {cursor.key(index)})"
-        except (DataError, *_lmdb_errors()):
+        except (DataError, *self.store.errors()):
             return where
         finally:
             cursor.close()
-            _release_env(self.path)
+            self.store.release(self.path)
 
     @property
     def cached(self):
         return self._memory is not None
 
     def read(self, start, count):
-        """Records start, start+1, ... (wrapping): images (count, C, H, W), labels (count,)."""
-        if self._memory is not None:
+        """Records start, start+1, ... (wrapping): images (count, C, H, W) (a list of
+        (C, H, W) arrays where encoded images differ in shape), labels (count,)."""
+        if isinstance(self._memory, ArrayRecords):
             return self._memory.read(start, count)
+        if self._memory is not None:
+            first = start % self.count
+            index = (first + np.arange(count)) % self.count
+            return self._decoder.assemble([self._memory[i] for i in index], np.uint8)
         if _ORPHANS:
             _shut_down_orphans()
+        # The next read is guessed to start as far from this one as this one from the last:
+        # the batch size, or under MPI, where a process reads its samples of each batch.
+        step = start - self._last if self._last is not None and start > self._last else count
+        self._last = start
         start %= self.count
         pending, self._pending = self._pending, None
         if pending is not None and pending[:2] == (start, count):
@@ -440,12 +554,11 @@ class LmdbRecords:
         else:
             # Not the batch read ahead (a jump, e.g. a resume): read this one now. The
             # stale read, if still running, finishes first on the same single thread.
-            future = self._reader.submit(self._cursor.read, start, count, self.shape,
-                                         np.float32)
+            future = self._reader.submit(_read, self._cursor, self._decoder, start, count)
         result = future.result()
-        following = (start + count) % self.count
+        following = (start + step) % self.count
         self._pending = (following, count, self._reader.submit(
-            self._cursor.read, following, count, self.shape, np.float32))
+            _read, self._cursor, self._decoder, following, count))
         return result
 
     def close(self):
@@ -457,6 +570,11 @@ class LmdbRecords:
         _shut_down_orphans()
 
 
+class LmdbRecords(DatabaseRecords):
+    """The Datum records of one Caffe LMDB database (a folder holding data.mdb)."""
+    store = LmdbStore()
+
+
 def _shut_down_orphans():
     while _ORPHANS:
         try:
@@ -466,11 +584,11 @@ def _shut_down_orphans():
         _shut_down(*args)
 
 
-def _shut_down(reader, cursor, path):
-    """Stop the reader thread, end its transaction (on that thread), release the env."""
+def _shut_down(reader, cursor, store, path):
+    """Stop the reader thread, end its transaction (on that thread), release the database."""
     try:
         reader.submit(cursor.close)
     except RuntimeError:     # the interpreter is shutting down: nothing left to submit to
         pass
     reader.shutdown(wait=True, cancel_futures=False)
-    _release_env(path)
+    store.release(path)

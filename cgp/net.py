@@ -18,7 +18,7 @@ from cgp.errors import NetError, shorten
 from cgp.fillers import fill
 from cgp.layers import REGISTRY, SYNC, aligned_zeros, alloc_scratch, supported_types
 from cgp.proto import caffe_pb2
-from cgp.prototxt import beyond_int, non_finite
+from cgp.prototxt import beyond_int, non_finite, upgraded
 from cgp.runtime import spin
 
 PHASES = {caffe_pb2.TRAIN: "TRAIN", caffe_pb2.TEST: "TEST"}
@@ -108,10 +108,9 @@ class Net:
         state.phase = phase
         state.level = level or state.level
         state.stage.extend(s for s in stages if s not in state.stage)
-        if param.input:
-            raise NetError(f"net '{shorten(param.name)}': the legacy 'input:' fields are not "
-                           'supported; declare an Input layer instead (layer { type: "Input" '
-                           '... })')
+        if param.input or param.layers:   # a NetParameter made in code, not read by cgp
+            param = upgraded(type(param).FromString(param.SerializeToString()),
+                             f"net '{shorten(param.name)}'")
 
         self.blob_names = []     # blob id -> the name it had in the prototxt
         self.blob_shapes = []    # blob id -> full Caffe shape, axis 0 = global batch

@@ -1,9 +1,11 @@
 """Read and write Caffe's text prototxt files (nets, solvers) as caffe_pb2 messages.
 
-Parsing only: no checks of what a net means (layer types, shapes) and no binary files. Every failure
-is a PrototxtError whose message is "<file>:<line>:<col>: <what>".
+Parsing, and Caffe's upgrades of deprecated formats on load (cgp.upgrade); no checks of what a
+net means (layer types, shapes) and no binary files. Every failure is a PrototxtError whose
+message is "<file>:<line>:<col>: <what>".
 """
 import math
+import sys
 from pathlib import Path
 
 from functools import lru_cache
@@ -12,6 +14,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 
 from cgp.errors import PrototxtError, shorten
 from cgp.proto import caffe_pb2, cgp_pb2
+from cgp.upgrade import V1_TYPES, note, upgrade_net
 
 # Caffe's own spelling of each old SolverParameter.solver_type value as a `type` string.
 _SOLVER_TYPE_NAMES = {
@@ -24,13 +27,22 @@ _SOLVER_TYPE_NAMES = {
 }
 
 
+def to_stderr(line):
+    """Where notes go when the caller gives no log: Caffe's glog writes them to stderr."""
+    print(line, file=sys.stderr)
+
+
 def parse_text(text, message, filename="<string>"):
     """Parse prototxt `text` into `message` (a caffe_pb2 message, filled in place) and return it."""
     filename = shorten(filename)
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as e:
-        raise PrototxtError(_located(e, filename)) from None
+        what = _located(e, filename)
+        if "V1LayerParameter.LayerType" in what:
+            known = ", ".join(caffe_pb2.V1LayerParameter.LayerType.Name(t) for t in V1_TYPES)
+            what += f" (the V1 format's layer types are: {known})"
+        raise PrototxtError(what) from None
     # Caffe's C++ parser rejects a message that lacks a `required` field; Python's does not.
     if not message.IsInitialized():
         missing = ", ".join(message.FindInitializationErrors())
@@ -38,14 +50,19 @@ def parse_text(text, message, filename="<string>"):
     return message
 
 
-def parse_net(text, filename="<string>"):
-    """Parse a net prototxt into a NetParameter."""
-    net = parse_text(text, caffe_pb2.NetParameter(), filename)
-    if net.layers:
-        raise PrototxtError(
-            f"{shorten(filename)}: this net uses Caffe's old V1 format ('layers {{ ... }}'), which "
-            "cgp does not read; convert it with Caffe's tool: upgrade_net_proto_text "
-            "OLD.prototxt NEW.prototxt")
+def parse_net(text, filename="<string>", log=to_stderr):
+    """Parse a net prototxt into a NetParameter, upgrading deprecated formats as Caffe does
+    on load (V1 layers, legacy input fields: cgp.upgrade) with one note to `log`."""
+    return upgraded(parse_text(text, caffe_pb2.NetParameter(), filename), filename, log)
+
+
+def upgraded(net, where, log=to_stderr):
+    """net (a NetParameter) upgraded in place as Caffe's UpgradeNetAsNeeded does, saying so
+    in one line to log if it changed anything."""
+    where = shorten(where)
+    done = upgrade_net(net, where)
+    if done:
+        log(note(done, where))
     return net
 
 
@@ -88,10 +105,11 @@ def format_solver(solver):
     return text_format.MessageToString(_solver_text().FromString(solver.SerializeToString()))
 
 
-def parse_solver(text, filename="<string>"):
+def parse_solver(text, filename="<string>", log=to_stderr):
     """Parse a solver prototxt into a SolverParameter, upgrading the old `solver_type` as
-    Caffe does. The large-batch fields of Intel's and NVIDIA's Caffe (cgp.SolverExtras) are
-    read too and kept in it as unknown fields (solver_extras gets them back)."""
+    Caffe does, and the nets it holds (net_param, train_net_param, test_net_param) as
+    parse_net does. The large-batch fields of Intel's and NVIDIA's Caffe (cgp.SolverExtras)
+    are read too and kept in it as unknown fields (solver_extras gets them back)."""
     try:
         both = parse_text(text, _solver_text()(), filename)
     except PrototxtError as e:
@@ -105,25 +123,30 @@ def parse_solver(text, filename="<string>"):
                 "not both")
         solver.type = _SOLVER_TYPE_NAMES[solver.solver_type]
         solver.ClearField("solver_type")
+    for field in ("net_param", "train_net_param"):
+        if solver.HasField(field):
+            upgraded(getattr(solver, field), f"{filename} ({field})", log)
+    for i, net in enumerate(solver.test_net_param):
+        upgraded(net, f"{filename} (test_net_param {i})", log)
     return solver
 
 
-def read_net(path):
-    """Read a net prototxt file into a NetParameter."""
-    return parse_net(_read_text(path), str(path))
+def read_net(path, log=to_stderr):
+    """Read a net prototxt file into a NetParameter (parse_net)."""
+    return parse_net(_read_text(path), str(path), log)
 
 
-def read_model(path):
+def read_model(path, log=to_stderr):
     """read_net for a file the user named (--model): a missing one is said as such."""
     if not Path(path).is_file():
         where = "" if Path(path).is_absolute() else f" (looked in {shorten(Path.cwd())})"
         raise PrototxtError(f"model '{shorten(path)}' not found{where}")
-    return read_net(path)
+    return read_net(path, log)
 
 
-def read_solver(path):
-    """Read a solver prototxt file into a SolverParameter."""
-    return parse_solver(_read_text(path), str(path))
+def read_solver(path, log=to_stderr):
+    """Read a solver prototxt file into a SolverParameter (parse_solver)."""
+    return parse_solver(_read_text(path), str(path), log)
 
 
 def format_message(msg):

@@ -64,8 +64,6 @@ UNSUPPORTED_NET = {
                         "net.forward(**{input: array}) or write net.blobs[input].data",
     "share_with": "share weights by copying: dst.params[name][i].data[...] = "
                   "src.params[name][i].data",
-    "load_hdf5": "HDF5 weights are not supported; use net.copy_from(path.caffemodel)",
-    "save_hdf5": "HDF5 weights are not supported; use net.save(path.caffemodel)",
     "forward_backward_all": "call net.forward(...) and net.backward(...) per batch",
     "after_forward": "layer callbacks are not supported",
     "before_forward": "layer callbacks are not supported",
@@ -501,9 +499,22 @@ class Net:
         write_caffemodel(Path(path), self._net)
 
     def copy_from(self, path):
-        """Copies weights from a .caffemodel by layer name (Caffe's net.copy_from)."""
+        """Copies weights from a .caffemodel (or .caffemodel.h5) by layer name (Caffe's
+        net.copy_from)."""
         from cgp.snapshot import load_weights
         load_weights(self._net, path)
+
+    def save_hdf5(self, path):
+        """Writes the weights in Caffe's HDF5 layout, whatever the name (net.save_hdf5)."""
+        from cgp.hdf5 import model_bytes
+        from cgp.snapshot import atomic_write
+        self._sync_params()
+        atomic_write(Path(path), model_bytes(self._net))
+
+    def load_hdf5(self, path):
+        """Copies weights from a model in Caffe's HDF5 layout (net.load_hdf5): copy_from,
+        which knows an HDF5 file by its first bytes."""
+        self.copy_from(path)
 
     def _reshape_input(self, name, shape):
         if name not in self.inputs:

@@ -1,4 +1,5 @@
-"""Weights and solver state in Caffe's binary formats (.caffemodel, .solverstate), and the
+"""Weights and solver state in Caffe's binary formats (.caffemodel, .solverstate), and in
+its HDF5 ones (.caffemodel.h5, .solverstate.h5: cgp.hdf5) where a path ends in .h5; and the
 snapshots of a run: each a pair of the two, under a prefix that one run at a time holds.
 
 Files are written atomically (a temporary file in the same folder, then a rename), so
@@ -23,6 +24,7 @@ import psutil
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
+from cgp import hdf5
 from cgp.errors import CgpError, DataError, shorten
 from cgp.proto import caffe_pb2, cgp_pb2
 
@@ -188,13 +190,22 @@ def net_to_proto(net):
 
 
 def write_caffemodel(path, net):
-    atomic_write(path, net_to_proto(net).SerializeToString())
+    """Binary, or HDF5 (cgp.hdf5) where path ends in .h5, as Caffe chooses."""
+    atomic_write(path, model_bytes(path, net))
+
+
+def model_bytes(path, net):
+    """What write_caffemodel writes to `path`: HDF5 where it ends in .h5, else binary."""
+    return hdf5.model_bytes(net) if hdf5.is_hdf5(path) else net_to_proto(net).SerializeToString()
 
 
 def read_caffemodel(path):
-    """{layer name: [arrays]} of every layer with blobs (new or V1 layer format)."""
-    proto = _parse(_read_bytes(path, "weights file"), caffe_pb2.NetParameter(), path,
-                   "weights file")
+    """{layer name: [arrays]} of every layer with blobs (new or V1 layer format, or an
+    HDF5 model: cgp.hdf5)."""
+    data = _read_bytes(path, "weights file")
+    if hdf5.is_hdf5(path, data):
+        return hdf5.read_model(data, path)
+    proto = _parse(data, caffe_pb2.NetParameter(), path, "weights file")
     layers = list(proto.layer) or list(proto.layers)
     if not layers:
         raise DataError(f"weights file {path}: not a Caffe model (a NetParameter without "
@@ -248,16 +259,24 @@ def copy_weights(net, weights, path):
         if not blobs:
             skipped.append(name)
             continue
+        if isinstance(arrays, hdf5.Partial) and len(arrays) <= len(blobs):
+            # An HDF5 model leaves out blobs shared with an earlier layer (Caffe's rule).
+            arrays = arrays + [None] * (len(blobs) - len(arrays))
+            for i, (blob, array) in enumerate(zip(blobs, arrays)):
+                if array is None and blob.layer == name:
+                    raise DataError(f"weights file {path}: layer '{shorten(name)}' has no blob "
+                                    f"{i}, which it does not share with another layer")
         if len(blobs) != len(arrays):
             raise DataError(f"weights file {path}: layer '{shorten(name)}' has {len(arrays)} "
                             f"blobs, the net expects {len(blobs)}")
         for i, (blob, array) in enumerate(zip(blobs, arrays)):
-            if not _fits(array, blob.shape):
+            if array is not None and not _fits(array, blob.shape):
                 raise DataError(f"weights file {path}: layer '{shorten(name)}' blob {i} has shape "
                                 f"{array.shape}, the net expects {blob.shape} (rename the "
                                 "layer to learn it from scratch instead)")
         for blob, array in zip(blobs, arrays):
-            net.params[blob.offset:blob.offset + blob.size] = array.ravel()
+            if array is not None:
+                net.params[blob.offset:blob.offset + blob.size] = array.ravel()
         copied.append(name)
     return copied, skipped
 
@@ -267,8 +286,14 @@ RESUME_FIELD = cgp_pb2.SolverStateTrailer.DESCRIPTOR.fields_by_name["cgp_resume"
 
 
 def write_solverstate(path, iteration, learned_net, solver, net, resume=None):
-    """Write solverstate_bytes(...) to path atomically."""
-    atomic_write(path, solverstate_bytes(iteration, learned_net, solver, net, resume))
+    """Write solverstate_bytes(...) to path atomically (HDF5's where path ends in .h5)."""
+    atomic_write(path, state_bytes(path, iteration, learned_net, solver, net, resume))
+
+
+def state_bytes(path, iteration, learned_net, solver, net, resume=None):
+    """What write_solverstate writes to `path`: HDF5 where it ends in .h5, else binary."""
+    make = hdf5.solverstate_bytes if hdf5.is_hdf5(path) else solverstate_bytes
+    return make(iteration, learned_net, solver, net, resume)
 
 
 def solverstate_bytes(iteration, learned_net, solver, net, resume=None):
@@ -289,7 +314,8 @@ def solverstate_bytes(iteration, learned_net, solver, net, resume=None):
 
 
 # -- snapshots: pairs under a prefix -------------------------------------------------
-# A snapshot is <prefix>_iter_<N>.caffemodel and .solverstate, Caffe's names and formats.
+# A snapshot is <prefix>_iter_<N>.caffemodel and .solverstate, Caffe's names and formats
+# (.caffemodel.h5 and .solverstate.h5 with snapshot_format HDF5).
 # write_snapshot writes both to temporary files named after them (pair_temp), syncs them,
 # then renames the .caffemodel's and only then the .solverstate's: a .solverstate that
 # exists always has its weights in place. A kill between the two renames leaves the
@@ -310,15 +336,21 @@ def prefix_parts(prefix):
     return probe.parent, probe.name[:-len("_iter_0.caffemodel")]
 
 
-def write_snapshot(prefix, iteration, net, solver, resume=None):
+def snapshot_paths(prefix, iteration, h5=False):
+    """(model, state): <prefix>_iter_<iteration>.caffemodel and .solverstate, with .h5."""
+    ext = ".h5" if h5 else ""
+    return (Path(f"{prefix}_iter_{iteration}.caffemodel{ext}"),
+            Path(f"{prefix}_iter_{iteration}.solverstate{ext}"))
+
+
+def write_snapshot(prefix, iteration, net, solver, resume=None, h5=False):
     """Write the snapshot <prefix>_iter_<iteration>.caffemodel and .solverstate as a pair
-    (see above); returns the .caffemodel's path. CgpError naming the file when the disk
-    refuses (full, removed): the snapshot written before is then left as it was."""
-    model = Path(f"{prefix}_iter_{iteration}.caffemodel")
-    state = model.with_suffix(".solverstate")
+    (see above), in HDF5 with h5; returns the model's path. CgpError naming the file when
+    the disk refuses (full, removed): the snapshot written before is then left as it was."""
+    model, state = snapshot_paths(prefix, iteration, h5)
     writable_folder(model)
-    payloads = [(model, net_to_proto(net).SerializeToString()),
-                (state, solverstate_bytes(iteration, model, solver, net, resume))]
+    payloads = [(model, model_bytes(model, net)),
+                (state, state_bytes(state, iteration, model, solver, net, resume))]
     temps = [pair_temp(path) for path, _ in payloads]
     try:
         for temp, (_, payload) in zip(temps, payloads):
@@ -373,7 +405,7 @@ def recover_snapshots(prefix, log=None):
     snapshots. Returns the names of the snapshots completed."""
     folder, stem = prefix_parts(prefix)
     pattern = re.compile(re.escape(f".{stem}_iter_") + r"(\d+)\.(caffemodel|solverstate)"
-                         r"(\.tmp|\.\w{8}\.tmp|\.\w{8}\.probe)$")
+                         r"(\.h5)?(\.tmp|\.\w{8}\.tmp|\.\w{8}\.probe)$")
     try:
         names = [e.name for e in os.scandir(folder) if e.is_file(follow_symlinks=False)]
     except OSError:
@@ -382,11 +414,12 @@ def recover_snapshots(prefix, log=None):
     for name in names:
         match = pattern.match(name)
         if match:
-            temps.setdefault(int(match[1]), []).append((match[2], match[3], folder / name))
+            temps.setdefault((int(match[1]), match[3] or ""), []).append(
+                (match[2], match[4], folder / name))
     completed, removed = [], []
-    for iteration, files in sorted(temps.items()):
+    for (iteration, ext), files in sorted(temps.items()):   # ext: ".h5" for HDF5 pairs
         pair = {kind: path for kind, suffix, path in files if suffix == ".tmp"}
-        state = folder / f"{stem}_iter_{iteration}.solverstate"
+        state = folder / f"{stem}_iter_{iteration}.solverstate{ext}"
         if set(pair) == {"solverstate"} and _is_state_of(pair["solverstate"], iteration):
             os.replace(pair["solverstate"], state)
             _sync_folder(folder)
@@ -406,11 +439,14 @@ def recover_snapshots(prefix, log=None):
 
 
 def _is_state_of(path, iteration):
-    """Whether the file holds a SolverState of that iteration (a synced temporary file
-    does; this guards against one that something else wrote)."""
+    """Whether the file holds a SolverState (binary or HDF5) of that iteration (a synced
+    temporary file does; this guards against one that something else wrote)."""
     try:
-        state = caffe_pb2.SolverState.FromString(path.read_bytes())
-    except (OSError, DecodeError, RuntimeError, ValueError, RecursionError):
+        data = path.read_bytes()
+        if data[:8] == hdf5.SIGNATURE:
+            return hdf5.read_solverstate(data, path)[0] == iteration
+        state = caffe_pb2.SolverState.FromString(data)
+    except (OSError, DecodeError, RuntimeError, ValueError, RecursionError, DataError):
         return False
     return state.iter == iteration
 
@@ -419,7 +455,7 @@ def recover_snapshot(path, log=None):
     """recover_snapshots for the prefix of the .solverstate `path`, where its name is a
     snapshot's and a commit of it was cut short, under that prefix's lock (CgpError if
     another run holds it)."""
-    match = re.fullmatch(r"(.*)_iter_\d+\.solverstate", str(path))
+    match = re.fullmatch(r"(.*)_iter_\d+\.solverstate(\.h5)?", str(path))
     if match is None or not pair_temp(path).exists():
         return
     lock = lock_prefix(match[1])
@@ -509,15 +545,23 @@ def read_solverstate(path, solver, net):
     """Restore the solver's histories from a .solverstate. Returns (SolverState, cgp's
     ResumeState or None when the file has none, as a file Caffe wrote)."""
     data = _read_bytes(path, "solver state")
-    state = _parse(data, caffe_pb2.SolverState(), path, "solver state",
-                   allowed_unknown=(RESUME_FIELD,))
-    resume = None
-    if any(f.field_number == RESUME_FIELD for f in unknown_fields.UnknownFieldSet(state)):
-        trailer = _parse(data, cgp_pb2.SolverStateTrailer(), path, "solver state",
-                         allowed_unknown=(1, 2, 3, 4))
-        resume = trailer.cgp_resume
-        if len(unknown_fields.UnknownFieldSet(resume)):
-            raise DataError(f"solver state {path}: cgp's resume record is corrupt")
+    if hdf5.is_hdf5(path, data):
+        iteration, learned, step, history, trailer = hdf5.read_solverstate(data, path)
+        state = caffe_pb2.SolverState(iter=iteration, learned_net=learned, current_step=step)
+        resume = (None if trailer is None else
+                  _parse(trailer, cgp_pb2.ResumeState(), path, "solver state (cgp_resume)"))
+    else:
+        state = _parse(data, caffe_pb2.SolverState(), path, "solver state",
+                       allowed_unknown=(RESUME_FIELD,))
+        resume = None
+        if any(f.field_number == RESUME_FIELD for f in unknown_fields.UnknownFieldSet(state)):
+            trailer = _parse(data, cgp_pb2.SolverStateTrailer(), path, "solver state",
+                             allowed_unknown=(1, 2, 3, 4))
+            resume = trailer.cgp_resume
+            if len(unknown_fields.UnknownFieldSet(resume)):
+                raise DataError(f"solver state {path}: cgp's resume record is corrupt")
+        history = [blob_to_array(b, f"solver state {path}, history {k}")
+                   for k, b in enumerate(state.history)]
     if state.iter < 0:
         raise DataError(f"solver state {path}: negative iteration {state.iter}")
     _text(state.learned_net, f"solver state {path}: its learned_net")
@@ -529,15 +573,14 @@ def read_solverstate(path, solver, net):
             raise DataError(f"solver state {path}: cgp's resume record is corrupt (data "
                             f"origin {resume.data_origin} for iteration {state.iter})")
     expected = len(solver.histories) * len(net.param_blobs)
-    if len(state.history) != expected:
-        raise DataError(f"solver state {path}: {len(state.history)} history blobs, the "
+    if len(history) != expected:
+        raise DataError(f"solver state {path}: {len(history)} history blobs, the "
                         f"{solver.type} solver on this net needs {expected} "
                         f"({len(solver.histories)} per parameter blob, {len(net.param_blobs)} "
                         f"blobs): written for another net or solver type?")
     arrays = []
-    for k, blob_proto in enumerate(state.history):
+    for k, array in enumerate(history):
         blob = net.param_blobs[k % len(net.param_blobs)]
-        array = blob_to_array(blob_proto, f"solver state {path}, history {k}")
         if not _fits(array, blob.shape):
             raise DataError(f"solver state {path}: history {k} has shape {array.shape}, "
                             f"the net's blob ({blob.layer} {blob.index}) is {blob.shape}")

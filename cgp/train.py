@@ -21,6 +21,7 @@ from threadpoolctl import threadpool_limits
 
 from cgp.engine import Engine, group_size
 from cgp.errors import CgpError
+from cgp.hdf5 import require_h5py
 from cgp.layers import Chunk
 from cgp.net import RunOptions, Workspace, build_net
 from cgp.parallel import DataParallelStep, Diverged, make_communicator
@@ -29,7 +30,8 @@ from cgp.prototxt import read_net
 from cgp.runtime.procs import default_workers, make_pool
 from cgp.runtime.update import all_finite
 from cgp.snapshot import (layers_without, load_weights, lock_prefix, read_solverstate,
-                          recover_snapshot, recover_snapshots, writable_folder, write_snapshot)
+                          recover_snapshot, recover_snapshots, snapshot_paths,
+                          writable_folder, write_snapshot)
 from cgp.solver import Solver, check_values
 
 DEFAULT_SEED = 1701  # used when neither --seed nor the solver's random_seed is set
@@ -96,8 +98,7 @@ def check_solver_fields(sp, solver_path, log):
         log("Note: debug_info is not supported; training runs without Caffe's per-layer "
             "debug output")
     if sp.snapshot_format == caffe_pb2.SolverParameter.HDF5:   # said before the training
-        log("Note: snapshot_format HDF5 is not supported; snapshots are written in Caffe's "
-            "binary format (.caffemodel / .solverstate) instead")
+        require_h5py(f"solver {solver_path}: snapshot_format HDF5")
 
 
 def solver_nets(sp, solver_path):
@@ -631,21 +632,22 @@ class Trainer:
             recover_snapshots(self.snapshot_prefix(), self.log)
 
     def snapshot(self):
-        """Write <prefix>_iter_<N>.caffemodel and .solverstate, a pair that appears whole
-        or not at all (snapshot.write_snapshot), from the leader process alone; returns the
-        .caffemodel path."""
+        """Write <prefix>_iter_<N>.caffemodel and .solverstate (.caffemodel.h5 and
+        .solverstate.h5 with snapshot_format HDF5), a pair that appears whole or not at all
+        (snapshot.write_snapshot), from the leader process alone; returns the model's path."""
         pending = self.train_step.pending(self.iter)
         # Each process holds its columns' (MPI).
         for array in self.solver.histories + [gradient for _, gradient in pending]:
             self.comm.collect(array)
-        model = Path(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
+        h5 = self.sp.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        model, state = snapshot_paths(self.snapshot_prefix(), self.iter, h5)
         if self.comm.leader:
             self.hold_prefix()
             model = write_snapshot(self.snapshot_prefix(), self.iter, self.net, self.solver,
-                                   resume=self.resume_state())
-        self.log(f"Snapshotting to binary proto file {model}")
-        self.log(f"Snapshotting solver state to binary proto file "
-                 f"{model.with_suffix('.solverstate')}")
+                                   resume=self.resume_state(), h5=h5)
+        kind = "HDF5" if h5 else "binary proto"
+        self.log(f"Snapshotting to {kind} file {model}")
+        self.log(f"Snapshotting solver state to {kind} file {state}")
         self.weights_path = model
         return model
 

@@ -66,7 +66,7 @@ HANDS_OVER = {
 # Layers that run Python at every call (calls_each_time), and the data layers (is_source).
 EACH_TIME = {"Accuracy", "ContrastiveLoss", "Dropout", "Embed", "EuclideanLoss", "HingeLoss",
              "InfogainLoss", "Reduction", "SigmoidCrossEntropyLoss", "SoftmaxWithLoss"}
-SOURCES = {"Data", "Input"}
+SOURCES = {"Data", "DummyData", "HDF5Data", "ImageData", "Input"}
 # Layers of HANDS_OVER with nothing to do one way: Silence computes no top; ArgMax and
 # Threshold have no gradient (Caffe implements none) and refuse a net that needs one.
 NO_FORWARD = {"Silence"}
@@ -214,8 +214,10 @@ CAFFE_READS = {
     "AbsVal": (), "Accuracy": ("accuracy_param",), "BatchNorm": ("batch_norm_param",),
     "Concat": ("concat_param",),
     "Convolution": ("convolution_param",), "Data": ("data_param", "transform_param"),
-    "Dropout": ("dropout_param",), "Eltwise": ("eltwise_param",),
-    "Flatten": ("flatten_param",), "InnerProduct": ("inner_product_param",),
+    "Dropout": ("dropout_param",), "DummyData": ("dummy_data_param",),
+    "Eltwise": ("eltwise_param",), "Flatten": ("flatten_param",),
+    "HDF5Data": ("hdf5_data_param",), "ImageData": ("image_data_param", "transform_param"),
+    "InnerProduct": ("inner_product_param",),
     "Input": ("input_param",), "LRN": ("lrn_param",), "Pooling": ("pooling_param",),
     "ReLU": ("relu_param",), "Reshape": ("reshape_param",), "Sigmoid": ("sigmoid_param",),
     "Softmax": ("softmax_param",), "SoftmaxWithLoss": ("softmax_param", "loss_param"),

@@ -1,6 +1,7 @@
 """Caffe LMDB databases as Data-layer sources: Datum records (raw bytes and float_data) in
 key order, the streaming reader against the in-memory one, clear errors for what is not a
-raw Datum database, Caffe's TransformationParameter, and `cgp convert`."""
+Datum database, Caffe's TransformationParameter, and `cgp convert` (encoded records and
+images: tests/test_images.py)."""
 import subprocess
 import sys
 
@@ -76,6 +77,20 @@ def test_raw_records_in_key_order_with_wrapping(raw_db, cache, monkeypatch):
     db.close()
 
 
+def test_the_reader_thread_reads_ahead_where_the_next_read_starts(raw_db):
+    """A process reading its samples of each batch (MPI) reads `count` records `batch`
+    apart: the reader guesses the next start from the last two, not start + count."""
+    path, images, _ = raw_db
+    db = lmdb_data.LmdbRecords(path, cache_bytes=0)
+    db.read(3, 4)
+    assert db._pending[:2] == (7, 4)             # no history yet: the records that follow
+    db.read(13, 4)
+    assert db._pending[:2] == (23, 4)            # 10 apart
+    got, _ = db.read(23, 4)
+    assert np.array_equal(got, images[23:27].astype(np.float32))
+    db.close()
+
+
 def test_a_dropped_reader_is_shut_down_by_the_next_one_not_by_the_collector(tmp_path):
     """A reader dropped without close() is finalized by the garbage collector on whichever
     thread allocates, perhaps while it holds a lock shutting down needs (the thread pool's
@@ -128,10 +143,12 @@ def expect_error(path, *fragments, cache=None):
     return str(info.value)
 
 
-def test_encoded_images_are_refused(tmp_path):
+def test_encoded_bytes_that_are_no_image_are_refused(tmp_path):
+    """Encoded records decode (tests/test_images.py); bytes that are no image say so."""
+    pytest.importorskip("PIL")
     d = caffe_pb2.Datum(channels=3, height=4, width=4, data=b"\xff\xd8\xff\xe0JFIF", encoded=True)
-    path = write_db(tmp_path / "encoded_lmdb", [d.SerializeToString()])
-    expect_error(path, str(path), "key 00000000", "encoded")
+    path = write_db(tmp_path / "jpeg_lmdb", [d.SerializeToString()])
+    expect_error(path, str(path), "key 00000000", "not an image that can be decoded")
 
 
 @pytest.mark.parametrize("cache", [None, 0], ids=["memory", "streamed"])
@@ -180,12 +197,12 @@ def test_source_paths_are_relative_to_the_working_directory(raw_db, monkeypatch)
     with pytest.raises(DataError, match=r"layer 'd': data source 'nowhere_lmdb' not found.*"
                                         r"relative to the working directory"):
         data_layer("nowhere_lmdb")
-    with pytest.raises(DataError, match="LEVELDB is not supported"):
+    with pytest.raises(DataError, match="is an LMDB database but its backend is given as "
+                                        "LEVELDB: set backend: LMDB"):
         data_layer(path.name, backend="backend: LEVELDB")
-    (path.parent / "level").mkdir()
-    (path.parent / "level" / "CURRENT").write_text("MANIFEST-000001\n")
-    with pytest.raises(DataError, match="LevelDB database"):
-        data_layer("level")
+    (path.parent / "empty").mkdir()
+    with pytest.raises(DataError, match="holds neither data.mdb .LMDB. nor CURRENT .LevelDB."):
+        data_layer("empty")
     with pytest.raises(NetError, match="data_param.scale is Caffe's old place"):
         data_layer(path.name, backend="scale: 0.5")
 

@@ -235,10 +235,15 @@ def test_batch_size_disagreement():
               'input_param { shape { dim: 5 dim: 2 } } }')
 
 
-def test_legacy_input_fields_rejected_clearly():
-    param = parse_net('input: "data" input_dim: 1 input_dim: 1 input_dim: 4 input_dim: 4', "old.prototxt")
-    with pytest.raises(NetError, match="Input layer"):
-        Net(param, caffe_pb2.TEST)
+def test_legacy_input_fields_become_an_input_layer():
+    """Upgraded as Caffe does, whether read from text or built in code."""
+    param = parse_net('input: "data" input_dim: 1 input_dim: 1 input_dim: 4 input_dim: 4',
+                      "old.prototxt", log=lambda line: None)
+    coded = caffe_pb2.NetParameter(input=["data"], input_dim=[1, 1, 4, 4])
+    for net in (Net(param, caffe_pb2.TEST), Net(coded, caffe_pb2.TEST)):
+        assert [e.layer.name for e in net.sources] == ["input"]
+        assert net.blob_shapes == [(1, 1, 4, 4)]
+    assert coded.input          # the caller's message is left as it was
 
 
 def test_part_span_views_every_part():

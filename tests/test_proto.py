@@ -194,9 +194,12 @@ def test_missing_file(tmp_path):
         read_solver(path)
 
 
-def test_v1_format_is_refused():
-    with pytest.raises(PrototxtError, match="V1.*upgrade_net_proto_text"):
-        parse_net('name: "old"\nlayers { name: "conv1" type: CONVOLUTION }\n')
+def test_v1_format_is_upgraded():
+    """The V1 format parses and comes out in the new one (tests/test_upgrade.py: the rest)."""
+    notes = []
+    net = parse_net('name: "old"\nlayers { name: "conv1" type: CONVOLUTION }\n', log=notes.append)
+    assert not net.layers and [(l.name, l.type) for l in net.layer] == [("conv1", "Convolution")]
+    assert len(notes) == 1 and "V1" in notes[0]
 
 
 def test_required_fields_are_checked():

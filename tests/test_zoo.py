@@ -11,7 +11,7 @@ from cgp.equivalence import compare, train_run
 from cgp.layers import REGISTRY, Chunk
 from cgp.net import Net, Workspace
 from cgp.proto import caffe_pb2
-from cgp.prototxt import parse_text
+from cgp.prototxt import read_net
 from cgp.train import RunConfig
 
 # Data (MNIST, 28 x 28) through many of the new layers to three losses: a reconstruction
@@ -81,11 +81,9 @@ def test_a_net_of_the_new_layers_trains_to_one_hash_on_1_2_3_workers(mnist_dir):
 ZOO = Path(__file__).resolve().parents[2] / "shared" / "data" / "caffe" / "zoo"
 NETS = sorted(p.relative_to(ZOO).as_posix() for p in ZOO.glob("*/*.prototxt")
               if "solver" not in p.name) if ZOO.is_dir() else []
-# Layer types that other work of issue 40 brings.
-OTHERS = {"ImageData": "the ImageData layer"}
-# The per-sample shapes of the Data layers' tops (zoo README: the crop, or the data set's
-# images; a label is one value), for nets whose data is not among the fixtures: the test
-# gives them Input layers of these shapes.
+# The per-sample shapes of the Data and ImageData layers' tops (zoo README: the crop, or the
+# data set's images; a label is one value), for nets whose data is not among the fixtures:
+# the test gives them Input layers of these shapes.
 DATA_SHAPES = {
     "bvlc_alexnet/train_val.prototxt": {"data": (3, 227, 227), "label": ()},
     "bvlc_reference_caffenet/train_val.prototxt": {"data": (3, 227, 227), "label": ()},
@@ -97,35 +95,40 @@ DATA_SHAPES = {
         {"data": (3, 32, 32), "label": ()},
     "resnet20_cifar10/trainval.prototxt": {"data": (3, 32, 32), "label": ()},
     "vgg16_cifar10/trainval.prototxt": {"data": (3, 32, 32), "label": ()},
+    "bvlc_reference_caffenet_v1/train_val.prototxt": {"data": (3, 227, 227), "label": ()},
+    "resnet50_cvgj/train.prototxt": {"data": (3, 224, 224), "label": ()},
 }
+SOURCE_PARAMS = {"Data": ("data_param", "transform_param"),
+                 "ImageData": ("image_data_param", "transform_param")}
 
 
 def needs(param):
-    """What a zoo net needs that cgp has not yet (from the other parts of issue 40), or None:
-    the old V1 format, the legacy input fields, layer types."""
-    if param.layers:
-        return "the V1 `layers {}` format"
-    if param.input or param.input_shape or param.input_dim:
-        return "the legacy `input:` fields"
+    """What a zoo net needs that cgp has not, or None: layer types. (Old formats are
+    upgraded as the file is read: tests/test_upgrade.py.)"""
     missing = sorted({lp.type for lp in param.layer if lp.type not in REGISTRY})
     if missing:
-        return ", ".join(OTHERS.get(t, f"layer type {t}") for t in missing)
+        return ", ".join(f"layer type {t}" for t in missing)
     return None
 
 
+def read(path):
+    """The net of a zoo file, upgraded from an old format as Caffe reads it."""
+    return read_net(path, log=lambda line: None)
+
+
 def runnable(name, param, batch):
-    """The net with a batch of `batch`: its Input layers' first axis set, its Data layers
-    replaced by Input layers of DATA_SHAPES (their include rules kept); None where a Data
-    layer's shapes are not known."""
+    """The net with a batch of `batch`: its Input layers' first axis set, its Data and
+    ImageData layers replaced by Input layers of DATA_SHAPES (their include rules kept); None
+    where a data layer's shapes are not known."""
     param = type(param).FromString(param.SerializeToString())
     for lp in param.layer:
-        if lp.type == "Data":
+        if lp.type in SOURCE_PARAMS:
             shapes = DATA_SHAPES.get(name)
             if shapes is None:
                 return None
-            lp.type = "Input"
-            for field in ("data_param", "transform_param"):
+            for field in SOURCE_PARAMS[lp.type]:
                 lp.ClearField(field)
+            lp.type = "Input"
             for top in lp.top:
                 lp.input_param.shape.add().dim.extend((batch,) + shapes[top])
         elif lp.type == "Input":
@@ -140,8 +143,7 @@ def test_zoo_net_runs_forward_and_backward(name):
     its losses, or, for a deploy net, from random gradients of its last top through every
     layer; every learnt blob gets a gradient, every value finite. Labels (one value per sample)
     are 0 or 1, a class of every net."""
-    path = ZOO / name
-    param = parse_text(path.read_text(), caffe_pb2.NetParameter(), str(path))
+    param = read(ZOO / name)
     reason = needs(param)
     if reason:
         pytest.skip(f"{name} needs {reason}")
@@ -196,16 +198,7 @@ def test_which_zoo_nets_run_here():
         pytest.skip(f"the model zoo fixtures are not at {ZOO}")
     runs = []
     for name in NETS:
-        path = ZOO / name
-        param = parse_text(path.read_text(), caffe_pb2.NetParameter(), str(path))
+        param = read(ZOO / name)
         if needs(param) is None and runnable(name, param, 1) is not None:
             runs.append(name)
-    assert runs == sorted([
-        "bvlc_alexnet/deploy.prototxt", "bvlc_alexnet/train_val.prototxt",
-        "bvlc_googlenet/deploy.prototxt", "bvlc_googlenet/train_val.prototxt",
-        "bvlc_reference_caffenet/deploy.prototxt", "bvlc_reference_caffenet/train_val.prototxt",
-        "cifar10_full_sigmoid_bn/cifar10_full_sigmoid_train_test_bn.prototxt",
-        "mnist_siamese/mnist_siamese.prototxt", "mnist_siamese/mnist_siamese_train_test.prototxt",
-        "resnet20_cifar10/trainval.prototxt", "resnet50_cvgj/deploy.prototxt",
-        "squeezenet_v1.1/deploy.prototxt", "squeezenet_v1.1/train_val.prototxt",
-        "vgg16_cifar10/trainval.prototxt"])
+    assert runs == NETS and len(runs) == 21     # every one

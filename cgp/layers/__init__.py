@@ -4,8 +4,8 @@ from cgp.layers.base import (REGISTRY, SYNC, Chunk, Factors, Layer, aligned_zero
 
 # Each family module registers its layers on import.
 from cgp.layers import (  # noqa: E402,F401
-    activation, batchnorm, conv, data, elementwise, inner_product, loss, losses, lrn, pool,
-    reduction, scale, shape,
+    activation, batchnorm, conv, data, elementwise, hdf5_data, image_data, inner_product, loss,
+    losses, lrn, pool, reduction, scale, shape,
 )
 
 
