@@ -641,6 +641,28 @@ def test_torch_refuses_other_layers_by_name():
         TorchNet(net)
 
 
+def test_speedup_times_a_deploy_net_file(capsys, tmp_path):
+    """--model FILE: a deploy net (no data layer, no loss) at the batch --batch sets, trained
+    on synthetic input by cgp and by PyTorch alike."""
+    pytest.importorskip("torch")
+    path = tmp_path / "deploy.prototxt"
+    path.write_text(ZOO_KINDS)
+    text = run_cli(capsys, "bench", "speedup", "--model", path, "--batch", "4", "--threads",
+                   "1", "--iters", "1", "--repeats", "1", "--warmup", "0", "--compare", "torch",
+                   "--out", tmp_path)
+    assert "Softmax -> SoftmaxWithLoss against synthetic labels" in text
+    [report_path] = Path(tmp_path).glob("speedup_*_deploy_*.json")
+    report = json.loads(report_path.read_text())
+    assert report["batch"] == 4 and report["net_file"] == str(path)
+    assert {r["impl"] for r in report["results"]} == {"cgp", "torch"}
+
+
+def test_speedup_batch_goes_with_a_net_file(capsys, mnist_dir):
+    code = cli.main(["bench", "speedup", "mnist", "--batch", "4", "--data-dir", str(mnist_dir)])
+    assert code == 2
+    assert "--batch goes with --model FILE" in capsys.readouterr().err
+
+
 def test_speedup_compares_with_torch(capsys, tmp_path, mnist_dir):
     pytest.importorskip("torch")
     text = run_cli(capsys, "bench", "speedup", "mnist", "--threads", "1", "--iters", "1",
