@@ -649,12 +649,13 @@ def test_speedup_times_a_deploy_net_file(capsys, tmp_path):
     path.write_text(ZOO_KINDS)
     text = run_cli(capsys, "bench", "speedup", "--model", path, "--batch", "4", "--threads",
                    "1", "--iters", "1", "--repeats", "1", "--warmup", "0", "--compare", "torch",
-                   "--out", tmp_path)
+                   "--torch-layout", "contiguous", "--out", tmp_path)
     assert "Softmax -> SoftmaxWithLoss against synthetic labels" in text
     [report_path] = Path(tmp_path).glob("speedup_*_deploy_*.json")
     report = json.loads(report_path.read_text())
     assert report["batch"] == 4 and report["net_file"] == str(path)
-    assert {r["impl"] for r in report["results"]} == {"cgp", "torch"}
+    assert {(r["impl"], r["layout"]) for r in report["results"]} == {
+        ("cgp", "processes"), ("torch", "contiguous")}
 
 
 def test_speedup_batch_goes_with_a_net_file(capsys, mnist_dir):

@@ -72,6 +72,10 @@ def add_bench(sub):
                         "iterations to regain its speed, which training never pays")
     s.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same network in PyTorch (needs torch installed)")
+    s.add_argument("--torch-layout", choices=("channels_last", "contiguous"), default=None,
+                   help="with --compare torch: time PyTorch in this memory format only "
+                        "(default: both; one copy of a large net at a large batch may be "
+                        "all the memory holds)")
     s.add_argument("--ceiling", action="store_true",
                    help="also time the machine's ceiling: for each thread count N > 1, N "
                         "copies of the 1-thread training at once, each in a process of its "
@@ -557,7 +561,7 @@ def cmd_speedup(args, log=print):
             if first.solver.type != "SGD":
                 log(f"cgp bench: note: PyTorch runs momentum SGD; the solver is "
                     f"{first.solver.type}")
-            for layout in torch_ref.LAYOUTS:
+            for layout in [args.torch_layout] if args.torch_layout else torch_ref.LAYOUTS:
                 configs += [torch_config(torch_ref, t, layout,
                                          torch_ref.TorchTrainer(net, sp, layout), first,
                                          args.denormals == "flush")
