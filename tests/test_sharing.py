@@ -78,8 +78,12 @@ def test_the_buffers_rank_killed_ends_an_async_job_with_a_message(tmp_path):
     """Rank 0, which holds the parameter buffer's windows, killed with SIGKILL while 3 ranks
     train --sharing async: mpirun sees a rank end abnormally and ends the others (no rank
     waits on a window for ever); the job ends within seconds, non-zero, naming the rank."""
-    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "mnist", "--iters", "100000",
-                                  "--sharing", "async", "--snapshot-prefix", "s/t"])
+    (tmp_path / "solver.prototxt").write_text(   # no test before training starts
+        f'net: "{models.FOLDER / "lenet_train_test.prototxt"}"\n'
+        "test_iter: 1 test_interval: 100000 test_initialization: false base_lr: 0.01\n"
+        "lr_policy: 'fixed' display: 20 max_iter: 100000 snapshot_prefix: 's/t'\n")
+    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "--solver", "solver.prototxt",
+                                  "--sharing", "async"])
     job = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
