@@ -272,6 +272,25 @@ def test_two_bottom_layers_and_splits(body, tmp_path):
     assert worst(errors)[1] < TOLERANCE, worst(errors)
 
 
+@pytest.mark.parametrize("param", ["top_k: 3 out_max_val: true", "axis: 1 top_k: 2"])
+def test_argmax_ties_go_to_the_larger_index(param, tmp_path):
+    """Inputs of a few small integers, so that most rows tie: ONNX's TopK gives a tie to the
+    smaller index; the export flips the axis so that it goes to the larger, as in Caffe."""
+    net = Net(one_layer_net(tmp_path, (4, 6, 2, 3), f'type: "ArgMax" argmax_param {{ {param} }}'),
+              TEST)
+    path = tmp_path / "argmax.onnx"
+    export(net, path)
+    x = np.random.default_rng(0).integers(0, 3, (4, 6, 2, 3)).astype(np.float32)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"data": x})[0]
+    want = net.forward(data=x)["out"]
+    assert np.array_equal(got, want)
+    # The first of the top k: NumPy's argmax, which gives a tie to the smaller index, differs.
+    first = want[:, 0] if "axis" in param else want[:, 0, 0, 0]
+    smaller = x.argmax(1) if "axis" in param else x.reshape(4, -1).argmax(1)
+    assert (first != smaller).any()
+
+
 def test_silence_and_a_split_after_an_in_place_layer(tmp_path):
     """A blob rewritten in place, then read by two layers (a Split after the in-place layer,
     which must copy its value): one reader's top is silenced, so it is no output, and what
