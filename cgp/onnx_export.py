@@ -20,6 +20,7 @@ from cgp.proto import caffe_pb2
 
 OPSET = 13
 HIGHEST = 17          # opset 18 moves the reductions' axes to an input
+ONE_FILE = 2**31 - 1   # bytes: protobuf's limit on one message, so on one .onnx file
 LOWEST = float(np.finfo(np.float32).min)   # MAX pooling's padding: never the maximum
 
 
@@ -202,6 +203,11 @@ def export(pynet, path, opset=OPSET):
                                    opset_imports=[onnx.helper.make_opsetid("", opset)])
     model.ir_version = 7 if opset == OPSET else onnx.helper.find_min_ir_version_for(
         [onnx.helper.make_opsetid("", opset)])
+    size = model.ByteSize()
+    if size > ONE_FILE:
+        raise CgpError(f"{pynet._model}: net '{net.name}': the graph with its weights takes "
+                       f"{size / 2**30:.2f} GiB, over the 2 GiB that one ONNX file (one "
+                       "protobuf message) holds; cgp does not write ONNX's external data files")
     data = model.SerializeToString()    # once, for the checker and the file
     try:
         onnx.checker.check_model(data, full_check=True)

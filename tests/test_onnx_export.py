@@ -360,6 +360,21 @@ def test_a_layer_that_reads_a_batch_value_is_refused(tmp_path):
     assert not (tmp_path / "total.onnx").exists()
 
 
+def test_a_graph_over_one_files_limit_is_refused(tmp_path, monkeypatch):
+    """Protobuf holds 2 GiB in one message: a bigger graph is refused before it is written.
+    (A real one takes over 2 GiB of memory to build: the limit is lowered to 100 kB for a
+    200 kB layer.)"""
+    from cgp import onnx_export
+
+    monkeypatch.setattr(onnx_export, "ONE_FILE", 100_000)
+    net = Net(one_layer_net(tmp_path, (2, 500), 'type: "InnerProduct" inner_product_param { '
+                            'num_output: 100 }'), TEST)
+    with pytest.raises(CgpError, match=r"one\.prototxt: net 'one': the graph with its weights "
+                       r"takes .* GiB, over the 2 GiB that one ONNX file"):
+        export(net, tmp_path / "big.onnx")
+    assert not (tmp_path / "big.onnx").exists()
+
+
 @pytest.mark.parametrize("opset", [12, 18])
 def test_an_opset_out_of_range_is_refused(opset, tmp_path):
     net = Net(one_layer_net(tmp_path, (2, 3), 'type: "ReLU"'), TEST)
