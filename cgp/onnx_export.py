@@ -53,8 +53,8 @@ def cmd_export(args, log=print):
         log("cgp export: onnxruntime is not installed: the graph was not run")
         return 0
     error = verify(args.onnx, net)
-    log(f"cgp export: ONNX Runtime's outputs against cgp's forward on random input: largest "
-        f"difference {error:.3g} of the output's scale")
+    log(f"cgp export: ONNX Runtime against cgp's forward on random input, every blob: largest "
+        f"difference {error:.3g} of the blob's scale")
     return 0
 
 
@@ -263,22 +263,43 @@ def random_feed(pynet, names, rng):
     return feed
 
 
-def verify(path, pynet, seed=0):
-    """Runs the ONNX graph in ONNX Runtime and pynet's forward on the same random input
-    (random_feed); returns the largest absolute difference over the outputs, divided by
-    max(1, the output's largest magnitude)."""
+def blob_errors(path, pynet, seed=0):
+    """Runs the ONNX graph at path in ONNX Runtime and pynet's forward on the same random input
+    (random_feed); returns {blob: largest |ONNX Runtime - cgp| / max(1, largest |cgp|)} for
+    every blob that the graph names as the prototxt does (each layer's top, not only the
+    outputs: a saturated Softmax hides what its logits show). NaN in both counts as equal; a
+    NaN in one, or another shape, as inf."""
+    import onnx
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    model = onnx.load(str(path))
+    outputs = {o.name for o in model.graph.output}
+    blobs = [x for node in model.graph.node for x in node.output
+             if x in pynet.blobs and x not in outputs]
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT,
+                                                                 None) for x in blobs)
+    session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
     feed = random_feed(pynet, [i.name for i in session.get_inputs()],
                        np.random.default_rng(seed))
     pynet.forward(**feed)
-    error = 0.0
+    errors = {}
     for o, got in zip(session.get_outputs(), session.run(None, feed)):
         want = pynet.blobs[o.name].data
-        scale = max(1.0, float(np.abs(want).max()))
-        error = max(error, float(np.abs(got - want).max()) / scale)
-    return error
+        if got.shape != want.shape:
+            errors[o.name] = float("inf")
+            continue
+        both = np.isnan(got) & np.isnan(want)
+        diff = np.where(both, 0, np.abs(got - want))
+        rest = want[~both]
+        scale = max(1.0, float(np.abs(rest).max()) if rest.size else 0.0)
+        errors[o.name] = float("inf") if np.isnan(diff).any() else float(diff.max()) / scale
+    return errors
+
+
+def verify(path, pynet, seed=0):
+    """The largest of blob_errors: 0 for a graph that computes what cgp does."""
+    return max(blob_errors(path, pynet, seed).values())
 
 
 # -- one converter per layer type -------------------------------------------------------

@@ -18,7 +18,7 @@ onnxruntime = pytest.importorskip("onnxruntime")
 
 from test_zoo import NETS, ZOO, needs, read, runnable  # noqa: E402
 
-from cgp.onnx_export import CONVERTERS, export, load_net, random_feed, verify  # noqa: E402
+from cgp.onnx_export import CONVERTERS, blob_errors, export, load_net, verify  # noqa: E402
 from cgp.prototxt import format_message  # noqa: E402
 from cgp.pycaffe import TEST, Net  # noqa: E402
 
@@ -52,36 +52,45 @@ def randomize(net, seed=0):
 
 
 def round_trip(net, tmp_path):
-    """Exports net, checks the file, and runs it in ONNX Runtime with every blob the graph
-    names as the prototxt does made an output; returns ({blob: largest |ONNX Runtime - cgp|
-    / max(1, largest |cgp|)}, the model). The outputs are among the blobs; an in-place
-    chain's blob is its last layer's value in both."""
+    """Exports net, checks the file; returns (blob_errors: every blob the graph names as the
+    prototxt does against cgp's forward, the model). The outputs are among the blobs, and
+    cgp's values are finite (no test passes on NaN); an in-place chain's blob is its last
+    layer's value in both."""
     path = tmp_path / "net.onnx"
     model = export(net, path)
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
     assert model.opset_import[0].version == 13
-    probe = onnx.load(str(path))
-    outputs = {o.name for o in probe.graph.output}
-    blobs = [x for node in probe.graph.node for x in node.output if x in net.blobs]
-    probe.graph.output.extend(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT,
-                                                                 None)
-                              for x in blobs if x not in outputs)
-    session = onnxruntime.InferenceSession(probe.SerializeToString(),
-                                           providers=["CPUExecutionProvider"])
-    feed = random_feed(net, [i.name for i in session.get_inputs()], np.random.default_rng(1))
-    net.forward(**feed)
-    errors = {}
-    for o, got in zip(session.get_outputs(), session.run(None, feed)):
-        want = net.blobs[o.name].data
-        assert got.shape == want.shape, o.name
-        assert np.isfinite(want).all(), o.name
-        errors[o.name] = float(np.abs(got - want).max()) / max(1.0, float(np.abs(want).max()))
-    assert outputs <= set(errors)
+    errors = blob_errors(path, net, seed=1)
+    assert {o.name for o in model.graph.output} <= set(errors)
+    assert all(np.isfinite(net.blobs[name].data).all() for name in errors)
     return errors, model
 
 
 def worst(errors):
     return max(errors.items(), key=lambda item: item[1])
+
+
+def test_blob_errors_see_an_inner_blob_that_differs(tmp_path):
+    """A graph whose inner blob differs (a bias changed) while its output does not (a ReLU
+    then Softmax of one class hides it): blob_errors names the inner blob."""
+    text = ('name: "hide" layer { name: "data" type: "Input" top: "data" input_param { '
+            'shape { dim: 2 dim: 3 } } }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+            'inner_product_param { num_output: 1 } }\n'
+            'layer { name: "prob" type: "Softmax" bottom: "ip" top: "prob" }\n')
+    path = tmp_path / "hide.prototxt"
+    path.write_text(text)
+    net = Net(str(path), TEST)
+    randomize(net)
+    export(net, tmp_path / "hide.onnx")
+    model = onnx.load(str(tmp_path / "hide.onnx"))
+    bias = next(t for t in model.graph.initializer if t.name.startswith("ip/bias"))
+    bias.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(bias) + 0.5,
+                                               bias.name))
+    onnx.save(model, str(tmp_path / "hide.onnx"))
+    errors = blob_errors(tmp_path / "hide.onnx", net)
+    assert errors["prob"] == 0 and errors["ip"] > 0.1
+    assert verify(tmp_path / "hide.onnx", net) == errors["ip"]
 
 
 @pytest.mark.parametrize("model, fixture", [("lenet_train_test", "mnist_dir"),
