@@ -333,15 +333,15 @@ def cmd_compute_mean(args, log=print):
 
 def add_export(sub):
     p = sub.add_parser("export", help="write a net and its weights as an ONNX graph",
-                       description="The TEST phase of --model with --weights as ONNX (opset 13 "
-                                   "or later), without data, loss and accuracy layers. With "
+                       description="The TEST phase of --model with --weights as ONNX (opsets 13 "
+                                   "to 17), without data, loss and accuracy layers. With "
                                    "onnxruntime installed, the graph is run once on random "
                                    "input and compared with cgp's forward.")
     p.add_argument("--model", required=True, help="net prototxt (deploy or train/test)")
     p.add_argument("--weights", default=None,
                    help=".caffemodel file(s), comma-separated (default: the fillers' weights)")
     p.add_argument("--onnx", required=True, help="the .onnx file to write")
-    p.add_argument("--opset", type=int, default=13, help="ONNX opset (default 13)")
+    p.add_argument("--opset", type=int, default=13, help="ONNX opset, 13 to 17 (default 13)")
     p.add_argument("--input-shape", default=None, metavar="N,C,H,W",
                    help="the shape of the Data layers' data top, which is otherwise read from "
                         "their data source")
