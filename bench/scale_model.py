@@ -1,9 +1,9 @@
 """A model of cgp's step on N nodes, from a net's measured per-layer times and a link's
 bandwidth and latency, as FireCaffe analysed its reduction trees; predicts step time and
-parallel efficiency for 1 to 256 nodes, and, with --check, compares its predictions with
-real mpirun runs of 2 to 4 ranks on this machine.
+parallel efficiency for 1 to 256 nodes, and, with --check, compares its predicted speedups
+with those of real mpirun runs of 2 to 4 ranks on this machine (`cgp bench speedup --ranks`).
 
-    python bench/scale_model.py [mnist|cifar10|--model NET] [--threads T] [--chunks K]
+    python bench/scale_model.py [mnist|cifar10_quick|...] [--threads T] [--chunks K]
                                 [--link 25GbE|100GbIB|NAME=GBPS,US ...] [--nodes 1,2,4,...]
                                 [--check] [--data-dir DIR]
 
@@ -25,8 +25,8 @@ cuts the batch into K chunks; a node without chunks has nothing to compute): the
 """
 import argparse
 import json
+import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -112,20 +112,25 @@ def predict(m, nodes, threads, chunks, bandwidth, latency, cores=None):
             "exposed_exchange": exposed, "update": update, "allgather": gather}
 
 
-def measured_steps(model, ranks, threads, data_dir, steps=30):
-    """Seconds per step of real mpirun runs on this machine (cgp train's display rate)."""
-    from cgp import mpi
-    out = {}
-    for r in ranks:
-        args = ["-m", "cgp", "train", model, "--threads", str(threads), "--iters", str(steps),
-                "--no-log", "--snapshot-prefix", "/tmp/cgp_scale_model/s"]
-        if data_dir:
-            args += ["--data-dir", data_dir]
-        argv, env = mpi.local_job(r, args) if r > 1 else ([sys.executable, *args], None)
-        done = subprocess.run(argv, env=env, capture_output=True, text=True)
-        rates = [float(x) for x in re.findall(r"\(([\d.e+]+) iter/s", done.stdout)][1:]
-        out[r] = 1 / statistics.median(rates) if rates else None
-    return out
+def measured_speedups(model, threads, chunks, data_dir, folder="/tmp/cgp_scale_model"):
+    """Paired speedups of 2 to 4 real mpirun ranks of `threads` workers over one process of
+    `threads` workers on this machine, from `cgp bench speedup --ranks` (interleaved
+    repetitions), and the one process's seconds per step."""
+    argv = [sys.executable, "-m", "cgp", "bench", "speedup", model, "--threads", str(threads),
+            "--ranks", "2,3,4", "--chunks", str(chunks), "--iters", "20", "--repeats", "5",
+            "--out", folder]
+    if data_dir:
+        argv += ["--data-dir", data_dir]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"scale_model: cgp bench speedup failed:\n{done.stderr}")
+    written = re.findall(r"wrote (\S+\.json)", done.stdout + done.stderr)
+    report = json.loads(Path(written[-1]).read_text())
+    one = next(r for r in report["results"] if r["impl"] == "cgp" and r["threads"] == threads)
+    speedups = {1: 1.0}
+    speedups.update({r["ranks"]: r["paired_speedup"] for r in report["results"]
+                     if r["impl"] == "mpi"})
+    return speedups, report["batch"] / one["median"]
 
 
 def main(argv=None):
@@ -174,24 +179,20 @@ def main(argv=None):
                   f"{1e3 * r['allgather']:>10.3f} {speedup:>8.2f} {speedup / n:>10.2f}")
         report["predictions"][name] = rows
     if args.check:
-        # This machine's link: shared memory, from a measured all-to-all of the gradient.
-        steps = measured_steps(args.model, [1, 2, 3, 4], args.threads, args.data_dir)
-        import os
+        # This machine's link: shared memory; its cores are shared by all ranks.
+        measured, step = measured_speedups(args.model, args.threads, chunks, args.data_dir)
         cores = os.cpu_count()
         bandwidth, latency = 5e9, 2e-6   # shared memory, about (python -m mpi4py.bench)
         print(f"\ncheck on this machine ({cores} cores shared by all ranks; shared memory "
-              f"modelled as {bandwidth / 1e9:g} GB/s, {1e6 * latency:g} us):")
-        print(f"{'ranks':>6} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6}")
+              f"modelled as {bandwidth / 1e9:g} GB/s, {1e6 * latency:g} us; one process "
+              f"{1e3 * step:.2f} ms a step):")
+        print(f"{'ranks':>6} {'predicted speedup':>18} {'measured (paired)':>18} {'ratio':>6}")
         check = []
         base = predict(m, 1, args.threads, chunks, bandwidth, latency, cores)["step"]
-        for r, seconds in steps.items():
-            pred = predict(m, r, args.threads, chunks, bandwidth, latency, cores)["step"]
-            # The measured 1-rank step anchors the compute (this host's speed that hour).
-            scaled = pred * (steps[1] / base) if steps[1] else pred
-            ratio = seconds / scaled if seconds else float("nan")
-            check.append({"ranks": r, "predicted_s": scaled, "measured_s": seconds})
-            print(f"{r:>6} {1e3 * scaled:>13.2f} {1e3 * seconds if seconds else float('nan'):>12.2f} "
-                  f"{ratio:>6.2f}")
+        for r, speedup in sorted(measured.items()):
+            pred = base / predict(m, r, args.threads, chunks, bandwidth, latency, cores)["step"]
+            check.append({"ranks": r, "predicted_speedup": pred, "measured_speedup": speedup})
+            print(f"{r:>6} {pred:>18.2f} {speedup:>18.2f} {speedup / pred:>6.2f}")
         report["check"] = check
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -104,6 +104,7 @@ def test_a_snapshot_of_two_ranks_resumes_on_three_and_on_none(tmp_path, mnist_di
     assert sorted(p.name for p in (tmp_path / "two").glob("*_iter_*")) == [
         "t_iter_3.caffemodel", "t_iter_3.solverstate"]
     assert first.stdout.count("Snapshotting to binary proto file") == 1   # rank 0 alone
+    assert "\x1b" not in first.stdout + first.stderr   # no terminal codes from libraries
     want = weights(tmp_path / "whole" / "w_iter_6.caffemodel")
     for ranks, prefix in ((3, "three/t"), (0, "none/t")):
         resumed = train(ranks, [*common, "--snapshot", "two/t_iter_3.solverstate",
