@@ -23,6 +23,7 @@ def add_train(sub):
                         "gradient of iteration t - S (the first S iterations update nothing); "
                         "results depend on S, never on --threads or ranks (default 0: "
                         "synchronous SGD)")
+    add_sharing_options(p)
     p.add_argument("--iters", type=int, default=None,
                    help="train to this iteration instead of the solver's max_iter (which "
                    "still sets the poly policy's schedule)")
@@ -43,6 +44,19 @@ def add_train(sub):
                         "(default: <snapshot prefix>_<date>-<time>.log and .csv)")
     p.add_argument("--no-log", action="store_true", help="write no log file and no CSV")
     p.set_defaults(run=cmd_train)
+
+
+def add_sharing_options(p):
+    p.add_argument("--sharing", choices=("sync", "async", "hybrid"), default="sync",
+                   help="how MPI ranks share the weights: 'sync' (default) computes every "
+                        "batch across all ranks, bitwise the same for any rank count; "
+                        "'async' has each rank compute whole batches and share its updates "
+                        "through a parameter buffer without waiting for the others, and "
+                        "'hybrid' does so between --groups groups of ranks, synchronous "
+                        "within each (as ShmCaffe-A and -H). async and hybrid are NOT "
+                        "reproducible: their weights depend on timing")
+    p.add_argument("--groups", type=int, default=0, metavar="G",
+                   help="with --sharing hybrid: the number of groups of consecutive ranks")
 
 
 def denormals_text(flush):
@@ -90,7 +104,7 @@ def cmd_train(args, log=print):
     if args.weights:
         sp.weights.append(args.weights)
     config = RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
-                       staleness=args.staleness,
+                       staleness=args.staleness, sharing=args.sharing, groups=args.groups,
                        data_dir=args.data_dir, download=not args.no_download,
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
@@ -117,11 +131,12 @@ def train(args, sp, path, config, log, sink):
     started = time.perf_counter()
     trainer = Trainer(sp, path, config, log=log)
     try:
-        net, engine = trainer.net, trainer.engine
+        net, engine, comm = trainer.net, trainer.engine, trainer.comm
         ranks = len(engine.parts)
-        where = (f"{args.threads} {worker_noun(config.workers, args.threads)}" if ranks == 1
-                 else f"{ranks} ranks x {args.threads} "
-                      f"{worker_noun(config.workers, args.threads)}")
+        workers = f"{args.threads} {worker_noun(config.workers, args.threads)}"
+        where = (workers if ranks == 1 else f"{ranks} ranks x {workers}")
+        if not comm.reproducible:
+            where = f"{comm.describe()}, each rank with {workers}"
         log(f"cgp: solver {shorten(path)} ({trainer.solver.type}), net "
             f"'{shorten(net.name)}', batch {net.batch_size} in {len(engine.bounds)} chunks on "
             f"{where}, seed {trainer.seed}"
@@ -129,11 +144,20 @@ def train(args, sp, path, config, log, sink):
             f", {denormals_text(trainer.pool.flush)}")
         if ranks > 1:
             sent, received = trainer.comm.bytes_per_step()
-            log("cgp: chunks by rank: " + ", ".join(
+            log(f"cgp: chunks by rank{' of a group' if not comm.reproducible else ''}: "
+                + ", ".join(
                 f"{r}: {p.start}-{p.stop - 1}" if len(p) else f"{r}: none"
                 for r, p in enumerate(engine.parts))
                 + f"; per step each rank sends up to {sent / 2**20:.2f} MiB and receives up to "
                   f"{received / 2**20:.2f} MiB (gradient {4 * net.n_params / 2**20:.2f} MiB)")
+        if not comm.reproducible:
+            log(f"cgp: --sharing {config.sharing}: NOT reproducible: each group of ranks "
+                f"computes whole batches of {net.batch_size} on the weights it last pulled "
+                "from a parameter buffer (MPI one-sided windows on rank 0) and adds its "
+                "update there without waiting for the others, so the weights depend on "
+                "timing; an iteration is one group's update, and rank 0's group tests and "
+                "snapshots (which resume, not bit for bit). Per step a group's leader adds "
+                f"{4 * net.n_params / 2**20:.2f} MiB to the buffer and reads as much back")
         log(f"cgp: {trainer.memory_line}")
         if args.snapshot:
             trainer.restore(args.snapshot)
@@ -159,6 +183,9 @@ def train(args, sp, path, config, log, sink):
         summary = f"test {summary}"
     log(f"cgp: trained to iteration {trainer.iter} in {elapsed:.1f} s"
         + (f"; {summary}" if summary else ""))
+    computed = getattr(trainer.comm, "computed_by_group", None)
+    if computed:
+        log("cgp: iterations computed by each group: " + ", ".join(map(str, computed)))
     if getattr(trainer, "weights_path", None):
         log(f"cgp: weights written to {trainer.weights_path}")
     return 0
@@ -176,6 +203,7 @@ def add_equivalence(sub):
                         "gradient of iteration t - S (the first S iterations update nothing); "
                         "results depend on S, never on --threads or ranks (default 0: "
                         "synchronous SGD)")
+    add_sharing_options(p)
     p.add_argument("--iters", type=int, default=100, help="iterations per run (default 100)")
     p.add_argument("--ranks", default="1",
                    help="comma-separated numbers of MPI ranks: every thread count also runs on "
@@ -189,6 +217,8 @@ def cmd_equivalence(args, log=print):
     from cgp.prototxt import read_solver
     from cgp.train import RunConfig
 
+    if args.sharing != "sync":
+        raise CgpError(equivalence.refusal(args.sharing))
     path = solver_file(args)
     sp = read_solver(path)
     threads = thread_list(args.threads)
@@ -303,15 +333,15 @@ def cmd_compute_mean(args, log=print):
 
 def add_export(sub):
     p = sub.add_parser("export", help="write a net and its weights as an ONNX graph",
-                       description="The TEST phase of --model with --weights as ONNX (opset 13 "
-                                   "or later), without data, loss and accuracy layers. With "
+                       description="The TEST phase of --model with --weights as ONNX (opsets 13 "
+                                   "to 17), without data, loss and accuracy layers. With "
                                    "onnxruntime installed, the graph is run once on random "
                                    "input and compared with cgp's forward.")
     p.add_argument("--model", required=True, help="net prototxt (deploy or train/test)")
     p.add_argument("--weights", default=None,
                    help=".caffemodel file(s), comma-separated (default: the fillers' weights)")
     p.add_argument("--onnx", required=True, help="the .onnx file to write")
-    p.add_argument("--opset", type=int, default=13, help="ONNX opset (default 13)")
+    p.add_argument("--opset", type=int, default=13, help="ONNX opset, 13 to 17 (default 13)")
     p.add_argument("--input-shape", default=None, metavar="N,C,H,W",
                    help="the shape of the Data layers' data top, which is otherwise read from "
                         "their data source")

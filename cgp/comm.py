@@ -10,10 +10,12 @@ A chunk's gradient comes either as a row of a (chunks, parameters) buffer or, fo
 whose gradient is a product A^T @ B (InnerProduct), as its factors: the product is then
 formed inside the reduction, with the same bits, and never stored once per chunk.
 
-The protocol that cgp.engine and cgp.parallel rely on is Communicator below;
+The protocol that cgp.engine, cgp.parallel and cgp.train rely on is Communicator below;
 cgp.parallel.make_communicator() picks the implementation: LocalCommunicator (the threads or
-worker processes of one machine) or, under mpirun, cgp.mpi.MPICommunicator; the naive twin
-that tests compare with is ReferenceCommunicator.
+worker processes of one machine) or, under mpirun, cgp.mpi.MPICommunicator, both in lockstep
+(Lockstep: every process computes every iteration); or, with --sharing async or hybrid,
+cgp.sharing.SharedCommunicator, whose groups of ranks compute iterations of their own. The
+naive twin that tests compare with is ReferenceCommunicator.
 """
 from typing import NamedTuple, Protocol
 
@@ -121,6 +123,8 @@ class Communicator(Protocol):
     takes_factors: bool   # whether plan() takes FactoredGrad blocks
     final_in_task: bool   # whether a task's columns hold the batch's sum once it has run
     leader: bool          # whether this process writes snapshots and prints progress
+    leader_group: bool    # whether this process takes part in the tests and snapshots
+    reproducible: bool    # whether the weights are a function of the run's settings alone
 
     def partition(self, chunks):
         """Every process's range of chunks, lo..hi of `chunks`, in process order."""
@@ -164,7 +168,58 @@ class Communicator(Protocol):
 
     def max(self, value):
         """The largest of every process's int value (every process must ask, at the same
-        point): how processes agree, e.g. to stop at one iteration."""
+        point): how processes agree, e.g. on a column that went infinite."""
+
+    # -- the iterations (the trainer's; Lockstep's where every process computes each) ----
+    def begin(self, it, params):
+        """Training starts, or resumes, at iteration `it` with these params (every process
+        at once): returns the iteration count."""
+
+    def claim(self, it, end):
+        """The iteration whose batch this process computes next, its count being `it`; None
+        where none is left before `end`."""
+
+    def claim_ahead(self, it, end):
+        """As claim(), asked during the step before (its batch is read meanwhile): the
+        iteration that the next claim() returns."""
+
+    def after(self, it):
+        """The iteration count once this process's step of iteration `it` is shared."""
+
+    def request(self, value):
+        """What every process acts on now of the signals' requests (cgp.train.REQUESTS: 0
+        none, 1 snapshot, 2 stop; each process asks once an iteration): the strongest any
+        has made."""
+
+    def end(self, it, params):
+        """This process has no iteration left, or stops: returns the final iteration count,
+        params then the final weights (every process at once)."""
+
+
+class Lockstep:
+    """The iterations of communicators whose processes compute every iteration together:
+    the trainer's count is the iteration, a request is agreed with max()."""
+
+    leader_group = True
+    reproducible = True
+
+    def begin(self, it, params):
+        return it
+
+    def claim(self, it, end):
+        return it
+
+    def claim_ahead(self, it, end):
+        return it
+
+    def after(self, it):
+        return it + 1
+
+    def request(self, value):
+        return self.max(value)
+
+    def end(self, it, params):
+        return it
 
 
 class Reduction:
@@ -191,7 +246,7 @@ class Reduction:
         return self.result
 
 
-class LocalCommunicator:
+class LocalCommunicator(Lockstep):
     """One process owns every chunk: tree-sums chunk buffers in parallel over column blocks on
     a pool (cgp.runtime.pool.Pool's threads, or cgp.runtime.procs.ProcessPool's processes,
     the buffers then in shared memory); each task's sum is the batch's."""

@@ -37,6 +37,15 @@ class Outcome:
     ranks: int = 1
 
 
+def refusal(sharing):
+    """Why the harness does not run a mode that shares weights asynchronously."""
+    return (f"cgp equivalence proves that runs are bitwise identical; --sharing {sharing} is "
+            "not reproducible by nature (each group of ranks adds its update to the shared "
+            "weights whenever it is done, so the weights depend on timing, even between two "
+            "runs with the same settings): there is nothing to prove. --staleness S "
+            "overlaps communication with a fixed delay that stays bitwise reproducible")
+
+
 def train_run(sp, solver_path, config, iters, log=lambda line: None):
     """Train `iters` iterations; returns an Outcome with every iteration's loss."""
     trainer = Trainer(sp, solver_path, replace(config, max_iter=iters, progress=False), log=log)
@@ -131,6 +140,8 @@ def run(sp, solver_path, config, threads_list, iters, log=print, workers=None, r
     """The whole harness; returns the process exit status (0: all equivalent). workers:
     every thread count runs with its workers as each of these (RunConfig.workers; default
     config's); ranks: and on each of these numbers of MPI ranks (mpirun on this machine)."""
+    if config.sharing != "sync":
+        raise CgpError(refusal(config.sharing))
     workers = workers or (config.workers,)
     if not threads_list:
         raise CgpError("--threads needs at least one thread count")

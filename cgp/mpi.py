@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cgp.comm import (BLOCK, ROW_GRAIN, Reduction, blocks, merge_pairs, split, subtrees,
-                      sum_block, uncovered)
+from cgp.comm import (BLOCK, ROW_GRAIN, Lockstep, Reduction, blocks, merge_pairs, split,
+                      subtrees, sum_block, uncovered)
 from cgp.errors import CgpError
 from cgp.runtime import fpenv
 from cgp.runtime.memory import aligned_zeros
@@ -65,8 +65,10 @@ def local_job(ranks, args):
     """(argv, environment) that run `python ARGS` as `ranks` MPI ranks on this machine:
     Open MPI told that it may run as root (containers), place more ranks than cores, leave
     every rank free to use any core (its workers are processes of its own), and talk through
-    shared memory only (it starts in a fifth of the time it takes probing networks)."""
-    env = dict(os.environ, OMPI_MCA_btl="self,sm",
+    shared memory only (it starts in a fifth of the time it takes probing networks), with
+    one-sided windows (cgp.sharing) through shared memory too (Open MPI's UCX component,
+    which this machine cannot use, otherwise prints an error as it declines)."""
+    env = dict(os.environ, OMPI_MCA_btl="self,sm", OMPI_MCA_osc="^ucx",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
                PRTE_MCA_hwloc_default_binding_policy="none")
     if os.geteuid() == 0:
@@ -172,7 +174,7 @@ class Exchange:
         result[mine.start:mine.stop] = bucket.recv[0]
 
 
-class MPICommunicator:
+class MPICommunicator(Lockstep):
     """The communicator of one rank of an MPI job (see the module)."""
 
     takes_factors = True

@@ -250,14 +250,16 @@ class Net:
         them); net.blobs maps a name to its last version's data (in-place layers rewrite
         it) and its first version's diff (their backward rewrites it last)."""
         net = self._net
-        producer = {}                      # blob id -> (entry, top index)
+        # A Split copies what the last layer before it wrote (an in-place chain's last, as
+        # Caffe's insert_splits names it), and runs right after that layer.
+        producer = {}                      # blob id -> (entry, top index) of its last writer
+        splits = {}                        # id(entry) -> [(Split, its bottom's top index)]
         for e in net.sources + net.entries:
-            for j, t in enumerate(e.tops):
-                producer.setdefault(t, (e, j))
-        splits = {}
-        for e in net.entries:
             if e.layer.type_name == "Split":
-                splits.setdefault(id(producer[e.bottoms[0]][0]), []).append(e)
+                src, j = producer[e.bottoms[0]]
+                splits.setdefault(id(src), []).append((e, j))
+            for j, t in enumerate(e.tops):
+                producer[t] = (e, j)
         plain = sorted((e for e in net.sources + net.entries if e.layer.type_name != "Split"),
                        key=lambda e: e.layer.index)
         self._order, names, layer_names = [], {}, []
@@ -266,9 +268,8 @@ class Net:
                 names[t] = e.layer.lp.top[j]
             self._order.append(e)
             layer_names.append(e.layer.name)
-            for s in splits.get(id(e), []):
-                src, j = producer[s.bottoms[0]]
-                base = f"{net.blob_names[s.bottoms[0]]}_{src.layer.name}_{j}_split"
+            for s, j in splits.get(id(e), []):
+                base = f"{net.blob_names[s.bottoms[0]]}_{e.layer.name}_{j}_split"
                 for k, t in enumerate(s.tops):
                     names[t] = f"{base}_{k}"
                 self._order.append(s)

@@ -37,6 +37,9 @@ from cgp.solver import Solver, check_values
 DEFAULT_SEED = 1701  # used when neither --seed nor the solver's random_seed is set
 
 
+SHARING = ("sync", "async", "hybrid")   # --sharing
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Run settings from the command line; the prototxt owns everything else."""
@@ -56,6 +59,10 @@ class RunConfig:
     workers: str = field(default_factory=default_workers)
     denormals: str = "flush"  # subnormal floats: "flush" to zero (fast) or "keep" (IEEE)
     staleness: int = 0        # the update of iteration t applies iteration t - S's gradient
+    # How ranks share the weights: "sync" (every rank computes its share of every batch),
+    # "async" or "hybrid" in `groups` groups (cgp.sharing: not reproducible).
+    sharing: str = "sync"
+    groups: int = 0
 
     def __post_init__(self):
         # Refused before anything runs: a seed out of range would otherwise fail only when
@@ -65,6 +72,18 @@ class RunConfig:
                            f"64-bit signed integer), got {self.seed}")
         if self.max_iter is not None and self.max_iter < 0:
             raise CgpError(f"--iters must be at least 0, got {self.max_iter}")
+        if self.sharing not in SHARING:
+            raise CgpError(f"--sharing {self.sharing}: expected one of {', '.join(SHARING)}")
+        if self.groups and self.sharing != "hybrid":
+            raise CgpError(f"--groups {self.groups} is for --sharing hybrid (this run has "
+                           f"--sharing {self.sharing})")
+        if self.sharing == "hybrid" and not self.groups:
+            raise CgpError("--sharing hybrid needs --groups G: the ranks are cut into G groups, "
+                           "synchronous within, asynchronous between them")
+        if self.staleness and self.sharing != "sync":
+            raise CgpError(f"--staleness {self.staleness} delays the updates of synchronous "
+                           f"training by a fixed count; --sharing {self.sharing} has delays of "
+                           "its own, set by timing: give one or the other")
 
 
 SIGNAL_EFFECTS = ("stop", "snapshot", "none")
@@ -219,6 +238,7 @@ class Trainer:
     """Trains one solver; `log` receives Caffe-style lines."""
 
     restored_iter = None   # the iteration of the .solverstate restored, if any
+    snapshot_iter = None   # the iteration of the latest snapshot written
     _prefix_held = False   # hold_prefix has run
     _lock = None           # this run's share of its snapshot prefix's lock
 
@@ -253,7 +273,7 @@ class Trainer:
         # Histories in shared memory where workers write them (processes).
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory,
                              [(b.offset, b.size) for b in self.net.param_blobs])
-        self.comm = comm = make_communicator(self.pool)
+        self.comm = comm = make_communicator(self.pool, config.sharing, config.groups)
         self._check_memory(config.chunks)
         self.engine = Engine(self.net, config.chunks, self.pool, comm)
         self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False)
@@ -273,6 +293,8 @@ class Trainer:
         self._ahead = None        # (what _batch was asked, the batch) read ahead by step()
         self._request = None      # what a signal asked for: "stop" or "snapshot"
         self._told_to_stop = False   # a signal asked this process to stop
+        self.drained = False      # every iteration to max_iter is claimed (cgp.sharing)
+        self._from = 0            # the iteration count where the latest steps() began
         self._heard = []             # what the signal handler has to say (_agree says it)
         self.clock = time.perf_counter   # the display's speed; cgp train's leaves out compiling
         # Caffe's solver field `weights` (the command line's --weights replaces it).
@@ -319,6 +341,8 @@ class Trainer:
         is for that very batch (not after a restore or a jump back). A data error is left to
         the step that needs the batch, which then reads it again and raises it."""
         self._ahead = None
+        if it is None:   # no iteration left to claim (cgp.sharing)
+            return
         self.solver.prepare_ahead(it)
         position, iteration = self._pass(it, 0)
         try:
@@ -353,17 +377,27 @@ class Trainer:
         `it` and ends the run early by returning True. The caller's work for the next
         iteration (its first batch and Step) runs during each iteration's last run, which
         would otherwise keep every worker waiting; the weights are up to date whenever an
-        iteration has returned."""
-        result = None
-        for _ in range(n):
-            it = self.iter
+        iteration has returned.
+        Where groups of ranks share weights asynchronously (cgp.sharing), the communicator
+        says which iteration this process computes and what the count is after it (the
+        updates of every group): steps run until the count has grown by n, or no iteration
+        is left to claim (drained); `it` given to each() is then the count of the weights
+        that the step's loss was computed on."""
+        result, end = None, self.iter + n
+        self._from = self.iter
+        while self.iter < end:
+            it = self.comm.claim(self.iter, self.max_iter)
+            if it is None:
+                self.drained = True
+                break
             try:
-                result = self.train_step(it, lambda k: self._pass_batch(it, k), self.seed,
-                                         first=lambda: self._work_ahead(it + 1))
+                result = self.train_step(
+                    it, lambda k: self._pass_batch(it, k), self.seed,
+                    first=lambda: self._work_ahead(self.comm.claim_ahead(it + 1, self.max_iter)))
             except Diverged as d:
                 raise CgpError(self._divergence(d)) from None
-            self.iter += 1
-            if each is not None and each(it, *result):
+            before, self.iter = self.iter, self.comm.after(it)
+            if each is not None and each(before, *result):
                 break
         return result
 
@@ -436,6 +470,8 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------
     def _test_all(self):
+        if not self.comm.leader_group:   # cgp.sharing: rank 0's group tests
+            return
         for i, net in enumerate(self.test_nets):
             self.log(f"Iteration {self.iter}, Testing net (#{i})")
             result = self.test(i)
@@ -468,6 +504,8 @@ class Trainer:
             self.hold_prefix()
         if (sp.snapshot or sp.snapshot_after_train) and self.comm.leader:   # found out now
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
+        # Where groups share weights (cgp.sharing): the buffer starts from these weights.
+        self.iter = self._from = self.comm.begin(self.iter, self.net.params)
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
             last = self.clock()
             last_iter = self.iter
@@ -475,8 +513,9 @@ class Trainer:
             def done(it, loss, outputs, rate):
                 nonlocal last, last_iter
                 smoothed = self._smoothed(loss)
-                bar.update(1)
-                if sp.display and it % sp.display == 0:
+                bar.update(self.iter - it)
+                # A multiple of display passed: it itself, where the count grows by one.
+                if sp.display and (self.iter - 1) // sp.display > (it - 1) // sp.display:
                     now = self.clock()
                     speed = max(1, self.iter - last_iter) / max(now - last, 1e-9)
                     self.log(f"Iteration {it} ({speed:.3g} iter/s, "
@@ -490,7 +529,8 @@ class Trainer:
                 return self._agree() is not None   # a signal's request: acted on now
 
             while self.iter < self.max_iter and not self._stop:
-                if self._due(sp.test_interval) and (self.iter > 0 or sp.test_initialization):
+                if (self.test_nets and self._reached(sp.test_interval)
+                        and (self.iter > 0 or sp.test_initialization)):
                     self._test_all()
                     if self._stop:   # Ctrl-C during the test: no more training, as Caffe
                         break
@@ -500,9 +540,12 @@ class Trainer:
                     if interval > 0:
                         n = min(n, interval - self.iter % interval)
                 self.steps(n, done)
-                self._act_on_request(snapshot_due=bool(sp.snapshot)
-                                     and self.iter % sp.snapshot == 0)
-            if sp.snapshot_after_train and (not sp.snapshot or self.iter % sp.snapshot != 0):
+                if self.drained:   # cgp.sharing: the count once every group's updates are in
+                    self.iter = self.comm.end(self.iter, self.net.params)
+                self._act_on_request(snapshot_due=self._reached(sp.snapshot))
+            self.iter = self.comm.end(self.iter, self.net.params)   # after a stop, likewise
+            if (sp.snapshot_after_train and (not sp.snapshot or self.iter % sp.snapshot != 0)
+                    and self.snapshot_iter != self.iter):
                 self.snapshot()   # a stop asked meanwhile changes nothing
         if self._stop:
             self.log("Optimization stopped early.")
@@ -538,11 +581,17 @@ class Trainer:
         all stop, or snapshot, at the same iteration."""
         while self._heard:
             self.log(self._heard.pop(0))
-        self._request = REQUESTS[self.comm.max(REQUESTS.index(self._request))]
+        self._request = REQUESTS[self.comm.request(REQUESTS.index(self._request))]
         return self._request
 
-    def _due(self, interval):
-        return bool(self.test_nets) and interval > 0 and self.iter % interval == 0
+    def _reached(self, interval):
+        """Whether the iteration count is at a multiple of interval (> 0), or, where it grows
+        by more than one a step (cgp.sharing), has passed one since the latest steps() began
+        (until every iteration is claimed: the final count is then taken as it is)."""
+        if interval <= 0:
+            return False
+        return self.iter % interval == 0 or (not self.drained
+                                             and self.iter // interval > self._from // interval)
 
     def _sigint(self):
         """Caffe's signal effects, acted on after the current iteration: SIGINT (Ctrl-C)
@@ -634,7 +683,10 @@ class Trainer:
     def snapshot(self):
         """Write <prefix>_iter_<N>.caffemodel and .solverstate (.caffemodel.h5 and
         .solverstate.h5 with snapshot_format HDF5), a pair that appears whole or not at all
-        (snapshot.write_snapshot), from the leader process alone; returns the model's path."""
+        (snapshot.write_snapshot), from the leader process alone; returns the model's path
+        (None outside the leader's group, which writes none: cgp.sharing)."""
+        if not self.comm.leader_group:
+            return None
         pending = self.train_step.pending(self.iter)
         # Each process holds its columns' (MPI).
         for array in self.solver.histories + [gradient for _, gradient in pending]:
@@ -649,6 +701,7 @@ class Trainer:
         self.log(f"Snapshotting to {kind} file {model}")
         self.log(f"Snapshotting solver state to {kind} file {state}")
         self.weights_path = model
+        self.snapshot_iter = self.iter
         return model
 
     def resume_state(self):

