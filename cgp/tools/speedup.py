@@ -39,6 +39,17 @@ def add_bench(sub):
                     "and writes JSON, CSV and a PNG plot into --out.")
     s.add_argument("model", nargs="?", help="short name of a bundled model (mnist, cifar10, ...)")
     s.add_argument("--solver", help="solver prototxt (Caffe's format)")
+    s.add_argument("--model", dest="net_file", metavar="FILE",
+                   help="a net prototxt instead (a deploy net of the model zoo, say), trained "
+                        "with plain momentum SGD on synthetic input: its Input layers get "
+                        "seeded standard-normal values, labels random classes. A net without "
+                        "a loss is timed as it would train, in cgp and PyTorch alike: an "
+                        "output made by Softmax becomes SoftmaxWithLoss against the labels, "
+                        "any other output is summed into the loss, and BatchNorm computes "
+                        "batch statistics")
+    s.add_argument("--batch", type=int, default=None,
+                   help="with --model: the batch size, set on the net's Input shapes and "
+                        "data layers (default: the net's own)")
     s.add_argument("--threads", default=None,
                    help="comma-separated thread counts (default: 1, 2, 4, ... up to the "
                         "logical cores); 1 is always added, the baseline of the speedups")
@@ -61,6 +72,10 @@ def add_bench(sub):
                         "iterations to regain its speed, which training never pays")
     s.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same network in PyTorch (needs torch installed)")
+    s.add_argument("--torch-layout", choices=("channels_last", "contiguous"), default=None,
+                   help="with --compare torch: time PyTorch in this memory format only "
+                        "(default: both; one copy of a large net at a large batch may be "
+                        "all the memory holds)")
     s.add_argument("--ceiling", action="store_true",
                    help="also time the machine's ceiling: for each thread count N > 1, N "
                         "copies of the 1-thread training at once, each in a process of its "
@@ -459,18 +474,40 @@ def plot(path, report, rows, log):
 def model_name(args, path):
     if args.model:
         return args.model
+    if args.net_file:
+        from cgp.tools.net_bench import run_name
+        return run_name(args.net_file)
     stem = Path(path).stem
     return stem[:-len("_solver")] if stem.endswith("_solver") else stem
+
+
+def solver(args, log):
+    """(the solver file or None, the SolverParameter) that the run trains: a bundled model's
+    or --solver's, or one made around --model's net (cgp.tools.net_bench)."""
+    from cgp.errors import CgpError
+    from cgp.prototxt import read_solver
+
+    if args.net_file:
+        if args.model or args.solver:
+            raise CgpError("give a model name, --solver or --model, only one of them")
+        from cgp.net import RunOptions
+        from cgp.tools.net_bench import bench_solver
+        return None, bench_solver(args.net_file, args.batch,
+                                  RunOptions(args.data_dir, not args.no_download), log)
+    if args.batch is not None:
+        raise CgpError("--batch goes with --model FILE; a solver's net sets its own batch_size")
+    path = solver_file(args)
+    return path, read_solver(path)
 
 
 def cmd_speedup(args, log=print):
     import statistics
 
     from cgp.errors import CgpError
-    from cgp.prototxt import read_solver
+    from cgp.timing import fill_inputs
     from cgp.train import RunConfig, Trainer
 
-    path = solver_file(args)
+    path, sp = solver(args, log)
     threads = thread_list(args.threads) if args.threads else default_threads()
     threads = sorted(set(threads) | {1})   # speedups are over 1 thread
     workers = worker_list(args.workers)
@@ -486,17 +523,21 @@ def cmd_speedup(args, log=print):
     check_threads(max(threads), log, "threads" if "threads" in workers else None)
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     started = time.gmtime()
-    sp = read_solver(path)
     trainers = {}   # (workers, threads) -> Trainer; ("ceiling", n) -> the copies' copy 0
     ceilings = []   # Copies, one per thread count above 1
     ranks = [r for r in thread_list(args.ranks, "--ranks") if r > 1]
+    if ranks and path is None:
+        raise CgpError("--ranks runs a solver file in each rank: give --solver, not --model")
     jobs = []       # RankJob, one per (ranks, workers, threads)
 
     def trainer(t, kind):
         config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
                            data_dir=args.data_dir, download=not args.no_download,
                            progress=False, denormals=args.denormals, workers=kind)
-        return Trainer(sp, path, config, log=lambda line: None)
+        made = Trainer(sp, path, config, log=lambda line: None)
+        if args.net_file:   # before a --ceiling copy forks from it
+            fill_inputs(made.net, made.seed)
+        return made
     try:
         # The copies fork first, while this process has no other threads to carry over.
         for t in threads[1:] if args.ceiling else ():
@@ -520,7 +561,7 @@ def cmd_speedup(args, log=print):
             if first.solver.type != "SGD":
                 log(f"cgp bench: note: PyTorch runs momentum SGD; the solver is "
                     f"{first.solver.type}")
-            for layout in torch_ref.LAYOUTS:
+            for layout in [args.torch_layout] if args.torch_layout else torch_ref.LAYOUTS:
                 configs += [torch_config(torch_ref, t, layout,
                                          torch_ref.TorchTrainer(net, sp, layout), first,
                                          args.denormals == "flush")
@@ -529,7 +570,7 @@ def cmd_speedup(args, log=print):
         writable_folder(Path(args.out) / "results.json")   # found out now, not after the timing
         torch_note = (f"; PyTorch {torch_ref.version()} (subnormals "
                       f"{DENORMALS_DONE[args.denormals]} as in cgp)" if torch_ref else "")
-        log(f"cgp bench speedup: {path}, net '{net.name}', batch {images} in "
+        log(f"cgp bench speedup: {path or args.net_file}, net '{net.name}', batch {images} in "
             f"{len(first.engine.bounds)} chunks; threads {','.join(map(str, threads))}"
             f" as {' and as '.join(workers)}"
             f"{torch_note}"
@@ -591,7 +632,8 @@ def cmd_speedup(args, log=print):
             "the idle cores measure the neighbours, not cgp")
     model = model_name(args, path)
     extra = {"torch": torch_ref.version()} if torch_ref else {}
-    report = {"model": model, "solver": str(path), "net": net.name, "batch": images,
+    report = {"model": model, "solver": path and str(path), "net_file": args.net_file,
+              "net": net.name, "batch": images,
               "chunks": len(first.engine.bounds), "denormals": args.denormals,
               "workers": workers,
               "iters": args.iters,

@@ -2,10 +2,17 @@
 same layers, shapes and weights), for `cgp bench speedup --compare torch` and as an independent
 check of cgp's forward and backward. Optional: importing this module needs PyTorch.
 
-It covers the layers of the bundled models (Convolution, Pooling MAX/AVE with Caffe's rounding,
-InnerProduct, ReLU, LRN, Sigmoid, TanH, Dropout, SoftmaxWithLoss, Accuracy and the Split layers
-the net builder inserts); any other layer is refused by name. It does not read data: callers
-pass the batches that cgp's data layers produce.
+It covers the layers of the bundled models and of the zoo's ResNet-50, GoogLeNet, MobileNet and
+SqueezeNet (Convolution, grouped and depthwise too; Pooling MAX/AVE with Caffe's rounding, global
+too; InnerProduct, ReLU, LRN, Sigmoid, TanH, Dropout, BatchNorm, Scale, Bias, Eltwise, Concat,
+Softmax, SoftmaxWithLoss, Reduction, Accuracy and the Split layers the net builder inserts);
+any other layer is refused by name. It does not read data: callers pass the batches that cgp's
+data layers produce.
+
+Written as a PyTorch user writes such a net (torchvision's): a BatchNorm whose only reader is a
+learnt per-channel Scale runs as one batch_norm with weight and bias, and a ReLU that Caffe
+runs in place runs in place where autograd allows it (its input read by nothing else, and made
+by an op that keeps its inputs, not its output, for backward).
 """
 import numpy as np
 
@@ -22,8 +29,13 @@ from cgp.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
 LossP = caffe_pb2.LossParameter
+EltP = caffe_pb2.EltwiseParameter
+RedP = caffe_pb2.ReductionParameter
 SUPPORTED = ("Convolution", "Pooling", "InnerProduct", "ReLU", "LRN", "Sigmoid", "TanH",
-             "Dropout", "SoftmaxWithLoss", "Accuracy", "Split")
+             "Dropout", "BatchNorm", "Scale", "Bias", "Eltwise", "Concat", "Softmax",
+             "SoftmaxWithLoss", "Reduction", "Accuracy", "Split")
+# Ops whose backward keeps their inputs, not their output: a ReLU after one may overwrite it.
+KEEP_INPUTS = ("Convolution", "InnerProduct", "BatchNorm", "Scale", "Bias", "Eltwise", "Concat")
 LAYOUTS = ("channels_last", "contiguous")
 
 
@@ -36,9 +48,10 @@ def memory_format(layout):
 class TorchNet(torch.nn.Module):
     """net.entries as PyTorch ops over blob ids. Parameters start as copies of `params`
     (default net.params), one torch Parameter per cgp ParamBlob, so shared blobs stay shared.
-    `layout`: the memory format of 4-d blobs and weights, channels_last or contiguous."""
+    `layout`: the memory format of 4-d blobs and weights, channels_last or contiguous;
+    `dtype`: of the weights and inputs (float64: a reference for cgp's float32 arithmetic)."""
 
-    def __init__(self, net, params=None, layout="channels_last"):
+    def __init__(self, net, params=None, layout="channels_last", dtype=np.float32):
         super().__init__()
         unsupported = sorted({e.layer.type_name for e in net.entries} - set(SUPPORTED))
         if unsupported:
@@ -46,20 +59,64 @@ class TorchNet(torch.nn.Module):
                            f"type(s) {', '.join(unsupported)}; supported: {', '.join(SUPPORTED)}")
         self.net = net
         self.format = memory_format(layout)
+        self.dtype = dtype
         flat = net.params if params is None else params
         self.blobs = torch.nn.ParameterList()
         for b in net.param_blobs:
-            value = torch.from_numpy(np.array(flat[b.offset:b.offset + b.size], np.float32)
+            value = torch.from_numpy(np.array(flat[b.offset:b.offset + b.size], dtype)
                                      .reshape(b.shape))
             if value.dim() == 4:
                 value = value.contiguous(memory_format=self.format)
             self.blobs.append(torch.nn.Parameter(value, requires_grad=b.lr_mult != 0))
-        self.ops = [self._op(e.layer) for e in net.entries]
+        self.readers = {}    # blob id -> how many entries read it
+        self.writer = {}     # blob id -> the entry that writes it
+        for e in net.entries:
+            for b in e.bottoms:
+                self.readers[b] = self.readers.get(b, 0) + 1
+            for t in e.tops:
+                self.writer[t] = e
+        # Scale entry index -> the BatchNorm entry it runs with (and that then passes through).
+        self.fused = {}
+        for i, e in enumerate(net.entries):
+            if e.layer.type_name == "Scale" and self._after_batchnorm(e):
+                self.fused[i] = self.writer[e.bottoms[0]]
+        fused_norms = {id(e) for e in self.fused.values()}
+        self.ops = [(lambda xs, ps: [xs[0]]) if id(e) in fused_norms
+                    else self._scale_norm(e, self.fused[i]) if i in self.fused
+                    else self._op(e.layer, e) for i, e in enumerate(net.entries)]
         self.label_blobs = {e.bottoms[1] for e in net.entries
                             if e.layer.type_name in ("SoftmaxWithLoss", "Accuracy")}
 
     # -- building ----------------------------------------------------------------
-    def _op(self, layer):
+    def _after_batchnorm(self, e):
+        """Whether Scale entry e is a learnt per-channel scale of a BatchNorm's output that
+        nothing else reads: the pair torchvision writes as one BatchNorm2d."""
+        layer = e.layer
+        source = self.writer.get(e.bottoms[0])
+        return (source is not None and source.layer.type_name == "BatchNorm"
+                and self.readers[e.bottoms[0]] == 1 and layer.learnt and layer.axis == 1
+                and len(layer.blob_shape) == 1)
+
+    def _scale_norm(self, scale, norm):
+        """A BatchNorm entry and the Scale after it as one batch_norm with weight and bias."""
+        def fused(xs, ps):
+            weight, bias = ps[0], ps[1] if scale.layer.bias_term else None
+            stats = [self.blobs[p] for p in norm.params]
+            return self._batch_norm(norm.layer, xs[0], stats, weight, bias)
+        return fused
+
+    @staticmethod
+    def _batch_norm(layer, x, stats, weight=None, bias=None):
+        """Caffe's BatchNorm (and the Scale after it): batch statistics, or its blobs' mean and
+        variance divided by their factor (0 where the factor is 0, as Caffe)."""
+        if not layer.global_stats:
+            return [F.batch_norm(x, None, None, weight, bias, training=True, eps=layer.eps)]
+        mean, variance, factor = stats
+        scale = 0 if float(factor[0]) == 0 else 1 / float(factor[0])
+        return [F.batch_norm(x, mean * scale, variance * scale, weight, bias, training=False,
+                             eps=layer.eps)]
+
+    def _op(self, layer, entry):
         """fn(bottoms, params) -> tops for one layer."""
         kind = layer.type_name
         if kind == "Split":
@@ -79,9 +136,25 @@ class TorchNet(torch.nn.Module):
                 return [F.linear(x, w, ps[1] if len(ps) > 1 else None)]
             return inner_product
         if kind == "ReLU":
+            source = self.writer.get(entry.bottoms[0])
+            inplace = (layer.lp.bottom[0] == layer.lp.top[0] and source is not None
+                       and source.layer.type_name in KEEP_INPUTS
+                       and self.readers[entry.bottoms[0]] == 1)
             if layer.slope:
-                return lambda xs, ps: [F.leaky_relu(xs[0], layer.slope)]
-            return lambda xs, ps: [F.relu(xs[0])]
+                return lambda xs, ps: [F.leaky_relu(xs[0], layer.slope, inplace=inplace)]
+            return lambda xs, ps: [F.relu(xs[0], inplace=inplace)]
+        if kind == "BatchNorm":
+            return lambda xs, ps: self._batch_norm(layer, xs[0], ps)
+        if kind in ("Scale", "Bias"):
+            return self._broadcast(layer)
+        if kind == "Eltwise":
+            return self._eltwise(layer)
+        if kind == "Concat":
+            return lambda xs, ps: [torch.cat(xs, dim=layer.axis)]
+        if kind == "Softmax":
+            return lambda xs, ps: [F.softmax(xs[0], dim=layer.axis)]
+        if kind == "Reduction":
+            return self._reduction(layer)
         if kind == "Sigmoid":
             return lambda xs, ps: [torch.sigmoid(xs[0])]
         if kind == "TanH":
@@ -95,6 +168,55 @@ class TorchNet(torch.nn.Module):
         if kind == "Accuracy":
             return self._accuracy(layer)
         raise CgpError(f"layer '{layer.name}': type {kind} has no PyTorch op")  # SUPPORTED lies
+
+    def _broadcast(self, layer):
+        """Scale (y = x * s, + b with bias_term) or Bias (y = x + b): s and b broadcast
+        from layer.axis, learnt or the second bottom (one per sample, from axis 0)."""
+        ndim = len(layer.shape)
+
+        def placed(blob):
+            k = len(layer.blob_shape)
+            return blob.reshape((1,) * layer.axis + tuple(blob.shape[:k] if k else ())
+                                + (1,) * (ndim - layer.axis - k))
+        scale = layer.type_name == "Scale"
+        bias_term = layer.bias_term if scale else True
+
+        def broadcast(xs, ps):
+            given = xs[1] if len(xs) > 1 else None
+            y = xs[0]
+            if scale:
+                y = y * placed(ps[0] if given is None else given)
+            if bias_term:
+                y = y + placed(ps[-1] if scale or given is None else given)
+            return [y]
+        return broadcast
+
+    def _eltwise(self, layer):
+        def eltwise(xs, ps):
+            if layer.op == EltP.SUM:
+                y = xs[0] * layer.coeffs[0] if layer.coeffs[0] != 1 else xs[0]
+                for x, c in zip(xs[1:], layer.coeffs[1:]):
+                    y = y + (x * c if c != 1 else x)
+                return [y]
+            y = xs[0]
+            for x in xs[1:]:
+                y = y * x if layer.op == EltP.PROD else torch.maximum(y, x)
+            return [y]
+        return eltwise
+
+    def _reduction(self, layer):
+        p = layer.lp.reduction_param
+
+        def reduction(xs, ps):
+            # (rows, values reduced per row); axis 0: the whole batch in one row
+            x = xs[0].flatten(layer.axis) if layer.axis else xs[0].reshape(-1)
+            if p.operation == RedP.ASUM:
+                x = x.abs()
+            elif p.operation == RedP.SUMSQ:
+                x = x * x
+            count = x.shape[-1] if p.operation == RedP.MEAN else 1
+            return [x.sum(-1) * (p.coeff / count)]
+        return reduction
 
     def _pool(self, layer):
         if len(layer.lp.top) != 1:
@@ -165,7 +287,7 @@ class TorchNet(torch.nn.Module):
         tensors: images in this net's memory format, labels as they are."""
         out = {}
         for blob, array in batch.items():
-            x = torch.from_numpy(np.asarray(array, np.float32))
+            x = torch.from_numpy(np.asarray(array, self.dtype))
             if x.dim() == 4 and blob not in self.label_blobs:
                 x = x.contiguous(memory_format=self.format)
             out[blob] = x
