@@ -625,10 +625,13 @@ def test_torch_copy_of_squeezenet():
     path = ZOO / "squeezenet_v1.1" / "deploy.prototxt"
     if not path.is_file():
         pytest.skip(f"the model zoo fixtures are not at {ZOO}")
-    # The gradients of the layers below pool5 differ from PyTorch's by up to 0.4% in norm
-    # (conv1), whatever the chunks, where PyTorch's float32 is within 1e-6 of its float64:
-    # an open difference that enters at pool5 (the net cut there shows it, cut at
-    # fire5/concat does not), not float rounding; the loss is equal.
+    # The gradients of the layers below pool5 differ from PyTorch's contiguous run by up to
+    # 0.4% in norm (conv1): float rounding made discrete by a max. One of pool5's 100352
+    # windows holds a near-tie (its two largest inputs 1.1e-7 apart in PyTorch's float64,
+    # less than float32's rounding through the layers above), and cgp, like PyTorch's
+    # channels_last run, takes the other cell; the loss is equal. Given cgp's argmax at
+    # pool5, the contiguous run agrees within 3e-6. pool5 itself is not at fault: on its
+    # input, cgp and both PyTorch layouts pick the same cell as Caffe's rule in every window.
     assert_torch_matches_cgp(path, 2, gradient_norm_tolerance=1e-2)
 
 
