@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cgp import models
 from cgp.net import layer_included
-from cgp.proto import caffe_pb2, cgp_pb2
+from cgp.proto import caffe_pb2
 from cgp.prototxt import format_message, format_solver, read_net, read_solver, solver_extras
 from cgp.train import resolve
 

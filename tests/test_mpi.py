@@ -117,24 +117,31 @@ def test_a_rank_killed_ends_the_job_with_a_message(tmp_path, mnist_dir):
     """A rank killed with SIGKILL in the middle of training: the job ends within seconds,
     with a non-zero status and a message that names the rank, instead of the others waiting
     for it for ever."""
-    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir),
-                                  "--iters", "100000", "--snapshot-prefix", "s/t"])
-    job = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+    kill_a_rank(["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir), "--iters",
+                 "100000", "--snapshot-prefix", "s/t"], tmp_path, "Iteration 100 ", rank=1)
+
+
+def kill_a_rank(command, cwd, started, rank):
+    """Runs `python COMMAND` on 3 mpirun ranks, kills rank `rank` with SIGKILL once rank 0
+    prints a line that starts with `started`, and checks that the job ends within 10 s,
+    non-zero, with a message that names the rank."""
+    argv, env = mpi.local_job(3, command)
+    job = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
         for line in job.stdout:   # rank 0 prints; wait until the ranks train
-            if line.startswith("Iteration 100 "):
+            if re.match(started, line):
                 break
         ranks = rank_pids(job.pid)
         assert len(ranks) == 3
-        os.kill(ranks[1], signal.SIGKILL)
+        os.kill(ranks[rank], signal.SIGKILL)
         killed = time.monotonic()
         out, err = job.communicate(timeout=30)
         assert time.monotonic() - killed < 10
     finally:
         job.kill()
     assert job.returncode != 0
-    assert re.search(r"rank 1 .*signal 9", " ".join(err.split())), err
+    assert re.search(rf"rank {rank} .*signal 9", " ".join(err.split())), err
 
 
 def rank_pids(mpirun_pid):

