@@ -176,6 +176,28 @@ def _call_samples(net, chunks, threads):
     return group_size(net, chunks, threads) * -(-net.batch_size // chunks)
 
 
+def _scratch_bytes(net, n):
+    """The layers' scratch buffers (Layer.scratch_shapes) of a workspace for calls of n
+    samples, in float32 where a layer gives no dtype."""
+    total = 0
+    for entry in net.entries:
+        for spec in entry.layer.scratch_shapes(n).values():
+            shape, kind = (spec if isinstance(spec, tuple) and len(spec) == 2
+                           and isinstance(spec[0], tuple) else (spec, np.float32))
+            total += math.prod(shape) * np.dtype(kind).itemsize
+    return total
+
+
+def _activation_bytes(net, chunks, threads, syncs):
+    """Data, diff and scratch of the workspaces an engine holds at once: one per thread, for
+    one call's samples; or, where the net sums over the batch (syncs: BatchNorm), one per
+    call of the batch, since every call then pauses at each sum with its buffers kept
+    (Engine: a workspace per group of chunks)."""
+    n = _call_samples(net, chunks, threads)
+    workspaces = -(-chunks // group_size(net, chunks, threads)) if syncs else threads
+    return workspaces * (n * net.sample_bytes + _scratch_bytes(net, n))
+
+
 def _batch_bytes(net):
     """The engine's two copies of a batch of the data layers' tops (Engine.inputs)."""
     return 2 * 4 * sum(math.prod(net.blob_shapes[t]) for t in net.source_names)
@@ -187,7 +209,9 @@ def check_memory(net, chunks, threads, histories, available, processes=False, no
     Private gradients are one buffer per chunk (never per sample), so they grow with
     --chunks, not with the batch; factored weight gradients (InnerProduct) keep instead
     their two factors for the batch, which never touch the per-chunk buffers' pages;
-    activations are one set per thread, for the samples of one call (see group_size);
+    activations (data, diff and the layers' scratch) are one set per thread, for the
+    samples of one call (see group_size), or the whole batch's where the net sums over it
+    (BatchNorm);
     processes: the workers are forked processes, each with WORKER_PROCESS_BYTES more.
     now: what the process holds already (its RSS: interpreter, libraries, the data sets,
     the parameters), with KERNEL_BYTES to come, or 0 to leave both out; test_nets: their
@@ -200,10 +224,11 @@ def check_memory(net, chunks, threads, histories, available, processes=False, no
         factors += net.batch_size * rows * (J + L) * 4
     gradients = chunks * dense * 4 + factors
     state = (2 + histories) * n * 4  # parameters, the reduced gradient, solver history
-    activations = (threads * _call_samples(net, chunks, threads) * net.sample_bytes
-                   + _batch_bytes(net))
-    tests = sum(threads * _call_samples(t, chunks, threads) * t.sample_bytes // 2
-                + _batch_bytes(t) for t in test_nets)
+    whole = bool(net.forward_syncs or net.backward_syncs)
+    activations = _activation_bytes(net, chunks, threads, whole) + _batch_bytes(net)
+    # A test net's workspaces have no diff: about half.
+    tests = sum(_activation_bytes(t, chunks, threads, t.forward_syncs) // 2 + _batch_bytes(t)
+                for t in test_nets)
     workers = (threads - 1) * WORKER_PROCESS_BYTES if processes else 0
     kernels = KERNEL_BYTES if now else 0
     more = gradients + state + activations + tests + workers + kernels
@@ -214,13 +239,15 @@ def check_memory(net, chunks, threads, histories, available, processes=False, no
             + f"gradients {chunks} chunks x {dense} parameters"
             f"{f' + factors of {len(net.factorable)} weights' if net.factorable else ''} "
             f"({gradients / 2**20:.1f} MiB) + solver state ({state / 2**20:.1f} MiB) + activations "
-            f"of {threads} {'process(es)' if processes else 'thread(s)'} "
-            f"({activations / 2**20:.1f} MiB)"
+            + ("of the whole batch (sums over the batch keep every call's) " if whole else
+               f"of {threads} {'process(es)' if processes else 'thread(s)'} ")
+            + f"({activations / 2**20:.1f} MiB)"
             + (f" + test nets ({tests / 2**20:.1f} MiB)" if test_nets else "")
             + (f" + {threads - 1} forked worker(s) ({workers / 2**20:.0f} MiB)" if workers else "")
             + f"; {available / 2**30:.1f} GiB available")
     if more > 0.9 * available:
-        raise CgpError(f"not enough memory: {line}. Use fewer --chunks or --threads.")
+        raise CgpError(f"not enough memory: {line}. Use fewer --chunks or --threads"
+                       + (", or a smaller batch_size." if whole else "."))
     return line
 
 
