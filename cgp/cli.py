@@ -18,11 +18,6 @@ def add_train(sub):
     p.add_argument("--solver", help="solver prototxt (Caffe's format)")
     add_run_options(p)
     p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
-    p.add_argument("--staleness", type=int, default=0, metavar="S",
-                   help="deterministic staleness: the update of iteration t applies the "
-                        "gradient of iteration t - S (the first S iterations update nothing); "
-                        "results depend on S, never on --threads or ranks (default 0: "
-                        "synchronous SGD)")
     add_sharing_options(p)
     p.add_argument("--iters", type=int, default=None,
                    help="train to this iteration instead of the solver's max_iter (which "
@@ -47,6 +42,12 @@ def add_train(sub):
 
 
 def add_sharing_options(p):
+    """How the updates and the weights are shared: --staleness, --sharing, --groups."""
+    p.add_argument("--staleness", type=int, default=0, metavar="S",
+                   help="deterministic staleness: the update of iteration t applies the "
+                        "gradient of iteration t - S (the first S iterations update nothing); "
+                        "results depend on S, never on --threads or ranks (default 0: "
+                        "synchronous SGD)")
     p.add_argument("--sharing", choices=("sync", "async", "hybrid"), default="sync",
                    help="how MPI ranks share the weights: 'sync' (default) computes every "
                         "batch across all ranks, bitwise the same for any rank count; "
@@ -198,11 +199,6 @@ def add_equivalence(sub):
     p.add_argument("--solver", help="solver prototxt (Caffe's format)")
     add_run_options(p, threads_list=True)
     p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
-    p.add_argument("--staleness", type=int, default=0, metavar="S",
-                   help="deterministic staleness: the update of iteration t applies the "
-                        "gradient of iteration t - S (the first S iterations update nothing); "
-                        "results depend on S, never on --threads or ranks (default 0: "
-                        "synchronous SGD)")
     add_sharing_options(p)
     p.add_argument("--iters", type=int, default=100, help="iterations per run (default 100)")
     p.add_argument("--ranks", default="1",

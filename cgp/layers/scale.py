@@ -23,9 +23,14 @@ class _Broadcast(Layer):
     bottoms = (1, 2)
     backward_reads_top = False
 
-    def _place(self, shape, axis, num_axes, blob_shape=None):
-        """Set self.axis and self.blob_shape (learnt: from axis and num_axes; given: the
-        second bottom's shape) for bottom `shape`."""
+    def _place(self, bottom_shapes, param):
+        """Set self.axis, self.blob_shape and self.learnt from the bottoms' shapes and the
+        layer's scale_param or bias_param (learnt: the blob's shape from axis and num_axes;
+        given: the second bottom's shape); returns the top's shape, the first bottom's."""
+        shape = tuple(bottom_shapes[0])
+        blob_shape = tuple(bottom_shapes[1]) if len(bottom_shapes) > 1 else None
+        axis, num_axes = param.axis, param.num_axes
+        self.learnt = blob_shape is None
         ndim = len(shape)
         if blob_shape is None:
             if num_axes < -1:
@@ -51,7 +56,8 @@ class _Broadcast(Layer):
         if not blob_shape:
             axis = 0   # a scalar: any axis gives the same, Caffe takes 0
         self.axis, self.blob_shape = axis, tuple(blob_shape)
-        self.shape = tuple(shape)
+        self.shape = shape
+        return shape
 
     def _geometry(self, n, first):
         """(rows per sample, D, I, off, o_step) for a call of n samples from `first`."""
@@ -81,12 +87,8 @@ class Scale(_Broadcast):
     params_read = ("scale_param",)
 
     def setup(self, bottom_shapes):
-        p = self.lp.scale_param
-        shape = tuple(bottom_shapes[0])
-        given = tuple(bottom_shapes[1]) if len(bottom_shapes) > 1 else None
-        self._place(shape, p.axis, p.num_axes, given)
-        self.learnt = given is None
-        self.bias_term = bool(p.bias_term)
+        shape = self._place(bottom_shapes, self.lp.scale_param)
+        self.bias_term = bool(self.lp.scale_param.bias_term)
         return [shape]
 
     def param_shapes(self):
@@ -143,12 +145,7 @@ class Bias(_Broadcast):
     params_read = ("bias_param",)
 
     def setup(self, bottom_shapes):
-        p = self.lp.bias_param
-        shape = tuple(bottom_shapes[0])
-        given = tuple(bottom_shapes[1]) if len(bottom_shapes) > 1 else None
-        self._place(shape, p.axis, p.num_axes, given)
-        self.learnt = given is None
-        return [shape]
+        return [self._place(bottom_shapes, self.lp.bias_param)]
 
     def param_shapes(self):
         return [self.blob_shape] if self.learnt else []
