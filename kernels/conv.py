@@ -646,6 +646,28 @@ def _is_pointwise(R, S, stride_h, stride_w, pad_h, pad_w):
 
 
 @njit(cache=True, nogil=True)
+def _add_bias(y, b):
+    """y: (K, PQ) one sample's output; y[k] += b[k] (convolution and deconvolution)."""
+    for k in range(y.shape[0]):
+        bk = b[k]
+        yk = y[k]
+        for i in range(y.shape[1]):
+            yk[i] += bk
+
+
+@njit(cache=True, nogil=True)
+def _add_bias_grad(dy, db):
+    """dy: (K, PQ) one sample's top gradient; db[k] += the sum over positions of dy[k], in
+    order (convolution and deconvolution)."""
+    for k in range(dy.shape[0]):
+        dyk = dy[k]
+        acc = dyk[0] * 0
+        for i in range(dy.shape[1]):
+            acc += dyk[i]
+        db[k] += acc
+
+
+@njit(cache=True, nogil=True)
 def conv_forward(x, w, b, y, col, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, group):
     """x: (N, C, H, W); w: (K, C/G, R, S); b: (K,), or (0,) for no bias; y: (N, K, P, Q);
     col: (C*R*S, P*Q) scratch. Per sample n and group g (G = group):
@@ -668,11 +690,7 @@ def conv_forward(x, w, b, y, col, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w
             gemm(1.0, w2[g * Kg:(g + 1) * Kg], cols[g * CgRS:(g + 1) * CgRS], 0.0,
                  yn[g * Kg:(g + 1) * Kg])
         if b.size > 0:
-            for k in range(K):
-                bk = b[k]
-                yk = yn[k]
-                for i in range(P * Q):
-                    yk[i] += bk
+            _add_bias(yn, b)
 
 
 @njit(cache=True, nogil=True)
@@ -701,12 +719,7 @@ def conv_backward(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, col, stride_
         dw2 = dws[part * dw_step:part * dw_step + K * CgRS].reshape((K, CgRS))
         dyn = dy[n].reshape((K, PQ))
         if dbs.size > 0:
-            for k in range(K):
-                dyk = dyn[k]
-                acc = dyk[0] * 0
-                for i in range(PQ):
-                    acc += dyk[i]
-                dbs[part * db_step + k] += acc
+            _add_bias_grad(dyn, dbs[part * db_step:part * db_step + K])
         if pointwise:
             cols = x[n].reshape((C, H * W))
         else:
@@ -748,12 +761,7 @@ def deconv_forward(x, w, b, y, col, stride_h, stride_w, pad_h, pad_w, dil_h, dil
                  col[g * KgRS:(g + 1) * KgRS])
         col2im(col, y[n], R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, H, W)
         if b.size > 0:
-            yn = y[n].reshape((K, P * Q))
-            for k in range(K):
-                bk = b[k]
-                yk = yn[k]
-                for i in range(P * Q):
-                    yk[i] += bk
+            _add_bias(y[n].reshape((K, P * Q)), b)
 
 
 @njit(cache=True, nogil=True)
@@ -779,13 +787,7 @@ def deconv_backward(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, col, strid
             part += 1
         dw2 = dws[part * dw_step:part * dw_step + C * KgRS].reshape((C, KgRS))
         if dbs.size > 0:
-            dyn = dy[n].reshape((K, P * Q))
-            for k in range(K):
-                dyk = dyn[k]
-                acc = dyk[0] * 0
-                for i in range(P * Q):
-                    acc += dyk[i]
-                dbs[part * db_step + k] += acc
+            _add_bias_grad(dy[n].reshape((K, P * Q)), dbs[part * db_step:part * db_step + K])
         im2col(dy[n], col, R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, H, W)
         xn = x[n].reshape((C, H * W))
         for g in range(group):
