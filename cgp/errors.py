@@ -1,4 +1,6 @@
 """User-facing errors: the command line prints their message, never a traceback."""
+import importlib
+
 
 class CgpError(Exception):
     """A mistake in the user's input (files, options); the message says what and where."""
@@ -21,3 +23,14 @@ def shorten(text, limit=200):
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def require(module, extra, what, package=None, error=CgpError):
+    """The optional `module` of cgp's `extra`, imported; else one `error` saying that `what`
+    needs it and how to install it (package: its name on PyPI, where not the module's)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = package or module.split(".")[0]
+        raise error(f"{what} needs the '{package}' package: pip install 'cgp[{extra}]' (or pip "
+                    f"install {package})") from None

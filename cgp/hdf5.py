@@ -18,18 +18,13 @@ import io
 
 import numpy as np
 
-from cgp.errors import DataError
+from cgp.errors import DataError, require
 
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def require_h5py(what):
-    try:
-        import h5py
-    except ImportError:
-        raise DataError(f"{what}: HDF5 files need the 'h5py' package: pip install 'cgp[hdf5]' "
-                        "(or pip install h5py)") from None
-    return h5py
+    return require("h5py", "hdf5", f"{what}: HDF5 files", error=DataError)
 
 
 def is_hdf5(path, data=None):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cgp.errors import DataError
+from cgp.errors import DataError, require
 from cgp.kernels import data as K
 
 COEF_SCALE = 1 << 11    # OpenCV's INTER_RESIZE_COEF_SCALE: weights in 11-bit fixed point
@@ -27,12 +27,7 @@ GRAY_MODES = ("1", "L", "LA", "I", "F", "I;16", "I;16L", "I;16B", "I;16N")
 
 
 def require_pillow(what):
-    try:
-        from PIL import Image
-    except ImportError:
-        raise DataError(f"{what}: reading images needs Pillow: pip install 'cgp[images]' (or "
-                        "pip install Pillow)") from None
-    return Image
+    return require("PIL.Image", "images", f"{what}: reading images", "Pillow", DataError)
 
 
 def decode(data, color, where):

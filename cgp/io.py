@@ -4,22 +4,13 @@ conversions (a mean .binaryproto as an array). Not here: Datum conversions, over
 """
 import numpy as np
 
-from cgp.errors import CgpError
-
-
-def _pillow(what):
-    try:
-        from PIL import Image
-    except ImportError:
-        raise CgpError(f"caffe.io.{what} needs Pillow: pip install 'cgp[images]' (or pip "
-                       "install Pillow)") from None
-    return Image
+from cgp.errors import CgpError, require
 
 
 def load_image(filename, color=True):
     """An image file as float32 (H, W, 3) RGB in [0, 1] (color), or (H, W, 1) grey, as
     pycaffe's load_image."""
-    Image = _pillow("load_image")
+    Image = require("PIL.Image", "images", "caffe.io.load_image", "Pillow")
     try:
         with Image.open(filename) as image:
             pixels = np.asarray(image.convert("RGB" if color else "L"), np.float32) / 255
@@ -31,7 +22,7 @@ def load_image(filename, color=True):
 def resize_image(image, new_dims):
     """(H, W, K) float image resized to new_dims (height, width), each channel bilinearly,
     as pycaffe's resize_image (order 1)."""
-    Image = _pillow("resize_image")
+    Image = require("PIL.Image", "images", "caffe.io.resize_image", "Pillow")
     image = np.asarray(image, np.float32)
     height, width = (int(d) for d in new_dims)
     if image.shape[:2] == (height, width):

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 
-from cgp.errors import DataError, shorten
+from cgp.errors import DataError, require, shorten
 from cgp.lmdb_data import DatabaseRecords
 
 # How long to wait for a database another process holds open.
@@ -22,12 +22,8 @@ _DBS_LOCK = threading.RLock()
 
 
 def require_plyvel(what):
-    try:
-        import plyvel
-    except ImportError:
-        raise DataError(f"{what}: reading and writing LevelDB databases needs the 'plyvel' "
-                        "package: pip install 'cgp[leveldb]' (or pip install plyvel)") from None
-    return plyvel
+    return require("plyvel", "leveldb", f"{what}: reading and writing LevelDB databases",
+                   error=DataError)
 
 
 def _message(error):

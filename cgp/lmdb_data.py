@@ -27,7 +27,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
 from cgp import images
-from cgp.errors import DataError, shorten
+from cgp.errors import DataError, require, shorten
 from cgp.proto import caffe_pb2
 
 # Databases whose records take at most this many bytes (raw records as float32, encoded
@@ -40,12 +40,8 @@ ANCHOR_STRIDE = 1024
 
 
 def require_lmdb(what):
-    try:
-        import lmdb
-    except ImportError:
-        raise DataError(f"{what}: reading and writing LMDB databases needs the 'lmdb' package: "
-                        "pip install 'cgp[lmdb]' (or pip install lmdb)") from None
-    return lmdb
+    return require("lmdb", "lmdb", f"{what}: reading and writing LMDB databases",
+                   error=DataError)
 
 
 class ArrayRecords:

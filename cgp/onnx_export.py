@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cgp.errors import CgpError
+from cgp.errors import CgpError, require
 from cgp.proto import caffe_pb2
 
 OPSET = 13
@@ -25,12 +25,7 @@ LOWEST = float(np.finfo(np.float32).min)   # MAX pooling's padding: never the ma
 
 
 def require_onnx():
-    try:
-        import onnx
-    except ImportError:
-        raise CgpError("cgp export needs the onnx package: pip install 'cgp[onnx]' (or pip "
-                       "install onnx)") from None
-    return onnx
+    return require("onnx", "onnx", "cgp export")
 
 
 def cmd_export(args, log=print):

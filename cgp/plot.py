@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from cgp.errors import CgpError
+from cgp.errors import CgpError, require
 
 ITERATION = re.compile(r"Iteration (\d+)")
 LOSS = re.compile(r"Iteration \d+.*, loss = (\S+)")
@@ -91,11 +91,7 @@ def read_log(path):
 
 def plot(paths, out, labels=None):
     """Writes the PNG `out` of the logs `paths`; returns its path."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CgpError("cgp plot needs matplotlib: pip install 'cgp[plot]' (or pip install "
-                       "matplotlib)") from None
+    Figure = require("matplotlib.figure", "plot", "cgp plot").Figure
     from cgp.snapshot import writable_folder
 
     labels = labels or [Path(p).stem for p in paths]
