@@ -1,15 +1,22 @@
 """The command line: `python -m cgp train ...` and friends. Parses options, builds the
 objects and prints results; user mistakes end in one message and exit status 2."""
 import argparse
+import os
 import sys
 import time
 
-from cgp.errors import CgpError, shorten
-from cgp.options import (EPILOG, add_run_options, check_threads, solver_file, thread_list,
-                         worker_kind, worker_list)
-from cgp.plot import add_plot
-from cgp.timing import add_time, compile_notice
-from cgp.tools.speedup import add_bench
+# Numba builds colour-highlighted error texts at import with colorama, which then writes a
+# terminal reset to stdout at exit wherever stdout looks like a terminal (mpirun's ranks):
+# stray bytes after cgp's last line. Set before anything imports Numba, for `python -m cgp`
+# and the `cgp` script alike.
+os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
+
+from cgp.errors import CgpError, shorten  # noqa: E402
+from cgp.options import (EPILOG, add_run_options, check_threads, solver_file,  # noqa: E402
+                         thread_list, worker_kind, worker_list)
+from cgp.plot import add_plot  # noqa: E402
+from cgp.timing import add_time, compile_notice  # noqa: E402
+from cgp.tools.speedup import add_bench  # noqa: E402
 
 
 def add_train(sub):
