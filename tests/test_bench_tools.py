@@ -88,7 +88,7 @@ def test_depthwise_times_each_pass_of_each_layer(tmp_path):
 
 def test_machine_scaling_counts_each_copy(tmp_path):
     text = run("machine_scaling.py", "--workload", "scalar,lenet", "--copies", "2",
-               "--seconds", "0.2", cwd=tmp_path)
+               "--seconds", "0.5", cwd=tmp_path)
     for workload in ("scalar", "lenet"):
         [ratio, per_copy] = numbers(rf"  {workload} +2 copies: +(\d+\.\d+)x +\((\d+\.\d+) per",
                                     text)
