@@ -12,8 +12,9 @@ import time
 os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 
 from cgp.errors import CgpError, shorten  # noqa: E402
-from cgp.options import (EPILOG, add_run_options, check_threads, solver_file,  # noqa: E402
-                         thread_list, worker_kind, worker_list)
+from cgp.options import (EPILOG, EQUIVALENCE_THREADS, add_device_option,  # noqa: E402
+                         add_run_options, check_threads, solver_file, thread_list,
+                         worker_kind, worker_list)
 from cgp.plot import add_plot  # noqa: E402
 from cgp.timing import add_time, compile_notice  # noqa: E402
 from cgp.tools.speedup import add_bench  # noqa: E402
@@ -26,6 +27,7 @@ def add_train(sub):
     add_run_options(p)
     p.add_argument("--seed", type=int, default=None, help="overrides the solver's random_seed")
     add_sharing_options(p)
+    add_device_option(p)
     p.add_argument("--iters", type=int, default=None,
                    help="train to this iteration instead of the solver's max_iter (which "
                    "still sets the poly policy's schedule)")
@@ -117,7 +119,7 @@ def cmd_train(args, log=print):
                        max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
                        affinity=args.affinity, sigint_effect=args.sigint_effect,
                        sighup_effect=args.sighup_effect, sigterm_effect=args.sigterm_effect,
-                       denormals=args.denormals,
+                       denormals=args.denormals, device=args.device,
                        workers=worker_kind(args.workers))
     sink = train_log(args, sp, path, log)
     try:
@@ -142,6 +144,8 @@ def train(args, sp, path, config, log, sink):
         net, engine, comm = trainer.net, trainer.engine, trainer.comm
         ranks = len(engine.parts)
         workers = f"{args.threads} {worker_noun(config.workers, args.threads)}"
+        if trainer.backend is not None:
+            workers = f"{trainer.backend.description} (one worker)"
         where = (workers if ranks == 1 else f"{ranks} ranks x {workers}")
         if not comm.reproducible:
             where = f"{comm.describe()}, each rank with {workers}"
@@ -212,6 +216,7 @@ def add_equivalence(sub):
                    help="comma-separated numbers of MPI ranks: every thread count also runs on "
                         "each, launched with mpirun on this machine (default 1: no MPI; "
                         "pip install -e \".[mpi]\")")
+    add_device_option(p)
     p.set_defaults(run=cmd_equivalence)
 
 
@@ -224,13 +229,15 @@ def cmd_equivalence(args, log=print):
         raise CgpError(equivalence.refusal(args.sharing))
     path = solver_file(args)
     sp = read_solver(path)
-    threads = thread_list(args.threads)
+    # A device is driven by one worker per rank: its runs vary the ranks alone.
+    threads = thread_list("1" if args.device != "cpu" and args.threads == EQUIVALENCE_THREADS
+                          else args.threads)
     ranks = thread_list(args.ranks, "--ranks")
-    workers = worker_list(args.workers)
+    workers = worker_list(args.workers) if args.device == "cpu" else ["threads"]
     config = RunConfig(chunks=args.chunks, seed=args.seed, data_dir=args.data_dir,
                        staleness=args.staleness,
                        download=not args.no_download, affinity=args.affinity,
-                       denormals=args.denormals)
+                       denormals=args.denormals, device=args.device)
     log(f"cgp equivalence: {path}, {args.iters} iterations, {args.chunks} chunks, "
         f"threads {','.join(map(str, threads))} in {' and '.join(workers)}"
         + (f", on {','.join(map(str, ranks))} MPI ranks" if ranks != [1] else ""))

@@ -24,6 +24,10 @@ from cgp.train import RunConfig, Trainer
 
 # A float32 step against the float64 reference: relative to the largest update.
 STEP_TOLERANCE = 1e-3
+# The device engine's float64 gradient against the CPU engine's, relative to the largest
+# element of each blob's: the same arithmetic in other orders (a GEMM's, a reduction's).
+DEVICE_TOLERANCE = 1e-9
+NOISE_FLOOR = 1e-4
 
 
 @dataclass
@@ -136,6 +140,47 @@ def step_against_float64(sp, solver_path, config):
     return error, loss32, loss64
 
 
+def gradient_error(net, got, want):
+    """The largest difference between two flat gradients over the net's blobs, relative to
+    the blob's largest element of `want`, or to NOISE_FLOOR of the whole gradient's where
+    that is larger: a gradient that is 0 but for rounding (a bias before a BatchNorm) has no
+    scale of its own."""
+    floor = NOISE_FLOOR * float(np.max(np.abs(want))) if want.size else 0.0
+    errors = [float(np.max(np.abs(got[b.offset:b.offset + b.size]
+                                  - want[b.offset:b.offset + b.size])))
+              / max(float(np.max(np.abs(want[b.offset:b.offset + b.size]))), floor, 1e-300)
+              for b in net.param_blobs]
+    return max(errors, default=0.0)
+
+
+def device_against_cpu(sp, solver_path, config, prepare=None):
+    """The first batch's gradient of the device engine (config.device) in float64 against
+    the CPU engine's in float64 (gradient_error), and the two losses. prepare(trainer), if
+    given, runs first (cgp.timing.fill_inputs for a deploy net's Input layers)."""
+    from cgp.device import select_backend
+    from cgp.device.engine import DeviceEngine
+    trainer = Trainer(sp, solver_path, replace(config, max_iter=1, progress=False))
+    try:
+        net = trainer.net
+        if prepare is not None:
+            prepare(trainer)
+        batch = trainer._batch(trainer.engine, 0, 0)
+        pool = Pool(1, flush_denormals=config.denormals == "flush")
+        runs = []
+        for engine in (Engine(net, config.chunks, pool, LocalCommunicator(pool),
+                              params=net.params.astype(np.float64)),
+                       DeviceEngine(net, config.chunks, pool, LocalCommunicator(pool),
+                                    select_backend(config.device),
+                                    params=net.params.astype(np.float64))):
+            _, loss, grad = engine.run(batch, 0, trainer.seed)
+            runs.append((loss, grad.copy()))
+    finally:
+        trainer.close()
+    (cpu_loss, cpu), (device_loss, device) = runs
+    error = gradient_error(net, device, cpu)
+    return error, device_loss, cpu_loss
+
+
 def run(sp, solver_path, config, threads_list, iters, log=print, workers=None, ranks=(1,)):
     """The whole harness; returns the process exit status (0: all equivalent). workers:
     every thread count runs with its workers as each of these (RunConfig.workers; default
@@ -182,6 +227,17 @@ def run(sp, solver_path, config, threads_list, iters, log=print, workers=None, r
         log(f"one SGD step, float32 engine vs float64 reference: max error {error:.3g} of the "
             f"largest update (tolerance {STEP_TOLERANCE:g}); loss {loss32:.7g} vs {loss64:.7g}: "
             + ("ok" if passed else "FAILED"))
+        status = status or (0 if passed else 1)
+    if config.device != "cpu":
+        error, device_loss, cpu_loss = device_against_cpu(sp, solver_path,
+                                                          replace(config, threads=1))
+        passed = error <= DEVICE_TOLERANCE
+        log(f"--device {config.device} against the CPU engine, both in float64, the first "
+            f"batch's gradient: max error {error:.3g} of each blob's largest element (tolerance "
+            f"{DEVICE_TOLERANCE:g}; a gradient of rounding noise against {NOISE_FLOOR:g} of the "
+            f"largest of all); loss {device_loss:.15g} vs {cpu_loss:.15g}: "
+            + ("ok" if passed else "FAILED") + ". Not bitwise: their GEMMs and sums add in "
+            "other orders")
         status = status or (0 if passed else 1)
     return status
 

@@ -35,11 +35,26 @@ def add_workers_option(p, listed=False):
                             "elsewhere). Results are identical either way")
 
 
+def add_device_option(p, more=""):
+    """--device (cgp.device); `more`: what the command adds to its help."""
+    p.add_argument("--device", choices=("cpu", "gpu", "numpy"), default="cpu",
+                   help="where the chunks compute: 'cpu' (default; Numba kernels on --threads "
+                        "workers), 'gpu' (CuPy: pip install 'cgp[gpu]'; one GPU per MPI rank, "
+                        "by local rank) or 'numpy' (the GPU path on the host, NumPy standing "
+                        "in for CuPy: for checking it without a GPU). The weights are bitwise "
+                        "the same for any rank count on one device kind; cpu and gpu agree to "
+                        "rounding, not bitwise" + more)
+
+
+# The thread counts `cgp equivalence` compares unless told.
+EQUIVALENCE_THREADS = "1,2,3,4"
+
+
 def add_run_options(p, threads_list=False):
     """How a run executes: --threads and --affinity never change what it computes;
     --chunks and --denormals do, the same for every thread count."""
     if threads_list:
-        p.add_argument("--threads", default="1,2,3,4",
+        p.add_argument("--threads", default=EQUIVALENCE_THREADS,
                        help="comma-separated thread counts to compare (default 1,2,3,4)")
     else:
         p.add_argument("--threads", type=int, default=1,

@@ -5,7 +5,8 @@ A Net runs forward and backward on one thread over the whole batch, in one call 
 layers (Caffe's semantics: blobs hold the whole batch, and the user may write into them). A
 solver is cgp's Trainer, on `threads` workers, bitwise the same for any thread count.
 What differs from pycaffe, and why (each said again where it applies):
-- cgp runs on CPUs only: set_mode_gpu() and set_device() raise PycaffeUnsupported.
+- set_mode_gpu() (and set_device(i)) make the solvers made after it train on the GPU
+  (cgp train --device gpu); a Net's own forward() and backward() stay on the CPU.
 - Training data is a pure function of the iteration (runs resume bit for bit), so
   solver.net.forward() reads the batch of the solver's next iteration without taking it
   from the solver, where Caffe's would shift the data the solver trains on.
@@ -95,18 +96,24 @@ def __getattr__(name):
 
 
 # -- modes -----------------------------------------------------------------------------
+# Where the solvers made next train: set_mode_cpu() / set_mode_gpu() and set_device().
+_MODE = {"device": "cpu", "device_id": None}
+
+
 def set_mode_cpu():
-    """cgp always runs on the CPU: accepted, does nothing."""
+    """Solvers made from now on train on the CPU (the default)."""
+    _MODE["device"] = "cpu"
 
 
 def set_mode_gpu():
-    raise PycaffeUnsupported("caffe.set_mode_gpu(): cgp runs on CPUs only; remove the call or "
-                             "use caffe.set_mode_cpu(), and give threads= to the solver")
+    """Solvers made from now on train on a GPU (cgp train --device gpu: CuPy, the gpu extra);
+    a Net's forward() and backward() stay on the CPU."""
+    _MODE["device"] = "gpu"
 
 
 def set_device(device_id=0):
-    raise PycaffeUnsupported(f"caffe.set_device({device_id}): cgp runs on CPUs only; remove the "
-                             "call, and give threads= to the solver")
+    """The GPU that solvers made from now on use, by CUDA index (default: the local rank's)."""
+    _MODE["device_id"] = int(device_id)
 
 
 def layer_type_list():
@@ -604,7 +611,7 @@ class Solver:
         extra = {"workers": workers} if workers is not None else {}
         config = RunConfig(threads=threads, chunks=chunks, seed=seed, data_dir=data_dir,
                            download=download, progress=False, snapshot_prefix=snapshot_prefix,
-                           **extra)
+                           **_MODE, **extra)
         self._sp, self._log = sp, log or _quiet
         self._trainer = Trainer(sp, str(path), config, log=self._log)
         self._closer = weakref.finalize(self, self._trainer.close)

@@ -19,7 +19,8 @@ import numpy as np
 import psutil
 from threadpoolctl import threadpool_limits
 
-from cgp.engine import Engine, group_size
+from cgp.device import DEVICES, make_engine, select_backend
+from cgp.engine import group_size
 from cgp.errors import CgpError
 from cgp.hdf5 import require_h5py
 from cgp.layers import Chunk
@@ -63,6 +64,9 @@ class RunConfig:
     # "async" or "hybrid" in `groups` groups (cgp.sharing: not reproducible).
     sharing: str = "sync"
     groups: int = 0
+    # Where the chunks compute: "cpu", "gpu" (CuPy) or "numpy" (the GPU path on the host).
+    device: str = "cpu"
+    device_id: int = None     # the GPU's CUDA index (default: the local rank's)
 
     def __post_init__(self):
         # Refused before anything runs: a seed out of range would otherwise fail only when
@@ -80,6 +84,11 @@ class RunConfig:
         if self.sharing == "hybrid" and not self.groups:
             raise CgpError("--sharing hybrid needs --groups G: the ranks are cut into G groups, "
                            "synchronous within, asynchronous between them")
+        if self.device not in DEVICES:
+            raise CgpError(f"--device {self.device}: expected one of {', '.join(DEVICES)}")
+        if self.device != "cpu" and self.threads != 1:
+            raise CgpError(f"--device {self.device}: one worker per rank drives the device; "
+                           f"--threads must be 1 (run more ranks for more devices)")
         if self.staleness and self.sharing != "sync":
             raise CgpError(f"--staleness {self.staleness} delays the updates of synchronous "
                            f"training by a fixed count; --sharing {self.sharing} has delays of "
@@ -295,16 +304,19 @@ class Trainer:
             if effect not in SIGNAL_EFFECTS:
                 raise CgpError(f"signal effect '{effect}': expected one of "
                                f"{', '.join(SIGNAL_EFFECTS)}")
-        self.pool = make_pool(config.workers, config.threads, [self.net] + self.test_nets,
+        # The device first: a GPU is taken before any worker exists.
+        self.backend = select_backend(config.device, config.device_id)
+        workers = config.workers if self.backend is None else "threads"
+        self.pool = make_pool(workers, config.threads, [self.net] + self.test_nets,
                               config.affinity, config.denormals == "flush")
         # Histories in shared memory where workers write them (processes).
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory,
                              [(b.offset, b.size) for b in self.net.param_blobs])
         self.comm = comm = make_communicator(self.pool, config.sharing, config.groups)
         self._check_memory(config.chunks)
-        self.engine = Engine(self.net, config.chunks, self.pool, comm)
-        self.test_engines = [Engine(n, config.chunks, self.pool, comm, backward=False)
-                             for n in self.test_nets]
+        self.engine = make_engine(self.backend, self.net, config.chunks, self.pool, comm)
+        self.test_engines = [make_engine(self.backend, n, config.chunks, self.pool, comm,
+                                         backward=False) for n in self.test_nets]
         self.train_step = DataParallelStep(self.engine, self.solver, comm, sp.iter_size,
                                            config.staleness)
         self.pool.start()   # workers forked once everything they run exists

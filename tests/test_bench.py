@@ -682,3 +682,22 @@ def test_speedup_compares_with_torch(capsys, tmp_path, mnist_dir):
     [cgp_row] = [r for r in report["results"] if r["impl"] == "cgp"]
     assert cgp_row["cgp_over_torch"] > 0
 
+
+
+def test_speedup_on_a_device_times_both_torch_modes(capsys, tmp_path, mnist_dir):
+    """--device numpy (the GPU path on the host): PyTorch on the same device ("cpu" here),
+    in its default mode and in its deterministic one, each against cgp."""
+    pytest.importorskip("torch")
+    text = run_cli(capsys, "bench", "speedup", "mnist", "--threads", "1", "--iters", "1",
+                   "--repeats", "1", "--warmup", "0", "--compare", "torch", "--device",
+                   "numpy", "--torch-layout", "contiguous", "--data-dir", mnist_dir,
+                   "--out", tmp_path)
+    assert "on NumPy standing in for CuPy" in text
+    [report_path] = Path(tmp_path).glob("speedup_mnist_*.json")
+    report = json.loads(report_path.read_text())
+    assert report["device"] == "numpy"
+    rows = {r["layout"]: r for r in report["results"] if r["impl"] == "torch"}
+    assert set(rows) == {"contiguous", "contiguous deterministic"}
+    for layout, row in rows.items():
+        assert row["cgp_over_this"] > 0
+        assert f"cgp / PyTorch {layout}: " in text

@@ -271,10 +271,6 @@ def test_unsupported_pycaffe_names_say_so(caffe_dir):
         with pytest.raises(caffe.PycaffeUnsupported, match=f"caffe.{name} is not supported"):
             getattr(caffe, name)
         assert not hasattr(caffe, name)
-    with pytest.raises(caffe.PycaffeUnsupported, match="CPUs only"):
-        caffe.set_mode_gpu()
-    with pytest.raises(caffe.PycaffeUnsupported, match="CPUs only"):
-        caffe.set_device(0)
     net = caffe.Net(str(caffe_dir / "prototxt/lenet.prototxt"), caffe.TEST)
     with pytest.raises(caffe.PycaffeUnsupported, match="Net.set_input_arrays"):
         net.set_input_arrays

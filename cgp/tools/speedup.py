@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cgp.options import (EPILOG, add_denormals_option, add_workers_option, check_threads,
-                         solver_file, thread_list, worker_list)
+from cgp.options import (EPILOG, add_denormals_option, add_device_option, add_workers_option,
+                         check_threads, solver_file, thread_list, worker_list)
 from cgp.tools.machine import (MATMUL_SIZE, ForeignLoad, machine_info, matmul_gflops,
                                steal_seconds)
-from cgp.tools.stats import summarise, table
+from cgp.tools.stats import _paired, _with_ci, summarise, table
 
 # csv, json and statistics are imported where used: the command line imports this module for
 # its options on every run, and `cgp train` should start fast.
@@ -86,6 +86,9 @@ def add_bench(sub):
                         "thread count as that many ranks x threads (mpirun on this machine; "
                         "pip install -e \".[mpi]\"), with its communication time per step, the "
                         "share of it hidden behind backward, and bytes moved")
+    add_device_option(s, "; with gpu or numpy, --compare torch times PyTorch on the same "
+                         "device (CUDA for gpu) in its default mode and with "
+                         "torch.use_deterministic_algorithms(True)")
     s.add_argument("--out", default=OUT,
                    help=f"folder for the JSON, CSV and PNG results (default ./{OUT}/ under "
                         "the working directory)")
@@ -369,14 +372,16 @@ def _serve_copy(pipe, config):
 DENORMALS_DONE = {"flush": "flushed", "keep": "kept"}
 
 
-def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
+def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush, device="cpu",
+                 deterministic=False):
     """Trains the PyTorch copy on the batches that cgp's data layers make, with `threads`
     PyTorch threads; as in cgp's step, making the batch is part of the timed iteration.
     flush: PyTorch's subnormals as cgp's (--denormals), set with its own switch
     (torch.set_flush_denormal) for each timing: kept, as PyTorch's default, its training
     slowed to a sixth once subnormals appeared (cifar10_quick on generated data, after 35
     steps: bench/torch_subnormals.py, at git tag bench-experiments-2026-11), which cgp's
-    default arithmetic never pays."""
+    default arithmetic never pays. device: PyTorch's ("cuda" for a GPU); deterministic:
+    time it with torch.use_deterministic_algorithms(True)."""
     from contextlib import contextmanager
 
     from cgp.runtime import fpenv
@@ -389,6 +394,7 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
             it = state["iter"]
             trainer.step(data_trainer._batch(data_trainer.engine, it * net.batch_size, it))
             state["iter"] += 1
+        torch_ref.synchronize(device)
 
     def save():
         state["saved"] = (state["iter"], trainer.save())
@@ -402,11 +408,15 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush):
         torch_ref.set_threads(threads)
         caller = fpenv.set_flush(flush)   # the caller's mode, to go back to
         torch_ref.flush_denormal(flush)
+        torch_ref.deterministic(deterministic)
         try:
             yield
         finally:
+            torch_ref.deterministic(False)
             fpenv.restore(caller)
-    return Config("torch", threads, layout, run=run, context=context, save=save, restore=restore)
+    label = layout + (f" {device}" if device != "cpu" else "") + (
+        " deterministic" if deterministic else "")
+    return Config("torch", threads, label, run=run, context=context, save=save, restore=restore)
 
 # -- output ------------------------------------------------------------------------
 def write_results(out, stem, report, rows, log):
@@ -418,7 +428,8 @@ def write_results(out, stem, report, rows, log):
     paths[0].write_text(json.dumps(report, indent=2) + "\n")
     columns = ["impl", "layout", "threads", "median", "min", "max", "speedup", "efficiency",
                "paired_speedup", "paired_speedup_ci", "cgp_over_torch", "paired_cgp_over_torch",
-               "paired_cgp_over_torch_ci", "share_of_ceiling", "paired_share_of_ceiling",
+               "paired_cgp_over_torch_ci", "cgp_over_this", "paired_cgp_over_this",
+               "paired_cgp_over_this_ci", "share_of_ceiling", "paired_share_of_ceiling",
                "paired_share_of_ceiling_ci", "quiet_rounds", "quiet_paired_speedup",
                "quiet_paired_speedup_ci", "images_per_s", "steal", "ranks",
                "comm_ms_per_step", "comm_exposed_ms_per_step", "comm_hidden_share",
@@ -430,7 +441,7 @@ def write_results(out, stem, report, rows, log):
             writer.writerow({**row, "layout": row["layout"] or "",
                              **{key: " ".join(map(str, row[key])) for key in
                                 ("images_per_s", "paired_speedup_ci", "paired_cgp_over_torch_ci",
-                                 "paired_share_of_ceiling_ci", "quiet_paired_speedup_ci",
+                                 "paired_cgp_over_this_ci", "paired_share_of_ceiling_ci", "quiet_paired_speedup_ci",
                                  "steal")
                                 if row.get(key)}})
     png = plot(out / f"{stem}.png", report, rows, log)
@@ -511,6 +522,14 @@ def cmd_speedup(args, log=print):
     threads = thread_list(args.threads) if args.threads else default_threads()
     threads = sorted(set(threads) | {1})   # speedups are over 1 thread
     workers = worker_list(args.workers)
+    if args.device != "cpu":
+        if threads != [1] or args.ceiling or args.ranks != "1":
+            raise CgpError(f"--device {args.device}: one worker drives the device; give "
+                           f"--threads 1, and no --ceiling or --ranks")
+        workers = ["threads"]
+        # cuBLAS is deterministic only with this set before CUDA starts (PyTorch's note on
+        # reproducibility); it changes neither cgp nor PyTorch's default mode otherwise.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     for name in ("iters", "repeats"):
         if getattr(args, name) < 1:
             raise CgpError(f"--{name} must be at least 1")
@@ -533,7 +552,8 @@ def cmd_speedup(args, log=print):
     def trainer(t, kind):
         config = RunConfig(threads=t, chunks=args.chunks, seed=args.seed,
                            data_dir=args.data_dir, download=not args.no_download,
-                           progress=False, denormals=args.denormals, workers=kind)
+                           progress=False, denormals=args.denormals, workers=kind,
+                           device=args.device)
         made = Trainer(sp, path, config, log=lambda line: None)
         if args.net_file:   # before a --ceiling copy forks from it
             fill_inputs(made.net, made.seed)
@@ -561,17 +581,20 @@ def cmd_speedup(args, log=print):
             if first.solver.type != "SGD":
                 log(f"cgp bench: note: PyTorch runs momentum SGD; the solver is "
                     f"{first.solver.type}")
+            device = "cuda" if args.device == "gpu" else "cpu"
+            modes = (False, True) if args.device != "cpu" else (False,)
             for layout in [args.torch_layout] if args.torch_layout else torch_ref.LAYOUTS:
                 configs += [torch_config(torch_ref, t, layout,
-                                         torch_ref.TorchTrainer(net, sp, layout), first,
-                                         args.denormals == "flush")
-                            for t in threads]
+                                         torch_ref.TorchTrainer(net, sp, layout, device), first,
+                                         args.denormals == "flush", device, mode)
+                            for t in threads for mode in modes]
         from cgp.snapshot import writable_folder
         writable_folder(Path(args.out) / "results.json")   # found out now, not after the timing
         torch_note = (f"; PyTorch {torch_ref.version()} (subnormals "
                       f"{DENORMALS_DONE[args.denormals]} as in cgp)" if torch_ref else "")
+        on = (f" on {first.backend.description}" if first.backend is not None else "")
         log(f"cgp bench speedup: {path or args.net_file}, net '{net.name}', batch {images} in "
-            f"{len(first.engine.bounds)} chunks; threads {','.join(map(str, threads))}"
+            f"{len(first.engine.bounds)} chunks{on}; threads {','.join(map(str, threads))}"
             f" as {' and as '.join(workers)}"
             f"{torch_note}"
             f"{'; the machine ceiling' if ceilings else ''}; {args.warmup} warm-up "
@@ -613,6 +636,15 @@ def cmd_speedup(args, log=print):
                        bytes_received_per_step=clock["bytes"][1])
     for line in table(rows, best):
         log(line)
+    if args.device != "cpu":   # both PyTorch modes, each against cgp
+        mine = next(c for c in configs if c.impl == "cgp")
+        for row, c in zip(rows, configs):
+            if c.impl == "torch":
+                paired, ci = _paired(mine.rates, c.rates)
+                row["cgp_over_this"] = round(statistics.median(mine.rates) / row["median"], 4)
+                row["paired_cgp_over_this"], row["paired_cgp_over_this_ci"] = round(paired, 4), ci
+                log(f"cgp / PyTorch {c.layout}: {row['cgp_over_this']:.2f} (paired "
+                    f"{_with_ci(paired, ci)}); PyTorch {row['median']:.1f} images/s")
     flops = training_flops(net)
     numpy_rate = statistics.median(matmul)
     one = next(r for r in rows if r["impl"] == "cgp" and r["threads"] == 1)
@@ -635,6 +667,8 @@ def cmd_speedup(args, log=print):
     report = {"model": model, "solver": path and str(path), "net_file": args.net_file,
               "net": net.name, "batch": images,
               "chunks": len(first.engine.bounds), "denormals": args.denormals,
+              "device": args.device,
+              "device_description": first.backend.description if first.backend else "CPU",
               "workers": workers,
               "iters": args.iters,
               "repeats": args.repeats, "warmup": args.warmup, "lead_in": args.lead_in,

@@ -49,9 +49,11 @@ class TorchNet(torch.nn.Module):
     """net.entries as PyTorch ops over blob ids. Parameters start as copies of `params`
     (default net.params), one torch Parameter per cgp ParamBlob, so shared blobs stay shared.
     `layout`: the memory format of 4-d blobs and weights, channels_last or contiguous;
-    `dtype`: of the weights and inputs (float64: a reference for cgp's float32 arithmetic)."""
+    `dtype`: of the weights and inputs (float64: a reference for cgp's float32 arithmetic);
+    `device`: PyTorch's, where the weights live and each batch is copied ("cpu", "cuda")."""
 
-    def __init__(self, net, params=None, layout="channels_last", dtype=np.float32):
+    def __init__(self, net, params=None, layout="channels_last", dtype=np.float32,
+                 device="cpu"):
         super().__init__()
         unsupported = sorted({e.layer.type_name for e in net.entries} - set(SUPPORTED))
         if unsupported:
@@ -59,12 +61,12 @@ class TorchNet(torch.nn.Module):
                            f"type(s) {', '.join(unsupported)}; supported: {', '.join(SUPPORTED)}")
         self.net = net
         self.format = memory_format(layout)
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
         flat = net.params if params is None else params
         self.blobs = torch.nn.ParameterList()
         for b in net.param_blobs:
             value = torch.from_numpy(np.array(flat[b.offset:b.offset + b.size], dtype)
-                                     .reshape(b.shape))
+                                     .reshape(b.shape)).to(device)
             if value.dim() == 4:
                 value = value.contiguous(memory_format=self.format)
             self.blobs.append(torch.nn.Parameter(value, requires_grad=b.lr_mult != 0))
@@ -287,7 +289,7 @@ class TorchNet(torch.nn.Module):
         tensors: images in this net's memory format, labels as they are."""
         out = {}
         for blob, array in batch.items():
-            x = torch.from_numpy(np.asarray(array, self.dtype))
+            x = torch.from_numpy(np.asarray(array, self.dtype)).to(self.device)
             if x.dim() == 4 and blob not in self.label_blobs:
                 x = x.contiguous(memory_format=self.format)
             out[blob] = x
@@ -308,7 +310,7 @@ class TorchNet(torch.nn.Module):
         grad = np.zeros(self.net.n_params, np.float32)
         for b, p in zip(self.net.param_blobs, self.blobs):
             if p.grad is not None:
-                grad[b.offset:b.offset + b.size] = p.grad.detach().contiguous().numpy().reshape(-1)
+                grad[b.offset:b.offset + b.size] = p.grad.detach().contiguous().cpu().numpy().reshape(-1)
         return grad
 
 
@@ -318,8 +320,8 @@ class TorchTrainer:
     constant rate PyTorch's momentum form equals Caffe's; the rate schedule is left out, as
     it changes no amount of work."""
 
-    def __init__(self, net, sp, layout="channels_last"):
-        self.model = TorchNet(net, layout=layout)
+    def __init__(self, net, sp, layout="channels_last", device="cpu"):
+        self.model = TorchNet(net, layout=layout, device=device)
         self.model.train()
         groups = {}
         for b, p in zip(net.param_blobs, self.model.blobs):
@@ -360,6 +362,19 @@ class TorchTrainer:
 
 def version():
     return torch.__version__
+
+
+def deterministic(on):
+    """PyTorch's deterministic mode (torch.use_deterministic_algorithms), as a user who needs
+    repeatable runs sets it; on a GPU, cuBLAS needs CUBLAS_WORKSPACE_CONFIG set before CUDA
+    starts (cmd_speedup sets it)."""
+    torch.use_deterministic_algorithms(on)
+
+
+def synchronize(device):
+    """Waits for the device's queued work: a timing must end once it is done."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def set_threads(n):

@@ -1,0 +1,168 @@
+"""The device engine: cgp.engine's run, with each call's layers run by the device ops
+(cgp.device.ops) on one chunk's arrays on the device instead of by Numba kernels on a worker.
+
+Everything around the calls is the CPU engine's own code: the task list, the sums over the
+batch (BatchNorm: each chunk's share comes back to the host, the Sync task adds them in the
+fixed tree and the layer finishes them, the totals go back to the device), the chunks'
+gradients summed in the communicator's fixed tree over chunk index (on one machine, or with
+the other ranks', each rank driving its own GPU), the solver's update of the host's weights,
+which the next run copies to the device. So the weights are bitwise the same for any number
+of ranks (devices) of one kind, and the CPU and GPU engines differ only by the rounding of
+their layers' arithmetic.
+
+One call is one chunk (group 1), on arrays of exactly that chunk's shape (see ops), and one
+worker drives the device: its tasks run in the list's order.
+"""
+import numpy as np
+
+from cgp.device.ops import OPS, unsupported
+from cgp.engine import Engine
+from cgp.errors import CgpError, NetError
+from cgp.layers import Chunk
+from cgp.runtime import spin
+
+
+class DeviceWorkspace:
+    """The device buffers of calls of up to n samples: data and diff of every blob (a batch
+    value, a loss, as a 0-d array), the chunk's parameter gradient, each layer's op (which
+    keeps what its backward reads) and its shares of the sums over the batch."""
+
+    def __init__(self, engine, n):
+        net, xp, dtype = engine.net, engine.backend.xp, engine.dtype
+
+        def alloc(blob):
+            shape = net.blob_shapes[blob]
+            return xp.zeros(() if blob in net.batch_values else (n,) + shape[1:], dtype)
+
+        blobs = range(len(net.blob_names))
+        self.data = [alloc(b) for b in blobs]
+        self.diff = [alloc(b) for b in blobs] if engine.backward else None
+        self.grad = xp.zeros(net.n_params, dtype) if engine.backward else None
+        self.grad_views = net.param_views(self.grad) if engine.backward else None
+        self.ops = [OPS[e.layer.type_name](e.layer, engine.backend.xp) for e in net.entries]
+        self.sums = [[(xp.zeros(m, np.float64), total) for m, total in
+                      zip(e.layer.sum_sizes(), engine.device_totals[i])]
+                     if i in engine.device_totals else None
+                     for i, e in enumerate(net.entries)]
+        self._batch_values = net.batch_values
+
+    def views(self, arrays, n):
+        return [a if b in self._batch_values else a[:n] for b, a in enumerate(arrays)]
+
+
+class DeviceEngine(Engine):
+    """cgp.engine.Engine on a backend (cgp.device.ArrayBackend)."""
+
+    def __init__(self, net, chunks, pool, comm, backend, backward=True, params=None):
+        """As Engine's (params: a float64 copy runs the ops in float64), on `backend`."""
+        missing = unsupported(net)
+        if missing:
+            raise NetError(f"--device {backend.name} cannot run layer(s) " + "; ".join(
+                f"'{name}' ({kind}: {why})" for name, kind, why in missing)
+                + ": run this net with --device cpu")
+        if pool.threads != 1 or pool.shared_memory:
+            raise CgpError(f"--device {backend.name}: one worker drives the device; run more "
+                           f"ranks (one device each), not more --threads")
+        self.backend = backend
+        xp = backend.xp
+        # The batch's totals of each sum over the batch, on the device (every chunk reads
+        # them): set before the workspaces, which read them.
+        self.device_totals = {i: [xp.zeros(m, np.float64) for m in e.layer.sum_sizes()]
+                              for i, e in enumerate(net.entries)
+                              if any(e.layer.batch_sums)}
+        super().__init__(net, chunks, pool, comm, backward=backward, params=params,
+                         factor=False, group=1)
+        self.host_params = net.params if params is None else params
+        self.device_params = xp.zeros(net.n_params, self.dtype)
+        self.device_param_views = net.param_views(self.device_params)
+        stages = [OPS[e.layer.type_name](e.layer, xp).stages for e in net.entries]
+        self.forward_plan, syncs = _stages(net, [f for f, _ in stages], False)
+        backward_plan, back_syncs = _stages(net, [b for _, b in stages], True)
+        self.backward_plan = backward_plan if backward else []
+        if syncs != net.forward_syncs or (backward and back_syncs != net.backward_syncs):
+            raise AssertionError("the device ops' stages do not match the layers' batch sums")
+
+    def new_workspace(self, group=None, shared=False):
+        return DeviceWorkspace(self, max(n for _, n in self.own))
+
+    def run(self, batch, iteration, seed, first=None, sums_arg=None):
+        # The weights the host's solver left, for this run's calls.
+        self.backend.copy_in(self.device_params, self.host_params)
+        return super().run(batch, iteration, seed, first, sums_arg)
+
+    def _call(self, worker, task, iteration, seed, slot):
+        """Segment `task.segment` of the forward and backward of one chunk on the device,
+        as Engine._call does it on a worker; each segment that ends at a sum over the batch
+        sends the chunk's share back, and the last the chunk's gradient."""
+        net, g, s = self.net, task.group, task.segment
+        c0, _ = self.groups[g]
+        first, n = self.own[c0]
+        k0 = self.owned.start
+        chunk = Chunk(n=n, first=first, batch=net.batch_size, iteration=iteration, seed=seed,
+                      batch_tops=self._batch_tops[slot])
+        ws = self.workspaces[g if self.syncs else worker]
+        data = ws.views(ws.data, n)
+        diff = ws.views(ws.diff, n) if self.backward else None
+        if s:
+            self._wait(self.synced, s - 1, s, 1)
+        forward = self.forward_segments
+        if s == 0:
+            at = first - self.rows.start
+            for t in net.source_names:
+                self.backend.copy_in(data[t], self.inputs[slot][t][at:at + n])
+        if s <= forward:
+            for i, stage in self.forward_plan[s]:
+                e = net.entries[i]
+                ws.ops[i].forward(stage, [data[b] for b in e.bottoms], [data[t] for t in e.tops],
+                                  self.device_param_views[i], ws.sums[i], chunk)
+        if s == forward:   # the loss shares are made, backward begins
+            for j, (blob, _) in enumerate(self.tracked):
+                self.shares[k0 + c0, j] = float(data[blob])
+        if self.backward and s >= forward:
+            b = s - forward
+            if b == 0:
+                ws.grad[...] = 0
+                for blob, weight in net.loss_weights.items():
+                    diff[blob][...] = weight
+            for i, stage in self.backward_plan[b]:
+                e = net.entries[i]
+                ws.ops[i].backward(stage, [data[t] for t in e.tops], [diff[t] for t in e.tops],
+                                   [data[x] for x in e.bottoms],
+                                   [diff[x] if f else None for x, f in zip(e.bottoms, e.propagate)],
+                                   self.device_param_views[i], ws.grad_views[i], ws.sums[i],
+                                   chunk)
+            if b == len(self.backward_plan) - 1:
+                self.backend.copy_out(self.chunk_grads[c0], ws.grad)
+                self.progress += 1   # one worker: every entry of this chunk is done
+        if s < len(self.syncs):
+            i, k = self.syncs[s]
+            self.backend.copy_out(self.sums[i][k][0][k0 + c0], ws.sums[i][k][0])
+            spin.fetch_add(self.reached, s, 1)
+
+    def _sync(self, s):
+        """Engine's sum over the batch, then its totals to the device (before the calls of the
+        next segment, which the one worker runs after this task)."""
+        super()._sync(s)
+        i, _ = self.syncs[s]
+        for (_, total), device in zip(self.sums[i], self.device_totals[i]):
+            self.backend.copy_in(device, total)
+
+
+def _stages(net, counts, backward):
+    """The segments of the net's calls as [[(entry, stage), ...], ...], cut where an op's
+    stages meet a sum over the batch, and those sums [(entry, the layer's sum index), ...] in
+    the order the engine makes them: forward in entry order, backward in reverse (sums
+    numbered after forward's)."""
+    order = range(len(net.entries))
+    if backward:
+        order = [i for i in reversed(order) if net.entries[i].backward]
+    segments, syncs = [[]], []
+    for i in order:
+        layer = net.entries[i].layer
+        base = layer.batch_sums[0] if backward else 0
+        for stage in range(counts[i]):
+            if stage:
+                segments.append([])
+                syncs.append((i, base + stage - 1))
+            segments[-1].append((i, stage))
+    return segments, syncs
