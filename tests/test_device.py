@@ -21,11 +21,13 @@ from cgp.engine import Engine
 from cgp.equivalence import DEVICE_TOLERANCE, device_against_cpu, gradient_error, run
 from cgp.errors import CgpError, NetError
 from cgp.net import build_net
-from cgp.prototxt import parse_net, read_solver
+from cgp.prototxt import parse_net
 from cgp.proto import caffe_pb2
 from cgp.runtime.pool import Pool
 from cgp.snapshot import read_caffemodel
 from cgp.train import RunConfig
+
+from bundled import solver
 
 
 def has_gpu():
@@ -42,16 +44,6 @@ GPU = pytest.mark.skipif(not has_gpu(), reason="needs CuPy (pip install 'cgp[gpu
 DEVICES = ["numpy", pytest.param("gpu", marks=GPU)]
 
 
-def solver(name, **fields):
-    sp = read_solver(models.solver_path(name))
-    sp.net = str(models.FOLDER / sp.net)
-    for key, value in fields.items():
-        if isinstance(value, list):
-            del getattr(sp, key)[:]
-            getattr(sp, key).extend(value)
-        else:
-            setattr(sp, key, value)
-    return sp
 
 
 @pytest.mark.parametrize("device", DEVICES)

