@@ -252,6 +252,16 @@ def test_gpu_without_cupy_is_one_message(tmp_path, mnist_dir):
                                    "pip install 'cgp[gpu]' (or pip install cupy-cuda12x)")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None or has_gpu(),
+                    reason="for a machine with CuPy installed and no usable GPU")
+def test_gpu_without_a_gpu_is_one_message(tmp_path, mnist_dir):
+    done = cgp_train("mnist", "--data-dir", str(mnist_dir), "--iters", "1", "--device", "gpu",
+                     cwd=tmp_path)
+    assert done.returncode == 2
+    assert re.fullmatch(r"cgp: error: --device gpu: CUDA finds no (usable )?GPU[^\n]*",
+                        done.stderr.strip())
+
+
 def test_the_cpu_path_never_imports_cupy(tmp_path, mnist_dir):
     """Meaningful where CuPy is installed (the gpu extra): a CPU run leaves it unimported."""
     code = ("import sys, cgp.cli; status = cgp.cli.main(['train', 'mnist', '--iters', '1', "
