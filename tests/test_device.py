@@ -96,10 +96,10 @@ def test_zoo_nets_on_the_device_are_the_cpu_engines_in_float64(name, caffe_dir):
 
 
 # Every other layer the device runs, in one net: grouped, dilated and strided convolution,
-# padded CEIL max pooling (of a ReLU's output: ties at 0 go to the window's first) and average
-# pooling, LRN across and within channels, a transposed InnerProduct, Dropout, Sigmoid, TanH,
-# a leaky ReLU, one in place, Eltwise SUM with coefficients, PROD and MAX, Concat, Flatten, Softmax, Scale with its
-# bias, BatchNorm with global statistics, Accuracy, and the Splits the net adds.
+# padded CEIL max pooling and average pooling, LRN across and within channels, a transposed
+# InnerProduct, Dropout, Sigmoid, TanH, a leaky ReLU, one in place, Eltwise SUM with
+# coefficients, PROD and MAX, Concat, Flatten, Softmax, Scale with its bias, BatchNorm with
+# global statistics, Accuracy, and the Splits the net adds.
 ZOO = """
 name: "every_op"
 layer { name: "data" type: "DummyData" top: "data" top: "label"
@@ -119,7 +119,8 @@ layer { name: "max" type: "Pooling" bottom: "relu0" top: "max"
   pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 } }
 layer { name: "ave" type: "Pooling" bottom: "relu" top: "ave"
   pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 } }
-layer { name: "lrn" type: "LRN" bottom: "max" top: "lrn" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 } }
+layer { name: "lrn" type: "LRN" bottom: "max" top: "lrn"
+  lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 } }
 layer { name: "lrnw" type: "LRN" bottom: "ave" top: "lrnw"
   lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL } }
 layer { name: "sig" type: "Sigmoid" bottom: "lrn" top: "sig" }
@@ -185,8 +186,8 @@ def test_ranks_on_the_device_give_one_hash(mnist_dir):
 
 
 def cgp_train(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "cgp", "train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "cgp", "train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
 
 
 def weights(path):

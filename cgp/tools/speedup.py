@@ -441,8 +441,8 @@ def write_results(out, stem, report, rows, log):
             writer.writerow({**row, "layout": row["layout"] or "",
                              **{key: " ".join(map(str, row[key])) for key in
                                 ("images_per_s", "paired_speedup_ci", "paired_cgp_over_torch_ci",
-                                 "paired_cgp_over_this_ci", "paired_share_of_ceiling_ci", "quiet_paired_speedup_ci",
-                                 "steal")
+                                 "paired_cgp_over_this_ci", "paired_share_of_ceiling_ci",
+                                 "quiet_paired_speedup_ci", "steal")
                                 if row.get(key)}})
     png = plot(out / f"{stem}.png", report, rows, log)
     return paths + ([png] if png else [])
