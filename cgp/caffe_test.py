@@ -9,7 +9,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from cgp.comm import LocalCommunicator
-from cgp.engine import Engine
+from cgp.device import make_engine, select_backend
 from cgp.errors import CgpError, shorten
 from cgp.net import RunOptions, build_net
 from cgp.proto import caffe_pb2
@@ -48,16 +48,20 @@ def check_finite(outputs, loss, batch, weights):
 
 
 def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, download=True,
-             log=print, flush_denormals=True, workers=None, affinity=False):
-    """Run `iterations` TEST batches; returns ({output: mean}, mean loss). workers, affinity:
-    as cgp train's (RunConfig; workers None: procs.default_workers())."""
+             log=print, flush_denormals=True, workers=None, affinity=False, device="cpu"):
+    """Run `iterations` TEST batches; returns ({output: mean}, mean loss). workers, affinity,
+    device: as cgp train's (RunConfig; workers None: procs.default_workers())."""
     if iterations < 1:
         raise CgpError(f"--iterations must be at least 1, got {iterations}")
+    if device != "cpu" and threads != 1:
+        raise CgpError(f"--device {device}: one worker drives the device; --threads must be 1")
     net = build_net(read_model(model), model, caffe_pb2.TEST, RunOptions(data_dir, download))
     load_all_weights(net, weights, log)
-    pool = make_pool(workers or default_workers(), threads, [net], affinity, flush_denormals)
+    backend = select_backend(device)
+    workers = "threads" if backend is not None else workers or default_workers()
+    pool = make_pool(workers, threads, [net], affinity, flush_denormals)
     try:
-        engine = Engine(net, chunks, pool, LocalCommunicator(pool), backward=False)
+        engine = make_engine(backend, net, chunks, pool, LocalCommunicator(pool), backward=False)
         pool.start()
         if not engine.tracked:
             raise CgpError(f"model {model}: the TEST net has no scalar outputs (loss, accuracy) "

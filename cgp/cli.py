@@ -251,6 +251,7 @@ def add_test(sub):
     p.add_argument("--weights", required=True, help=".caffemodel file(s), comma-separated")
     p.add_argument("--iterations", type=int, default=50, help="batches to run (default 50)")
     add_run_options(p)
+    add_device_option(p)
     p.set_defaults(run=cmd_test)
 
 
@@ -260,7 +261,7 @@ def cmd_test(args, log=print):
     run_test(args.model, args.weights, args.iterations, threads=args.threads, chunks=args.chunks,
              data_dir=args.data_dir, download=not args.no_download, log=log,
              flush_denormals=args.denormals == "flush", workers=worker_kind(args.workers),
-             affinity=args.affinity)
+             affinity=args.affinity, device=args.device)
     return 0
 
 

@@ -61,7 +61,7 @@ def read_tsv(path):
 
 
 def train(lenet, threads=1, weights=None, snapshot=None, max_iter=None, stream=False,
-          monkeypatch=None):
+          monkeypatch=None, device="cpu"):
     """Train the fixture solver as `caffe train` did; returns (trainer, {iteration: loss}
     from the log lines, as the loss_*.tsv files were made)."""
     if stream:   # read the LMDB batch by batch through the prefetching reader thread
@@ -72,7 +72,8 @@ def train(lenet, threads=1, weights=None, snapshot=None, max_iter=None, stream=F
         sp.weights.append(str(weights))
     lines = []
     trainer = Trainer(sp, str(solver), RunConfig(threads=threads, max_iter=max_iter,
-                                                 progress=False), log=lines.append)
+                                                 progress=False, device=device),
+                      log=lines.append)
     if stream:
         assert not trainer.net.sources[0].layer.records.cached
     try:
@@ -143,6 +144,19 @@ def test_first_loss_and_test_scores(lenet, here):
                             log=lambda line: None)
         assert f"{means['accuracy']:.6g}" == f"{accuracy:.6g}"
         assert means["loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_caffe_referees_the_device_path(lenet, here):
+    """The device engine (--device numpy: the GPU path with NumPy for CuPy) against Caffe's
+    numbers: the first training loss from lenet_iter_0, and `caffe test` of lenet_iter_100."""
+    _, losses = train(lenet, weights=lenet / "lenet_iter_0.caffemodel", max_iter=1,
+                      device="numpy")
+    assert losses[0] == pytest.approx(2.32814, abs=1e-5)
+    model = lenet / "lenet_train_test_fixture.prototxt"
+    means, loss = run_test(model, str(lenet / "lenet_iter_100.caffemodel"), 10,
+                           log=lambda line: None, device="numpy")
+    assert f"{means['accuracy']:.6g}" == "0.91"
+    assert means["loss"] == pytest.approx(0.286794, abs=1e-5)
 
 
 def test_one_sgd_step_matches_caffe(lenet, here):
