@@ -49,6 +49,7 @@ from threadpoolctl import threadpool_limits
 # (in import order: each file may import those before it). Where a module moves, both change:
 # before 9287f70, simd.py and reduce.py were kernels/tile.py and kernels/reduce.py.
 from cgp.engine import chunk_bounds
+from cgp.layers.conv import gemm_faster
 from cgp.kernels import batchnorm, conv, fc, lrn, pool, scale as broadcast
 from cgp.runtime import reduce
 from cgp.runtime.memory import aligned_zeros
@@ -171,8 +172,8 @@ def normal(rng, shape):
 
 def runs(module, shape, n, seed=0):
     """The three calls of one layer with the module's kernels, each returning its result:
-    the direct kernels at stride 1, im2col's (conv_forward, conv_backward) at others, as
-    the Convolution layer chooses."""
+    the direct kernels at stride 1, im2col's and BLAS (conv_forward, conv_backward) at others
+    and where the working tree's Convolution layer takes them at stride 1 (gemm_faster)."""
     C, H, W, K, R, S, pad, stride = shape
     rng = np.random.default_rng(seed)
     x, w, b = normal(rng, (n, C, H, W)), normal(rng, (K, C, R, S)), normal(rng, K)
@@ -182,7 +183,7 @@ def runs(module, shape, n, seed=0):
     dx = aligned_zeros(x.shape, np.float32)
     dw, db = aligned_zeros(2 * w.size, np.float32), aligned_zeros(2 * K, np.float32)
     starts = np.array([0, n // 2, n], np.int64)  # two parts, as a call of two chunks
-    if stride == 1:
+    if stride == 1 and not gemm_faster(C, R, S, P, Q, R == S == 1 and pad == 0):
         sizes = [max(pair) for pair in zip(*(
             module.direct_sizes(C, H, W, K, R, S, pad, pad, 1, 1, 1, V) for V in (16, 8)))]
         e, e_extra, wpt, dycl, dycl_extra, dwt, dbacc, eb, wft, dxp = sizes
