@@ -127,6 +127,10 @@ def test_calls_pause_at_each_sum_and_give_the_same_bits_for_any_grouping():
         pool = make_pool(kind, threads, [net])
         net.params[...] = start
         engine = Engine(net, 5, pool, LocalCommunicator(pool), group=group)
+        # The layers' work scratch (c1's widened input "e") is one set per worker; the
+        # calls' workspaces keep the rest.
+        assert len(engine.work) == threads and "e" in engine.work[0][0]
+        assert all("e" not in ws.scratch[0] for ws in engine.workspaces)
         pool.start()
         try:
             _, loss, grad = engine.run(batch, 0, 7)

@@ -30,6 +30,7 @@ class BatchNorm(Layer):
     "work" (S,) float64 for the sums."""
     params_read = ("batch_norm_param",)
     batch_sums = (2, 1)
+    work_scratch = ("work",)   # "stats" is kept: backward reads forward's (global statistics)
 
     def setup(self, bottom_shapes):
         shape = tuple(bottom_shapes[0])

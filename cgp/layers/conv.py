@@ -82,6 +82,9 @@ class Convolution(Layer):
     tops = (1, None)
     params_read = ("convolution_param",)
     backward_reads_top = False
+    # Backward needs nothing from forward but its input: every buffer is a kernel's work.
+    work_scratch = ("e", "wpt", "dycl", "dwt", "dbacc", "eb", "wft", "dxp", "col", "plane",
+                    "wide", "acc", "offs")
 
     def _read(self, bottom_shapes):
         """Check the bottoms and read convolution_param: sets the kernel, padding, stride,
