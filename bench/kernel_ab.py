@@ -18,9 +18,10 @@ taken with `git show` into a temporary folder and imported from there, each impo
 others' copies (the rest of the package is the working tree's); REV may also be a folder that
 holds a revision's files at their paths (a checkout, or `git archive REV | tar -x -C DIR`).
 `--base torch` times PyTorch's convolution instead (1 thread, channels_last, the
-same data: forward, and the backward kernels alone, through autograd on a kept graph), for
-convolution layers only, and prints how far the results differ rather than whether the bits
-are the same (the working tree's parts added up, as PyTorch sums the whole call).
+same data: forward, and the backward kernels alone, through autograd on a kept graph; its
+results left in its layout, as training leaves them), for convolution and BatchNorm rows
+only, and prints how far the results differ rather than whether the bits are the same (the
+working tree's parts added up, as PyTorch sums the whole call).
 `--torch-samples N` gives PyTorch calls of N samples (as it trains: the whole batch at once)
 while cgp keeps `--samples` (its engine's calls); the results are then not compared.
 `--layers resnet50` times each distinct convolution of ResNet-50 (1x1, 3x3, the 1x1 stride-2
@@ -242,16 +243,13 @@ def torch_runs(shape, n, seed=0):
     def forward():
         with torch.no_grad():
             out = F.conv2d(tx, tw, tb, stride=stride, padding=pad)
-        return out.contiguous().numpy()
+        return out
 
     def backward(need_dx):
         inputs = [tw, tb] + ([tx] if need_dx else [])
 
         def call():
-            grads = torch.autograd.grad(y, inputs, tdy, retain_graph=True)
-            dw, db = (g.contiguous().numpy().ravel() for g in grads[:2])
-            dx = [grads[2].contiguous().numpy().ravel()] if need_dx else []
-            return np.concatenate([dw, np.zeros_like(dw), db, np.zeros_like(db)] + dx)
+            return torch.autograd.grad(y, inputs, tdy, retain_graph=True)
         return call
 
     return {"forward": forward, "backward, no dx": backward(False),
@@ -276,16 +274,23 @@ def batchnorm_runs(norm, broadcast, shape, n, seed=0):
     starts = np.array([0, n], np.int64)
     shares = [aligned_zeros((1, size), np.float64) for size in (C, C, 2 * C)]
     mean, std, grads = (aligned_zeros(size, np.float64) for size in (C, C, 2 * C))
-    work = aligned_zeros(S, np.float64)
+
+    # Before 'lane_sum' (kernels/batchnorm.py) the sums took a row of work space, and Scale
+    # added its bias in a pass of its own.
+    work = (aligned_zeros(S, np.float64),) if not hasattr(norm, "lane_sum") else ()
+    fused = hasattr(broadcast, "scale_bias_forward")
 
     def forward():
         norm.channel_sums(x, starts, shares[0])
         mean[:] = (shares[0][0] / m).astype(f)
-        norm.centred_square_sums(x, mean, starts, shares[1], work)
+        norm.centred_square_sums(x, mean, starts, shares[1], *work)
         std[:] = np.sqrt((shares[1][0] / m).astype(f) + f(BN_EPS))
         norm.normalize(x, mean, std, y)
-        broadcast.scale_forward(y, s, 0, 0, z)
-        broadcast.bias_forward(z, b, 0, 0, z)
+        if fused:
+            broadcast.scale_bias_forward(y, s, 0, 0, b, 0, 0, z)
+        else:
+            broadcast.scale_forward(y, s, 0, 0, z)
+            broadcast.bias_forward(z, b, 0, 0, z)
         return z
 
     def backward():
@@ -293,7 +298,7 @@ def batchnorm_runs(norm, broadcast, shape, n, seed=0):
         broadcast.row_sums(dz, db, 0, 0, starts, C, True)
         broadcast.product_sums(dz, y, ds, 0, 0, starts, C, True)
         broadcast.scale_forward(dz, s, 0, 0, dy)
-        norm.gradient_sums(y, dy, starts, shares[2], work)
+        norm.gradient_sums(y, dy, starts, shares[2], *work)
         grads[:] = shares[2][0]
         norm.normalize_backward(y, dy, grads, m, std, dx)
         return np.concatenate([dx.ravel(), ds, db])
@@ -324,13 +329,25 @@ def torch_batchnorm_runs(shape, n, seed=0):
     def forward():
         with torch.no_grad():
             out = F.batch_norm(tx, mean, var, ts, tb, True, 0.1, BN_EPS)
-        return out.contiguous().numpy()
+        return out
 
     def backward():
-        grads = torch.autograd.grad(z, [tx, ts, tb], tdz, retain_graph=True)
-        return np.concatenate([g.contiguous().numpy().ravel() for g in grads])
+        return torch.autograd.grad(z, [tx, ts, tb], tdz, retain_graph=True)
 
     return {"forward": forward, "backward": backward}
+
+
+def from_torch(result, conv_backward):
+    """A PyTorch call's result (a tensor, or a tuple of gradients), which the timed calls
+    leave in PyTorch's layout, as runs()' or batchnorm_runs()' result; conv_backward: a
+    convolution's gradients, which runs() gives for two parts (the second's slots zeros)."""
+    if not isinstance(result, tuple):
+        return result.contiguous().numpy()
+    flat = [g.contiguous().numpy().ravel() for g in result]
+    if conv_backward:
+        dw, db = flat[:2]
+        flat = [dw, np.zeros_like(dw), db, np.zeros_like(db)] + flat[2:]
+    return np.concatenate(flat)
 
 
 def parts_summed(result, shape, call):
@@ -592,7 +609,7 @@ def main():
                     if name in CONVS:
                         ours = parts_summed(ours, CONVS[name], call)
                     # The largest difference over the largest magnitude.
-                    first = first.ravel()
+                    first = from_torch(first, name in CONVS and call != "forward").ravel()
                     same = f"differ by {np.abs(ours - first).max() / np.abs(first).max():.1e}"
                 else:
                     equal = np.array_equal(first.view(np.int32), new[call]().view(np.int32))

@@ -2,8 +2,9 @@
 the whole batch, and the normalisation and its gradient once the sums are known.
 
 Sums are float64, each part's in a fixed order: sample by sample, each (sample, channel) row
-in LANES interleaved partial sums added in a fixed tree at the row's end (so the loop
-vectorises and its order never depends on the machine), the rows added in sample order.
+in LANES interleaved partial sums added in a fixed tree at the row's end (lane_sum: the
+partial sums are locals, which stay in registers, and the loop vectorises; its order never
+depends on the machine), the rows added in sample order.
 Everything else follows Caffe's arithmetic in the blobs' dtype (float32 in training): y = (x - mean) / sqrt(var + eps), and
 dx = (dy - (y * sum(dy * y) + sum(dy)) / m) / sqrt(var + eps).
 
@@ -16,17 +17,56 @@ from numba import njit
 LANES = 8
 
 
+# What lane_sum adds up: each element, the elements' products with another row's, or their
+# squared differences from a value.
+PLAIN, PRODUCT, CENTRED_SQUARE = 0, 1, 2
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _row_sum(row):
-    """float64 sum of a row in LANES interleaved sums, added pairwise."""
-    acc = np.zeros(LANES, np.float64)
-    full = row.size - row.size % LANES
+def _term(a, b, m, j, kind):
+    """Term j of lane_sum, in float64: a[j]; a[j] * b[j] (the product in a's dtype); or
+    d * d with d = a[j] - m (the difference in a's dtype)."""
+    if kind == PLAIN:
+        return np.float64(a[j])
+    if kind == PRODUCT:
+        return np.float64(a[j] * b[j])
+    d = np.float64(a[j] - m)
+    return d * d
+
+
+@njit(cache=True, nogil=True, inline="always")
+def lane_sum(a, b, m, kind):
+    """a, b: (S,) rows (b read only for PRODUCT); m: a value of a's dtype (CENTRED_SQUARE).
+    The float64 sum of _term over the row in LANES (8) interleaved partial sums, element j in
+    lane j % 8, added pairwise at the end: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).
+    The lanes are locals: in an array, each add went through memory."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    full = a.size - a.size % LANES
     for j in range(0, full, LANES):
-        for lane in range(LANES):
-            acc[lane] += row[j + lane]
-    for j in range(full, row.size):
-        acc[j - full] += row[j]
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+        s0 += _term(a, b, m, j, kind)
+        s1 += _term(a, b, m, j + 1, kind)
+        s2 += _term(a, b, m, j + 2, kind)
+        s3 += _term(a, b, m, j + 3, kind)
+        s4 += _term(a, b, m, j + 4, kind)
+        s5 += _term(a, b, m, j + 5, kind)
+        s6 += _term(a, b, m, j + 6, kind)
+        s7 += _term(a, b, m, j + 7, kind)
+    rest = a.size - full
+    if rest > 0:
+        s0 += _term(a, b, m, full, kind)
+    if rest > 1:
+        s1 += _term(a, b, m, full + 1, kind)
+    if rest > 2:
+        s2 += _term(a, b, m, full + 2, kind)
+    if rest > 3:
+        s3 += _term(a, b, m, full + 3, kind)
+    if rest > 4:
+        s4 += _term(a, b, m, full + 4, kind)
+    if rest > 5:
+        s5 += _term(a, b, m, full + 5, kind)
+    if rest > 6:
+        s6 += _term(a, b, m, full + 6, kind)
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
 @njit(cache=True, nogil=True)
@@ -36,25 +76,21 @@ def channel_sums(x, starts, shares):
         for c in range(x.shape[1]):
             total = 0.0
             for n in range(starts[p], starts[p + 1]):
-                total += _row_sum(x[n, c])
+                total += lane_sum(x[n, c], x[n, c], 0, PLAIN)
             shares[p, c] = total
 
 
 @njit(cache=True, nogil=True)
-def centred_square_sums(x, mean, starts, shares, work):
+def centred_square_sums(x, mean, starts, shares):
     """x: (N, C, S); mean: (C,) float64 (holding a value of x's dtype); shares: (P, C)
     float64, overwritten: part p's sum per channel of (x - mean)^2, the difference in x's
-    dtype. work: (S,) float64."""
+    dtype."""
     for p in range(starts.size - 1):
         for c in range(x.shape[1]):
             m = x.dtype.type(mean[c])
             total = 0.0
             for n in range(starts[p], starts[p + 1]):
-                row = x[n, c]
-                for s in range(row.size):
-                    d = np.float64(row[s] - m)
-                    work[s] = d * d
-                total += _row_sum(work[:row.size])
+                total += lane_sum(x[n, c], x[n, c], m, CENTRED_SQUARE)
             shares[p, c] = total
 
 
@@ -71,19 +107,17 @@ def normalize(x, mean, std, y):
 
 
 @njit(cache=True, nogil=True)
-def gradient_sums(y, dy, starts, shares, work):
+def gradient_sums(y, dy, starts, shares):
     """y, dy: (N, C, S); shares: (P, 2C) float64, overwritten: part p's sum per channel of
-    dy * y (products in their dtype) at [p, c], of dy at [p, C + c]. work: (S,) float64."""
+    dy * y (products in their dtype) at [p, c], of dy at [p, C + c]. The second pass over a
+    row reads it from the L1 cache."""
     C = y.shape[1]
     for p in range(starts.size - 1):
         for c in range(C):
             product = plain = 0.0
             for n in range(starts[p], starts[p + 1]):
-                yr, dr = y[n, c], dy[n, c]
-                for s in range(yr.size):
-                    work[s] = np.float64(dr[s] * yr[s])
-                product += _row_sum(work[:yr.size])
-                plain += _row_sum(dr)
+                product += lane_sum(dy[n, c], y[n, c], 0, PRODUCT)
+                plain += lane_sum(dy[n, c], dy[n, c], 0, PLAIN)
             shares[p, c] = product
             shares[p, C + c] = plain
 

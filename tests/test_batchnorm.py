@@ -8,6 +8,7 @@ from cgp import models
 from cgp.comm import LocalCommunicator
 from cgp.engine import Engine
 from cgp.equivalence import compare, train_run
+from cgp.kernels import batchnorm as K
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
 from cgp.prototxt import parse_net, read_net, read_solver
@@ -82,6 +83,32 @@ def test_global_statistics_use_the_blobs_over_their_factor():
     blobs[2][0] = 0
     (y,), _ = forward(layer, [x.astype(np.float32)], blobs)
     np.testing.assert_allclose(y, x / np.sqrt(1e-5), rtol=1e-5)
+
+
+def lane_reference(terms):
+    """The float64 sum of `terms` as lane_sum orders it, in Python floats: term j added to
+    lane j % 8 in order, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
+    lanes = [0.0] * 8
+    for j, term in enumerate(terms):
+        lanes[j % 8] += float(term)
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + (
+        (lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lane_sum_adds_in_eight_lanes_then_a_tree(dtype):
+    """lane_sum (every sum of BatchNorm, Scale and Bias) against the order it promises, bit
+    for bit: each term (an element, a product in the rows' dtype, a squared difference
+    from the mean taken in the rows' dtype, squared in float64) into lane j % 8, for rows
+    of any length, whole blocks of 8 or not."""
+    rng = np.random.default_rng(5)
+    m = dtype(0.3)
+    for size in list(range(20)) + [49, 196, 3136]:
+        a, b = (rng.standard_normal(size).astype(dtype) * 100 for _ in range(2))
+        assert K.lane_sum(a, b, m, K.PLAIN) == lane_reference(a.astype(np.float64))
+        assert K.lane_sum(a, b, m, K.PRODUCT) == lane_reference((a * b).astype(np.float64))
+        square = [float(d) * float(d) for d in (a - m)]
+        assert K.lane_sum(a, b, m, K.CENTRED_SQUARE) == lane_reference(square)
 
 
 @pytest.mark.parametrize("shape", [(5, 2, 3, 3), (6, 3)])

@@ -112,10 +112,11 @@ class Scale(_Broadcast):
         n = chunk.n
         g = self._geometry(n, chunk.first)
         s, off, step = self._factors(bottom, params, n, g)
-        y = self._rows(top[0], n, g)
-        yield K.scale_forward, (self._rows(bottom[0], n, g), s, off, step, y)
+        x, y = self._rows(bottom[0], n, g), self._rows(top[0], n, g)
         if self.bias_term:
-            yield K.bias_forward, (y, view(params[-1], -1), g[3], g[4], y)
+            yield K.scale_bias_forward, (x, s, off, step, view(params[-1], -1), g[3], g[4], y)
+        else:
+            yield K.scale_forward, (x, s, off, step, y)
 
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
