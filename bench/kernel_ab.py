@@ -37,6 +37,7 @@ multiply-add.
 """
 import argparse
 import importlib.util
+import inspect
 import subprocess
 import sys
 import tempfile
@@ -275,9 +276,10 @@ def batchnorm_runs(norm, broadcast, shape, n, seed=0):
     shares = [aligned_zeros((1, size), np.float64) for size in (C, C, 2 * C)]
     mean, std, grads = (aligned_zeros(size, np.float64) for size in (C, C, 2 * C))
 
-    # Before 'lane_sum' (kernels/batchnorm.py) the sums took a row of work space, and Scale
+    # Before their sums in lanes, BatchNorm's kernels took a row of work space, and Scale
     # added its bias in a pass of its own.
-    work = (aligned_zeros(S, np.float64),) if not hasattr(norm, "lane_sum") else ()
+    takes_work = "work" in inspect.signature(norm.centred_square_sums.py_func).parameters
+    work = (aligned_zeros(S, np.float64),) if takes_work else ()
     fused = hasattr(broadcast, "scale_bias_forward")
 
     def forward():

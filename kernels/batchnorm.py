@@ -2,9 +2,9 @@
 the whole batch, and the normalisation and its gradient once the sums are known.
 
 Sums are float64, each part's in a fixed order: sample by sample, each (sample, channel) row
-in LANES interleaved partial sums added in a fixed tree at the row's end (lane_sum: the
-partial sums are locals, which stay in registers, and the loop vectorises; its order never
-depends on the machine), the rows added in sample order.
+in LANES interleaved partial sums added in a fixed tree at the row's end (plain_sum and
+the others: one vector of float64 lanes; its order never depends on the machine), the rows added in sample
+order.
 Everything else follows Caffe's arithmetic in the blobs' dtype (float32 in training): y = (x - mean) / sqrt(var + eps), and
 dx = (dy - (y * sum(dy * y) + sum(dy)) / m) / sqrt(var + eps).
 
@@ -14,59 +14,41 @@ Dimension letters: N samples in the call, C channels, S positions per channel (H
 import numpy as np
 from numba import njit
 
+from cgp.runtime.simd import (SUM_CENTRED_SQUARE, SUM_PLAIN, SUM_PRODUCT, lane_sums,
+                              product_and_plain_lane_sums)
+
 LANES = 8
 
 
-# What lane_sum adds up: each element, the elements' products with another row's, or their
-# squared differences from a value.
-PLAIN, PRODUCT, CENTRED_SQUARE = 0, 1, 2
+# The sums of rows in LANES (8) interleaved float64 partial sums, term j in lane j % 8 in
+# order, the lanes added pairwise at the end: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 +
+# s7)); one vector of lanes (cgp.runtime.simd.lane_sums: as eight scalars, the loop never
+# vectorised). Rows: (S,) contiguous, of one float dtype; terms in that dtype, then widened.
+
+@njit(cache=True, nogil=True, inline="always")
+def plain_sum(a):
+    """The float64 sum of a's elements in lanes."""
+    return lane_sums(a, a, 0, SUM_PLAIN)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _term(a, b, m, j, kind):
-    """Term j of lane_sum, in float64: a[j]; a[j] * b[j] (the product in a's dtype); or
-    d * d with d = a[j] - m (the difference in a's dtype)."""
-    if kind == PLAIN:
-        return np.float64(a[j])
-    if kind == PRODUCT:
-        return np.float64(a[j] * b[j])
-    d = np.float64(a[j] - m)
-    return d * d
+def product_sum(a, b):
+    """The float64 sum of a[j] * b[j] (the product in the rows' dtype) in lanes."""
+    return lane_sums(a, b, 0, SUM_PRODUCT)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def lane_sum(a, b, m, kind):
-    """a, b: (S,) rows (b read only for PRODUCT); m: a value of a's dtype (CENTRED_SQUARE).
-    The float64 sum of _term over the row in LANES (8) interleaved partial sums, element j in
-    lane j % 8, added pairwise at the end: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).
-    The lanes are locals: in an array, each add went through memory."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    full = a.size - a.size % LANES
-    for j in range(0, full, LANES):
-        s0 += _term(a, b, m, j, kind)
-        s1 += _term(a, b, m, j + 1, kind)
-        s2 += _term(a, b, m, j + 2, kind)
-        s3 += _term(a, b, m, j + 3, kind)
-        s4 += _term(a, b, m, j + 4, kind)
-        s5 += _term(a, b, m, j + 5, kind)
-        s6 += _term(a, b, m, j + 6, kind)
-        s7 += _term(a, b, m, j + 7, kind)
-    rest = a.size - full
-    if rest > 0:
-        s0 += _term(a, b, m, full, kind)
-    if rest > 1:
-        s1 += _term(a, b, m, full + 1, kind)
-    if rest > 2:
-        s2 += _term(a, b, m, full + 2, kind)
-    if rest > 3:
-        s3 += _term(a, b, m, full + 3, kind)
-    if rest > 4:
-        s4 += _term(a, b, m, full + 4, kind)
-    if rest > 5:
-        s5 += _term(a, b, m, full + 5, kind)
-    if rest > 6:
-        s6 += _term(a, b, m, full + 6, kind)
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+def centred_square_sum(a, m):
+    """The float64 sum of d * d, d = a[j] - m (the difference in a's dtype; m a value of
+    it), in lanes."""
+    return lane_sums(a, a, m, SUM_CENTRED_SQUARE)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def product_and_plain_sums(a, b):
+    """(product_sum(a, b), plain_sum(a)) in one pass, the same bits: two vectors of lanes
+    that the CPU adds side by side."""
+    return product_and_plain_lane_sums(a, b)
 
 
 @njit(cache=True, nogil=True)
@@ -76,7 +58,7 @@ def channel_sums(x, starts, shares):
         for c in range(x.shape[1]):
             total = 0.0
             for n in range(starts[p], starts[p + 1]):
-                total += lane_sum(x[n, c], x[n, c], 0, PLAIN)
+                total += plain_sum(x[n, c])
             shares[p, c] = total
 
 
@@ -90,7 +72,7 @@ def centred_square_sums(x, mean, starts, shares):
             m = x.dtype.type(mean[c])
             total = 0.0
             for n in range(starts[p], starts[p + 1]):
-                total += lane_sum(x[n, c], x[n, c], m, CENTRED_SQUARE)
+                total += centred_square_sum(x[n, c], m)
             shares[p, c] = total
 
 
@@ -109,15 +91,15 @@ def normalize(x, mean, std, y):
 @njit(cache=True, nogil=True)
 def gradient_sums(y, dy, starts, shares):
     """y, dy: (N, C, S); shares: (P, 2C) float64, overwritten: part p's sum per channel of
-    dy * y (products in their dtype) at [p, c], of dy at [p, C + c]. The second pass over a
-    row reads it from the L1 cache."""
+    dy * y (products in their dtype) at [p, c], of dy at [p, C + c]."""
     C = y.shape[1]
     for p in range(starts.size - 1):
         for c in range(C):
             product = plain = 0.0
             for n in range(starts[p], starts[p + 1]):
-                product += lane_sum(dy[n, c], y[n, c], 0, PRODUCT)
-                plain += lane_sum(dy[n, c], dy[n, c], 0, PLAIN)
+                row_product, row_plain = product_and_plain_sums(dy[n, c], y[n, c])
+                product += row_product
+                plain += row_plain
             shares[p, c] = product
             shares[p, C + c] = plain
 

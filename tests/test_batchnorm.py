@@ -86,7 +86,7 @@ def test_global_statistics_use_the_blobs_over_their_factor():
 
 
 def lane_reference(terms):
-    """The float64 sum of `terms` as lane_sum orders it, in Python floats: term j added to
+    """The float64 sum of `terms` as the lanes of kernels/batchnorm.py order it, in Python floats: term j added to
     lane j % 8 in order, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
     lanes = [0.0] * 8
     for j, term in enumerate(terms):
@@ -96,8 +96,8 @@ def lane_reference(terms):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_lane_sum_adds_in_eight_lanes_then_a_tree(dtype):
-    """lane_sum (every sum of BatchNorm, Scale and Bias) against the order it promises, bit
+def test_sums_add_in_eight_lanes_then_a_tree(dtype):
+    """The sums in lanes (every sum of BatchNorm, Scale and Bias) against the order they promise, bit
     for bit: each term (an element, a product in the rows' dtype, a squared difference
     from the mean taken in the rows' dtype, squared in float64) into lane j % 8, for rows
     of any length, whole blocks of 8 or not."""
@@ -105,10 +105,11 @@ def test_lane_sum_adds_in_eight_lanes_then_a_tree(dtype):
     m = dtype(0.3)
     for size in list(range(20)) + [49, 196, 3136]:
         a, b = (rng.standard_normal(size).astype(dtype) * 100 for _ in range(2))
-        assert K.lane_sum(a, b, m, K.PLAIN) == lane_reference(a.astype(np.float64))
-        assert K.lane_sum(a, b, m, K.PRODUCT) == lane_reference((a * b).astype(np.float64))
+        assert K.plain_sum(a) == lane_reference(a.astype(np.float64))
+        assert K.product_sum(a, b) == lane_reference((a * b).astype(np.float64))
         square = [float(d) * float(d) for d in (a - m)]
-        assert K.lane_sum(a, b, m, K.CENTRED_SQUARE) == lane_reference(square)
+        assert K.centred_square_sum(a, m) == lane_reference(square)
+        assert K.product_and_plain_sums(a, b) == (K.product_sum(a, b), K.plain_sum(a))
 
 
 @pytest.mark.parametrize("shape", [(5, 2, 3, 3), (6, 3)])

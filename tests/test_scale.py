@@ -52,8 +52,9 @@ def test_scale_learnt(fields, blob, axis, bias):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_kernels_sum_in_lanes_and_fuse_the_bias(dtype):
     """product_sums and row_sums (the factors' and addends' gradients) take each row's sum in
-    lane_sum's order, bit for bit, adding the rows of each part in order; scale_bias_forward
-    gives the bits of scale_forward then bias_forward."""
+    the lanes' order (kernels/batchnorm.py), bit for bit, adding the rows of each part in order, as
+    product_and_row_sums does in one pass; scale_bias_forward gives the bits of scale_forward
+    then bias_forward."""
     from test_batchnorm import lane_reference
     rng = np.random.default_rng(2)
     O, D, I = 5, 3, 21
@@ -77,6 +78,11 @@ def test_kernels_sum_in_lanes_and_fuse_the_bias(dtype):
             for o in range(starts[p], starts[p + 1]):
                 want += lane_reference((dy[o, d] * x[o, d]).astype(np.float64))
             assert ds[p * D + d] == want
+    both_s, both_b = np.zeros_like(ds), np.ones_like(db)
+    K.product_and_row_sums(dy, x, both_s, both_b, 0, 0, starts, D, D)
+    db[:] = 1
+    K.row_sums(dy, db, 0, 0, starts, D, True)
+    assert np.array_equal(both_s, ds) and np.array_equal(both_b, db)
     s, b = rng.standard_normal(D).astype(dtype), rng.standard_normal(D).astype(dtype)
     two, one = np.zeros_like(x), np.zeros_like(x)
     K.scale_forward(x, s, 0, 0, two)

@@ -126,11 +126,15 @@ class Scale(_Broadcast):
         starts = chunk.starts * g[0]
         if self.bias_term:
             db, db_step = part_span(param_diff[-1].reshape(param_diff[-1].shape[0], -1))
-            yield K.row_sums, (dy, db, g[3], g[4], starts, db_step, True)
         if self.learnt:
             ds, ds_step = part_span(param_diff[0].reshape(param_diff[0].shape[0], -1))
+        if self.bias_term and self.learnt:
+            yield K.product_and_row_sums, (dy, x, ds, db, g[3], g[4], starts, ds_step, db_step)
+        elif self.bias_term:
+            yield K.row_sums, (dy, db, g[3], g[4], starts, db_step, True)
+        elif self.learnt:
             yield K.product_sums, (dy, x, ds, g[3], g[4], starts, ds_step, True)
-        elif bottom_diff[1] is not None:
+        if not self.learnt and bottom_diff[1] is not None:
             # The second bottom's gradient: each element once, for the call's own rows.
             whole = np.array([0, n * g[0]], np.int64)
             yield K.product_sums, (dy, x, view(bottom_diff[1], -1), 0, g[1], whole, 0, False)
