@@ -72,6 +72,9 @@ Performance hooks (optional; Layer's class attributes, under "Performance hooks"
   the two factors of a product that the engine forms while it sums the chunks (InnerProduct).
 - takes_parts, forward_parts/backward_parts: a batch-value layer takes every part of a call
   at once rather than one at a time (SoftmaxWithLoss).
+- work_scratch: the scratch buffers that hold nothing from one step of a call to the next,
+  which the engine gives once per worker where calls pause at sums over the batch
+  (Convolution, Pooling, InnerProduct, LRN).
 
 The per-call protocol: calls_each_time = True
 ---------------------------------------------
