@@ -3,8 +3,8 @@ the whole batch, and the normalisation and its gradient once the sums are known.
 
 Sums are float64, each part's in a fixed order: sample by sample, each (sample, channel) row
 in LANES interleaved partial sums added in a fixed tree at the row's end (plain_sum and
-the others: one vector of float64 lanes; its order never depends on the machine), the rows added in sample
-order.
+the others: one vector of float64 lanes; its order never depends on the machine), the rows
+added in sample order.
 Everything else follows Caffe's arithmetic in the blobs' dtype (float32 in training): y = (x - mean) / sqrt(var + eps), and
 dx = (dy - (y * sum(dy * y) + sum(dy)) / m) / sqrt(var + eps).
 

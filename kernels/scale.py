@@ -59,10 +59,10 @@ def bias_forward(x, b, off, o_step, y):
 @njit(cache=True, nogil=True)
 def product_sums(dy, x, out, off, o_step, starts, step, accumulate):
     """dy, x: (O, D, I); out: flat; starts: (parts + 1,) the parts' first rows, then O.
-    For each row o of part p and each d: t = the float64 sum in lanes (cgp.kernels.batchnorm) over i of
-    dy[o, d, i] * x[o, d, i] (products in their dtype), then out[p*step + off + o*o_step + d]
-    += t (accumulate) or = t (each element written once: o_step D). The factors' gradient,
-    Caffe's sums over I then over the rows."""
+    For each row o of part p and each d: t = the float64 sum in lanes (cgp.kernels.batchnorm)
+    over i of dy[o, d, i] * x[o, d, i] (products in their dtype), then
+    out[p*step + off + o*o_step + d] += t (accumulate) or = t (each element written once:
+    o_step D). The factors' gradient, Caffe's sums over I then over the rows."""
     O, D, I = dy.shape
     for p in range(starts.size - 1):
         base = p * step + off
@@ -91,7 +91,8 @@ def product_and_row_sums(dy, x, ds, db, off, o_step, starts, ds_step, db_step):
 @njit(cache=True, nogil=True)
 def row_sums(dy, out, off, o_step, starts, step, accumulate):
     """dy: (O, D, I); out, starts as in product_sums. out[p*step + off + o*o_step + d] (+)=
-    the float64 sum in lanes (cgp.kernels.batchnorm) over i of dy[o, d, i]: the addends' gradient."""
+    the float64 sum in lanes (cgp.kernels.batchnorm) over i of dy[o, d, i]: the addends'
+    gradient."""
     O, D, I = dy.shape
     for p in range(starts.size - 1):
         base = p * step + off

@@ -86,8 +86,9 @@ def test_global_statistics_use_the_blobs_over_their_factor():
 
 
 def lane_reference(terms):
-    """The float64 sum of `terms` as the lanes of kernels/batchnorm.py order it, in Python floats: term j added to
-    lane j % 8 in order, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
+    """The float64 sum of `terms` as the lanes of kernels/batchnorm.py order it, in Python
+    floats: term j added to lane j % 8 in order, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
+    (l6 + l7))."""
     lanes = [0.0] * 8
     for j, term in enumerate(terms):
         lanes[j % 8] += float(term)
@@ -97,10 +98,10 @@ def lane_reference(terms):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_sums_add_in_eight_lanes_then_a_tree(dtype):
-    """The sums in lanes (every sum of BatchNorm, Scale and Bias) against the order they promise, bit
-    for bit: each term (an element, a product in the rows' dtype, a squared difference
-    from the mean taken in the rows' dtype, squared in float64) into lane j % 8, for rows
-    of any length, whole blocks of 8 or not."""
+    """The sums in lanes (every sum of BatchNorm, Scale and Bias) against the order they
+    promise, bit for bit: each term (an element, a product in the rows' dtype, a squared
+    difference from the mean taken in the rows' dtype, squared in float64) into lane j % 8,
+    for rows of any length, whole blocks of 8 or not; two sums in one pass, the same bits."""
     rng = np.random.default_rng(5)
     m = dtype(0.3)
     for size in list(range(20)) + [49, 196, 3136]:

@@ -73,10 +73,10 @@ class Convolution(Layer):
     or a block of its positions ("dycl", dy transposed).
     Sizes suit both float32 and float64. Other strides, and stride-1 layers on small planes
     where GEMM is faster (gemm_faster), run im2col and BLAS: "col", the column matrix of one
-    sample (C*R*S, P*Q) (none for a 1x1 kernel at stride 1 without padding). One input channel per group of several (group = channels > 1,
-    MobileNet's depthwise layers; any stride) runs the depthwise kernels: "plane", one zero-padded
-    channel, "wide", one output channel Wp wide, "acc", the weight gradient's partial sums,
-    "offs", where each tap reads.
+    sample (C*R*S, P*Q) (none for a 1x1 kernel at stride 1 without padding). One input
+    channel per group of several (group = channels > 1, MobileNet's depthwise layers; any
+    stride) runs the depthwise kernels: "plane", one zero-padded channel, "wide", one output
+    channel Wp wide, "acc", the weight gradient's partial sums, "offs", where each tap reads.
     """
     bottoms = (1, None)
     tops = (1, None)

@@ -758,10 +758,11 @@ def _lane_sums_codegen(dtype, kinds):
         intp = context.get_value_type(types.intp)
         n = a_arr.nitems
         m = context.cast(builder, args[2], signature.args[2], dtype)
+        i32 = ir.IntType(32)
         m_v = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(in_ty, ir.Undefined), m, ir.Constant(ir.IntType(32), 0)),
-            ir.Constant(in_ty, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), SUM_LANES),
-                                                      [0] * SUM_LANES))
+            builder.insert_element(ir.Constant(in_ty, ir.Undefined), m, ir.Constant(i32, 0)),
+            ir.Constant(in_ty, ir.Undefined),
+            ir.Constant(ir.VectorType(i32, SUM_LANES), [0] * SUM_LANES))
         zero_in, zero_acc = ir.Constant(in_ty, None), ir.Constant(acc_ty, None)
         accs = [cgutils.alloca_once_value(builder, zero_acc) for _ in kinds]
         count = builder.udiv(builder.add(n, ir.Constant(intp, SUM_LANES - 1)),
