@@ -35,7 +35,7 @@ import numpy as np
 from cgp.comm import FactoredGrad, sum_over_chunks
 from cgp.errors import CgpError
 from cgp.layers import Chunk, Factors
-from cgp.net import Workspace
+from cgp.net import Workspace, work_scratch
 from cgp.runtime import spin
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.pool import spin_count, spins_per_second
@@ -156,7 +156,9 @@ class Engine:
         # Where the net sums over the batch (BatchNorm), each call pauses at each sum until
         # every call has reached it (Sync): its buffers must outlive the pause, so each group
         # has a workspace of its own, which any worker may take on (shared between worker
-        # processes), and the sums' shares are rows of batch-wide arrays.
+        # processes), and the sums' shares are rows of batch-wide arrays. The layers' work
+        # scratch (Layer.work_scratch), which no call reads across a pause, stays one per
+        # worker (ResNet-50's: ~0.4 GB, which every call of the batch would hold).
         syncs = net.forward_syncs + (net.backward_syncs if backward else [])
         self.syncs, self.forward_segments = syncs, len(net.forward_syncs)
         if syncs:
@@ -166,6 +168,8 @@ class Engine:
                               aligned_zeros(m, np.float64, shared))
                              for m in net.entries[i].layer.sum_sizes()] for i, _ in syncs}
             self.workspaces = [self.new_workspace(group, shared) for group in self.groups]
+            n_max = max((self.samples(group)[1] for group in self.groups), default=0)
+            self.work = [work_scratch(net, n_max, self.dtype) for _ in range(pool.threads)]
             self.reached = aligned_zeros(len(syncs), np.int64, shared)   # calls at sum s
             self.synced = aligned_zeros(len(syncs), np.int64, shared)    # sum s made
             self.gathered = aligned_zeros(len(syncs), np.int64, shared)  # others' shares in
@@ -248,7 +252,8 @@ class Engine:
 
     def new_workspace(self, group=None, shared=False):
         """One worker's buffers, sized for this engine's calls and for how the net runs its
-        layers (Net.whole_calls); or, with a group, that group's own (its rows of the sums)."""
+        layers (Net.whole_calls); or, with a group, that group's own (its rows of the sums),
+        without the layers' work scratch (self.work: the workers')."""
         groups = self.groups if group is None else [group]
         k0 = self.owned.start
         sums = None if group is None else {
@@ -259,7 +264,8 @@ class Engine:
                          parts=max(c1 - c0 for c0, c1 in groups),
                          part_max=max(n for _, n in self.own), shared=shared,
                          sums=None if sums is None else
-                         [sums.get(i) for i in range(len(self.net.entries))])
+                         [sums.get(i) for i in range(len(self.net.entries))],
+                         work=group is None)
 
     def samples(self, group):
         """(first sample, samples) of a group (c0, c1) of owned chunks."""
@@ -381,7 +387,8 @@ class Engine:
             ws = self.workspaces[g if self.syncs else worker]
             bound = self._bound[worker][g, slot] = net.bind(
                 ws, chunk, net.call_views(ws, chunk, self.inputs[slot], self.rows.start),
-                self.params, self.group_grad_views[g] if self.backward else None)
+                self.params, self.group_grad_views[g] if self.backward else None,
+                scratch=ws.with_work(self.work[worker]) if self.syncs else None)
         if s:
             self._wait(self.synced, s - 1, s, 1)
         forward = self.forward_segments

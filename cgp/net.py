@@ -514,14 +514,15 @@ class Net:
         as Chunk.batch_tops takes them."""
         return {self.source_names[t]: a for t, a in batch.items() if t in self.batch_read}
 
-    def bind(self, ws, chunk, data, params, param_diffs=None, plan=None):
+    def bind(self, ws, chunk, data, params, param_diffs=None, plan=None, scratch=None):
         """The layer calls of calls laid out as `chunk` on these arrays (see BoundCall).
         data: call_views'; params: per-entry views (from param_views); param_diffs: per
         entry the (parts,) + blob shape views of param_views that backward adds the
         parameter gradients into (layers with overwrite_param_diff set theirs: callers zero
         only self.zero_ranges); plan: per entry (backward, propagate) in place of the
-        entries' own flags."""
-        return BoundCall(self, ws, chunk, data, params, param_diffs, plan)
+        entries' own flags; scratch: per entry the layers' scratch in place of the
+        workspace's (Workspace.with_work)."""
+        return BoundCall(self, ws, chunk, data, params, param_diffs, plan, scratch)
 
     def forward(self, ws, chunk, batch_data, params, clock=None):
         """One call's forward (BoundCall.forward) with its layer calls bound for it alone;
@@ -569,19 +570,20 @@ class BoundCall:
     the sum, then the next segments; a call that holds the whole batch runs them all and
     makes the sums itself."""
 
-    def __init__(self, net, ws, chunk, data, params, param_diffs=None, plan=None):
+    def __init__(self, net, ws, chunk, data, params, param_diffs=None, plan=None, scratch=None):
         self.net, self.chunk, self.data, self.params = net, chunk, data, params
-        self.scratch = ws.scratch
+        self.scratch = ws.scratch if scratch is None else scratch
         self.diff = ws.diff_views(chunk.n)
         self._layout = (chunk.n, chunk.first, chunk.batch, chunk.part_starts)
         self._forward, self._forward_syncs = _segments(
             [(i, self._forward_steps(i, entry, p, scratch), 0) for i, (entry, p, scratch)
-             in enumerate(zip(net.entries, params, ws.scratch))])
+             in enumerate(zip(net.entries, params, self.scratch))])
         self._backward, self._backward_syncs = (None, []) if param_diffs is None else _segments(
             [(i, self._backward_steps(i, entry, p, pd, scratch, plan[i] if plan else None),
               entry.layer.batch_sums[0])
              for i, (entry, p, pd, scratch)
-             in reversed(list(enumerate(zip(net.entries, params, param_diffs, ws.scratch))))])
+             in reversed(list(enumerate(zip(net.entries, params, param_diffs,
+                                             self.scratch))))])
         # Loss tops' gradients: their loss weights, set again by every backward.
         self._seeds = [(self.diff[blob], weight) for blob, weight in net.loss_weights.items()
                        ] if self._backward is not None else []
@@ -735,10 +737,13 @@ class Workspace:
     the engine gives them, else its own.
     Source (data layer) blobs get no data buffer: calls read views of the batch.
     shared: every buffer in memory that worker processes forked later share (the engine's
-    buffers of a group whose segments several workers run)."""
+    buffers of a group whose segments several workers run).
+    work: False leaves out the layers' work scratch (Layer.work_scratch): the engine's
+    workspace of a group, whose calls take the work scratch of the worker that runs them
+    (work_scratch(), BoundCall's scratch)."""
 
     def __init__(self, net, n_max, with_diff=True, dtype=np.float32, parts=1, part_max=None,
-                 shared=False, sums=None):
+                 shared=False, sums=None, work=True):
         part_max = part_max or n_max
         self._per_sample = [b not in net.batch_values for b in range(len(net.blob_names))]
 
@@ -752,7 +757,8 @@ class Workspace:
         self.diff = [alloc(b) for b in range(len(net.blob_names))] if with_diff else None
         self.scratch = [[alloc_scratch(e.layer, part_max, dtype, shared) for _ in range(parts)]
                         if e.layer.reduces_batch and not whole
-                        else alloc_scratch(e.layer, n_max, dtype, shared, parts)
+                        else alloc_scratch(e.layer, n_max, dtype, shared, parts,
+                                           None if work else False)
                         for e, whole in zip(net.entries, net.whole_calls)]
         for i, entry in enumerate(net.entries):
             if sums is not None and sums[i] is not None:
@@ -773,3 +779,18 @@ class Workspace:
     def diff_views(self, n):
         self.views(n)
         return self._views[n][1]
+
+    def with_work(self, work):
+        """Per entry, the layer's scratch with the work scratch `work` (work_scratch()'s)
+        added: what a worker's calls in this workspace take (Workspace(work=False))."""
+        return [dict(own, **extra) if isinstance(own, dict) else own
+                for own, extra in zip(self.scratch, work)]
+
+
+def work_scratch(net, n_max, dtype=np.float32):
+    """Per entry, the layers' work scratch (Layer.work_scratch) for calls of up to n_max
+    samples: one worker's, for the calls it runs in workspaces made with work=False ({} for
+    layers called one part at a time, whose workspaces keep all of theirs)."""
+    return [{} if e.layer.reduces_batch and not whole
+            else alloc_scratch(e.layer, n_max, dtype, work=True)
+            for e, whole in zip(net.entries, net.whole_calls)]

@@ -23,7 +23,7 @@ from cgp.device import DEVICES, make_engine, select_backend
 from cgp.engine import group_size
 from cgp.errors import CgpError
 from cgp.hdf5 import require_h5py
-from cgp.layers import Chunk
+from cgp.layers import Chunk, scratch_specs
 from cgp.net import RunOptions, Workspace, build_net
 from cgp.parallel import DataParallelStep, Diverged, make_communicator
 from cgp.proto import caffe_pb2, cgp_pb2
@@ -185,14 +185,13 @@ def _call_samples(net, chunks, threads):
     return group_size(net, chunks, threads) * -(-net.batch_size // chunks)
 
 
-def _scratch_bytes(net, n):
+def _scratch_bytes(net, n, work=None):
     """The layers' scratch buffers (Layer.scratch_shapes) of a workspace for calls of n
-    samples, in float32 where a layer gives no dtype."""
+    samples, in float32 where a layer gives no dtype; work: the layers' work scratch alone
+    (True), the rest (False), or all (None)."""
     total = 0
     for entry in net.entries:
-        for spec in entry.layer.scratch_shapes(n).values():
-            shape, kind = (spec if isinstance(spec, tuple) and len(spec) == 2
-                           and isinstance(spec[0], tuple) else (spec, np.float32))
+        for shape, kind in scratch_specs(entry.layer, n, np.float32, work).values():
             total += math.prod(shape) * np.dtype(kind).itemsize
     return total
 
@@ -201,10 +200,14 @@ def _activation_bytes(net, chunks, threads, syncs):
     """Data, diff and scratch of the workspaces an engine holds at once: one per thread, for
     one call's samples; or, where the net sums over the batch (syncs: BatchNorm), one per
     call of the batch, since every call then pauses at each sum with its buffers kept
-    (Engine: a workspace per group of chunks)."""
+    (Engine: a workspace per group of chunks), less the layers' work scratch, which stays
+    one per thread."""
     n = _call_samples(net, chunks, threads)
-    workspaces = -(-chunks // group_size(net, chunks, threads)) if syncs else threads
-    return workspaces * (n * net.sample_bytes + _scratch_bytes(net, n))
+    if not syncs:
+        return threads * (n * net.sample_bytes + _scratch_bytes(net, n))
+    calls = -(-chunks // group_size(net, chunks, threads))
+    return (calls * (n * net.sample_bytes + _scratch_bytes(net, n, work=False))
+            + threads * _scratch_bytes(net, n, work=True))
 
 
 def _batch_bytes(net):

@@ -2,8 +2,9 @@
 the whole batch, and the normalisation and its gradient once the sums are known.
 
 Sums are float64, each part's in a fixed order: sample by sample, each (sample, channel) row
-in LANES interleaved partial sums added in a fixed tree at the row's end (so the loop
-vectorises and its order never depends on the machine), the rows added in sample order.
+in LANES interleaved partial sums added in a fixed tree at the row's end (plain_sum and
+the others: one vector of float64 lanes; its order never depends on the machine), the rows
+added in sample order.
 Everything else follows Caffe's arithmetic in the blobs' dtype (float32 in training): y = (x - mean) / sqrt(var + eps), and
 dx = (dy - (y * sum(dy * y) + sum(dy)) / m) / sqrt(var + eps).
 
@@ -13,20 +14,41 @@ Dimension letters: N samples in the call, C channels, S positions per channel (H
 import numpy as np
 from numba import njit
 
+from cgp.runtime.simd import (SUM_CENTRED_SQUARE, SUM_PLAIN, SUM_PRODUCT, lane_sums,
+                              product_and_plain_lane_sums)
+
 LANES = 8
 
 
+# The sums of rows in LANES (8) interleaved float64 partial sums, term j in lane j % 8 in
+# order, the lanes added pairwise at the end: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 +
+# s7)); one vector of lanes (cgp.runtime.simd.lane_sums: as eight scalars, the loop never
+# vectorised). Rows: (S,) contiguous, of one float dtype; terms in that dtype, then widened.
+
 @njit(cache=True, nogil=True, inline="always")
-def _row_sum(row):
-    """float64 sum of a row in LANES interleaved sums, added pairwise."""
-    acc = np.zeros(LANES, np.float64)
-    full = row.size - row.size % LANES
-    for j in range(0, full, LANES):
-        for lane in range(LANES):
-            acc[lane] += row[j + lane]
-    for j in range(full, row.size):
-        acc[j - full] += row[j]
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+def plain_sum(a):
+    """The float64 sum of a's elements in lanes."""
+    return lane_sums(a, a, 0, SUM_PLAIN)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def product_sum(a, b):
+    """The float64 sum of a[j] * b[j] (the product in the rows' dtype) in lanes."""
+    return lane_sums(a, b, 0, SUM_PRODUCT)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def centred_square_sum(a, m):
+    """The float64 sum of d * d, d = a[j] - m (the difference in a's dtype; m a value of
+    it), in lanes."""
+    return lane_sums(a, a, m, SUM_CENTRED_SQUARE)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def product_and_plain_sums(a, b):
+    """(product_sum(a, b), plain_sum(a)) in one pass, the same bits: two vectors of lanes
+    that the CPU adds side by side."""
+    return product_and_plain_lane_sums(a, b)
 
 
 @njit(cache=True, nogil=True)
@@ -36,25 +58,21 @@ def channel_sums(x, starts, shares):
         for c in range(x.shape[1]):
             total = 0.0
             for n in range(starts[p], starts[p + 1]):
-                total += _row_sum(x[n, c])
+                total += plain_sum(x[n, c])
             shares[p, c] = total
 
 
 @njit(cache=True, nogil=True)
-def centred_square_sums(x, mean, starts, shares, work):
+def centred_square_sums(x, mean, starts, shares):
     """x: (N, C, S); mean: (C,) float64 (holding a value of x's dtype); shares: (P, C)
     float64, overwritten: part p's sum per channel of (x - mean)^2, the difference in x's
-    dtype. work: (S,) float64."""
+    dtype."""
     for p in range(starts.size - 1):
         for c in range(x.shape[1]):
             m = x.dtype.type(mean[c])
             total = 0.0
             for n in range(starts[p], starts[p + 1]):
-                row = x[n, c]
-                for s in range(row.size):
-                    d = np.float64(row[s] - m)
-                    work[s] = d * d
-                total += _row_sum(work[:row.size])
+                total += centred_square_sum(x[n, c], m)
             shares[p, c] = total
 
 
@@ -71,19 +89,17 @@ def normalize(x, mean, std, y):
 
 
 @njit(cache=True, nogil=True)
-def gradient_sums(y, dy, starts, shares, work):
+def gradient_sums(y, dy, starts, shares):
     """y, dy: (N, C, S); shares: (P, 2C) float64, overwritten: part p's sum per channel of
-    dy * y (products in their dtype) at [p, c], of dy at [p, C + c]. work: (S,) float64."""
+    dy * y (products in their dtype) at [p, c], of dy at [p, C + c]."""
     C = y.shape[1]
     for p in range(starts.size - 1):
         for c in range(C):
             product = plain = 0.0
             for n in range(starts[p], starts[p + 1]):
-                yr, dr = y[n, c], dy[n, c]
-                for s in range(yr.size):
-                    work[s] = np.float64(dr[s] * yr[s])
-                product += _row_sum(work[:yr.size])
-                plain += _row_sum(dr)
+                row_product, row_plain = product_and_plain_sums(dy[n, c], y[n, c])
+                product += row_product
+                plain += row_plain
             shares[p, c] = product
             shares[p, C + c] = plain
 

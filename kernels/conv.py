@@ -11,7 +11,8 @@ transposed into NCHW; the weight gradient with output channels along the vectors
 transposed; and the input gradient either the same way as the forward pass (gathering, for
 padded layers) or, where the output is clearly smaller than the input, through one
 sample's column matrix, which is then added into dx row by row. Other strides run im2col
-and one BLAS GEMM per sample (cgp.runtime.blas).
+and one BLAS GEMM per sample (cgp.runtime.blas), as do stride-1 layers on small planes where
+that is faster (the layer chooses: cgp.layers.conv.gemm_faster).
 
 Determinism. Every element of the forward pass and of the input gradient is one chain of
 multiply-adds over its own sample's data (through the column matrix: one chain per tap, the

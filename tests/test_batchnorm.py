@@ -8,6 +8,7 @@ from cgp import models
 from cgp.comm import LocalCommunicator
 from cgp.engine import Engine
 from cgp.equivalence import compare, train_run
+from cgp.kernels import batchnorm as K
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2
 from cgp.prototxt import parse_net, read_net, read_solver
@@ -84,6 +85,34 @@ def test_global_statistics_use_the_blobs_over_their_factor():
     np.testing.assert_allclose(y, x / np.sqrt(1e-5), rtol=1e-5)
 
 
+def lane_reference(terms):
+    """The float64 sum of `terms` as the lanes of kernels/batchnorm.py order it, in Python
+    floats: term j added to lane j % 8 in order, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
+    (l6 + l7))."""
+    lanes = [0.0] * 8
+    for j, term in enumerate(terms):
+        lanes[j % 8] += float(term)
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + (
+        (lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sums_add_in_eight_lanes_then_a_tree(dtype):
+    """The sums in lanes (every sum of BatchNorm, Scale and Bias) against the order they
+    promise, bit for bit: each term (an element, a product in the rows' dtype, a squared
+    difference from the mean taken in the rows' dtype, squared in float64) into lane j % 8,
+    for rows of any length, whole blocks of 8 or not; two sums in one pass, the same bits."""
+    rng = np.random.default_rng(5)
+    m = dtype(0.3)
+    for size in list(range(20)) + [49, 196, 3136]:
+        a, b = (rng.standard_normal(size).astype(dtype) * 100 for _ in range(2))
+        assert K.plain_sum(a) == lane_reference(a.astype(np.float64))
+        assert K.product_sum(a, b) == lane_reference((a * b).astype(np.float64))
+        square = [float(d) * float(d) for d in (a - m)]
+        assert K.centred_square_sum(a, m) == lane_reference(square)
+        assert K.product_and_plain_sums(a, b) == (K.product_sum(a, b), K.plain_sum(a))
+
+
 @pytest.mark.parametrize("shape", [(5, 2, 3, 3), (6, 3)])
 def test_gradients_through_the_batch_statistics(shape):
     """dx of L = <y, W> against central differences in float64: the statistics depend on
@@ -127,6 +156,10 @@ def test_calls_pause_at_each_sum_and_give_the_same_bits_for_any_grouping():
         pool = make_pool(kind, threads, [net])
         net.params[...] = start
         engine = Engine(net, 5, pool, LocalCommunicator(pool), group=group)
+        # The layers' work scratch (c1's widened input "e") is one set per worker; the
+        # calls' workspaces keep the rest.
+        assert len(engine.work) == threads and "e" in engine.work[0][0]
+        assert all("e" not in ws.scratch[0] for ws in engine.workspaces)
         pool.start()
         try:
             _, loss, grad = engine.run(batch, 0, 7)

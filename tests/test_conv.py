@@ -67,6 +67,9 @@ CONFIGS = {
                     dict(stride=(2, 2), dilation=(1, 3))),
     "pointwise": ("kernel_size: 1", (2, 3, 3, 4), {}),
     "pointwise_group": ("kernel_size: 1 group: 2", (2, 4, 3, 3), dict(group=2)),
+    # Small planes run 1x1 layers through GEMM (cgp.layers.conv.gemm_faster), larger ones
+    # through the direct kernels.
+    "pointwise_plane": ("kernel_size: 1", (1, 2, 15, 14), {}),
     "pointwise_stride": ("kernel_size: 1 stride: 2 pad: 1", (2, 3, 4, 3),
                          dict(stride=(2, 2), pad=(1, 1))),
     # Unpadded stride-1 layers take their input gradient through the column matrix
@@ -215,7 +218,9 @@ LARGE = [
      dict(pad=(2, 2), dilation=(2, 2))),
     (36, "kernel_size: 2 dilation: 2 group: 3", (2, 9, 6, 7),
      dict(dilation=(2, 2), group=3)),
-    (24, "kernel_size: 1", (2, 40, 5, 6), {}),
+    (24, "kernel_size: 1", (2, 40, 5, 6), {}),   # through GEMM, a small plane
+    (24, "kernel_size: 1", (2, 40, 15, 14), {}),
+    (36, "kernel_size: 3 pad: 1", (2, 160, 7, 7), dict(pad=(1, 1))),   # through GEMM
     (24, "kernel_size: 5 pad: 1", (2, 7, 9, 8), dict(pad=(1, 1))),  # padded, through columns
     (20, "kernel_size: 3 stride: 2 pad: 1", (2, 12, 9, 8), dict(stride=(2, 2), pad=(1, 1))),
     # Rows that read only padding, whole tiles of them and tiles of a few rows: the kernel
@@ -310,6 +315,25 @@ def test_direct_path_choices_are_covered():
     assert {shapes[2] for shapes in seen} == {shapes[7] for shapes in seen} == {True, False}
     for i in (0, 3, 5):
         assert len({shapes[i:i + 2] for shapes in seen}) >= 3
+
+
+@pytest.mark.parametrize("num_output, fields, shape, gemm", [
+    (512, "kernel_size: 3 pad: 1", (1, 512, 7, 7), True),     # ResNet-50's res5 3x3
+    (256, "kernel_size: 1", (1, 1024, 14, 14), True),         # its res4 1x1
+    (16, "kernel_size: 1", (1, 480, 14, 14), True),           # GoogLeNet's 5x5_reduce
+    (128, "kernel_size: 5 pad: 2", (1, 48, 7, 7), False),     # its 5x5 over 48 channels
+    (128, "kernel_size: 1", (1, 512, 28, 28), False),         # 28 x 28 planes
+    (64, "kernel_size: 3 pad: 1", (1, 64, 56, 56), False),
+    (50, "kernel_size: 5", (1, 20, 12, 12), False),           # LeNet's conv2
+    (64, "kernel_size: 5 pad: 2", (1, 32, 8, 8), False),      # cifar10_quick's conv3
+])
+def test_small_planes_with_long_reductions_run_through_gemm(num_output, fields, shape, gemm):
+    """Stride-1 layers take the im2col path and BLAS (scratch "col") where gemm_faster says
+    it is faster, the direct kernels (scratch "e") elsewhere; the shipped nets' layers stay
+    direct."""
+    layer = build(conv_text(fields, num_output), [shape])
+    assert ("col" in layer.scratch_shapes(1)) == gemm
+    assert ("e" in layer.scratch_shapes(1)) != gemm
 
 
 def test_tile_rows_counts_every_tile():

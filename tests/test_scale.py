@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cgp.errors import NetError
+from cgp.kernels import scale as K
 from cgp.layers import Chunk
 from layer_check import (backward, build, check_forward, check_gradients, check_parts,
                          check_split_invariance, forward)
@@ -46,6 +47,48 @@ def test_scale_learnt(fields, blob, axis, bias):
     check_gradients(layer, [x])
     check_split_invariance(layer, [x], cut=1)
     check_parts(layer, [x], (0, 1, 3, 4))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernels_sum_in_lanes_and_fuse_the_bias(dtype):
+    """product_sums and row_sums (the factors' and addends' gradients) take each row's sum in
+    the lanes' order (kernels/batchnorm.py), bit for bit, adding the rows of each part in order, as
+    product_and_row_sums does in one pass; scale_bias_forward gives the bits of scale_forward
+    then bias_forward."""
+    from test_batchnorm import lane_reference
+    rng = np.random.default_rng(2)
+    O, D, I = 5, 3, 21
+    dy, x = (rng.standard_normal((O, D, I)).astype(dtype) for _ in range(2))
+    starts = np.array([0, 2, 5])
+    ds, db = np.zeros(2 * D, np.float64), np.zeros(2 * D, np.float64)
+    K.product_sums(dy, x, ds, 0, 0, starts, D, False)
+    K.row_sums(dy, db, 0, 0, starts, D, False)
+    for p in range(2):
+        for d in range(D):
+            rows = range(starts[p], starts[p + 1])
+            # Each row's sum is written over the last (accumulate False): the part's last row.
+            last = rows[-1]
+            assert ds[p * D + d] == lane_reference((dy[last, d] * x[last, d]).astype(np.float64))
+            assert db[p * D + d] == lane_reference(dy[last, d].astype(np.float64))
+    ds[:] = 0   # accumulate: each part's rows added in order
+    K.product_sums(dy, x, ds, 0, 0, starts, D, True)
+    for p in range(2):
+        for d in range(D):
+            want = 0.0
+            for o in range(starts[p], starts[p + 1]):
+                want += lane_reference((dy[o, d] * x[o, d]).astype(np.float64))
+            assert ds[p * D + d] == want
+    both_s, both_b = np.zeros_like(ds), np.ones_like(db)
+    K.product_and_row_sums(dy, x, both_s, both_b, 0, 0, starts, D, D)
+    db[:] = 1
+    K.row_sums(dy, db, 0, 0, starts, D, True)
+    assert np.array_equal(both_s, ds) and np.array_equal(both_b, db)
+    s, b = rng.standard_normal(D).astype(dtype), rng.standard_normal(D).astype(dtype)
+    two, one = np.zeros_like(x), np.zeros_like(x)
+    K.scale_forward(x, s, 0, 0, two)
+    K.bias_forward(two, b, 0, 0, two)
+    K.scale_bias_forward(x, s, 0, 0, b, 0, 0, one)
+    assert np.array_equal(one, two)
 
 
 def test_scale_fillers():

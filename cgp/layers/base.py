@@ -72,6 +72,9 @@ Performance hooks (optional; Layer's class attributes, under "Performance hooks"
   the two factors of a product that the engine forms while it sums the chunks (InnerProduct).
 - takes_parts, forward_parts/backward_parts: a batch-value layer takes every part of a call
   at once rather than one at a time (SoftmaxWithLoss).
+- work_scratch: the scratch buffers that hold nothing from one step of a call to the next,
+  which the engine gives once per worker where calls pause at sums over the batch
+  (Convolution, Pooling, InnerProduct, LRN).
 
 The per-call protocol: calls_each_time = True
 ---------------------------------------------
@@ -104,6 +107,9 @@ chunks' shares in the fixed tree over chunk index into scratch["sums"][k][1], an
 float64 array that every call sees, and runs the layer's sync(k, totals, params) once
 (turning sums into means, updating moving averages); the calls after read the total. So the
 statistics are the whole batch's, bitwise the same however the batch is cut and grouped.
+Every call then keeps its buffers through each pause; scratch that no step reads after the
+step that wrote it (work_scratch: a kernel's work space, not forward's record for backward)
+is one per worker instead.
 """
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -256,6 +262,11 @@ class Layer:
 
     # -- sums over the whole batch (the module's docstring) ---------------------------------
     batch_sums = (0, 0)   # how many sums forward and backward take
+    # The names of scratch_shapes' buffers that hold nothing from one step of a call to the
+    # next (written and read within one stretch of kernel calls, never kept from forward to
+    # backward): where calls pause at sums over the batch, the engine gives the calls one
+    # set of them per worker rather than one per call. Any other buffer is kept per call.
+    work_scratch = ()
 
     def __init__(self, lp, index=0, phase=0):
         """lp: caffe_pb2.LayerParameter; index: position in the net (keys random
@@ -487,19 +498,30 @@ def check_axis(layer, axis, ndim):
 
 # -- scratch buffers ---------------------------------------------------------------------
 
-def alloc_scratch(layer, n, dtype, shared=False, parts=1):
-    """A layer's scratch buffers for chunks of up to n samples. scratch_shapes gives a
-    shape (the run's float dtype) or a (shape, dtype) pair, e.g. int32 argmax indices.
-    shared: in memory that worker processes forked later share. A layer that sums over the
-    batch gets "sums": (shares (parts, m_k), total (m_k,)) float64 per sum (Layer.batch_sums)."""
+def scratch_specs(layer, n, dtype, work=None):
+    """{name: (shape, dtype)} of the layer's scratch buffers for calls of up to n samples
+    (scratch_shapes gives a shape, of the run's float dtype, or a (shape, dtype) pair);
+    work: True for its work_scratch alone, False for the others, None for all."""
+    specs = {}
+    for name, spec in layer.scratch_shapes(n).items():
+        if work is not None and (name in layer.work_scratch) != work:
+            continue
+        if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], tuple):
+            specs[name] = spec
+        else:
+            specs[name] = (spec, dtype)
+    return specs
+
+
+def alloc_scratch(layer, n, dtype, shared=False, parts=1, work=None):
+    """A layer's scratch buffers for chunks of up to n samples, e.g. int32 argmax indices
+    (scratch_specs; work: which of them). shared: in memory that worker processes forked
+    later share. A layer that sums over the batch gets "sums" (not with work=True):
+    (shares (parts, m_k), total (m_k,)) float64 per sum (Layer.batch_sums)."""
     buffers = {}
-    if any(layer.batch_sums):
+    if any(layer.batch_sums) and not work:
         buffers["sums"] = [(aligned_zeros((parts, m), np.float64, shared),
                             aligned_zeros(m, np.float64, shared)) for m in layer.sum_sizes()]
-    for name, spec in layer.scratch_shapes(n).items():
-        if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], tuple):
-            shape, kind = spec
-        else:
-            shape, kind = spec, dtype
+    for name, (shape, kind) in scratch_specs(layer, n, dtype, work).items():
         buffers[name] = aligned_zeros(shape, kind, shared)
     return buffers

@@ -27,7 +27,7 @@ class BatchNorm(Layer):
     Global statistics: mean and variance are the blobs divided by the factor, no sums.
 
     Scratch: "stats" (2, C) float64, the mean and sqrt(variance + eps) (global statistics),
-    "work" (S,) float64 for the sums."""
+    which backward reads."""
     params_read = ("batch_norm_param",)
     batch_sums = (2, 1)
 
@@ -65,7 +65,7 @@ class BatchNorm(Layer):
         return [caffe_pb2.FillerParameter(type="constant", value=0)] * 3
 
     def scratch_shapes(self, n):
-        return {"stats": ((2, self.C), np.float64), "work": ((max(self.S, 1),), np.float64)}
+        return {"stats": ((2, self.C), np.float64)}
 
     def sum_sizes(self):
         return [self.C, self.C, 2 * self.C]
@@ -83,7 +83,7 @@ class BatchNorm(Layer):
         starts, sums = chunk.starts, scratch["sums"]
         yield K.channel_sums, (x, starts, sums[0][0])
         yield SYNC
-        yield K.centred_square_sums, (x, sums[0][1], starts, sums[1][0], scratch["work"])
+        yield K.centred_square_sums, (x, sums[0][1], starts, sums[1][0])
         yield SYNC
         yield K.normalize, (x, sums[0][1], sums[1][1], y)
 
@@ -97,7 +97,7 @@ class BatchNorm(Layer):
             yield K.scale_backward, (dy, scratch["stats"][1], dx)
             return
         sums = scratch["sums"]
-        yield K.gradient_sums, (y, dy, chunk.starts, sums[2][0], scratch["work"])
+        yield K.gradient_sums, (y, dy, chunk.starts, sums[2][0])
         yield SYNC
         yield K.normalize_backward, (y, dy, sums[2][1], self.m, sums[1][1], dx)
 

@@ -42,6 +42,24 @@ def spatial_values(layer, p, name, default):
                       f"got {len(values)} values")
 
 
+# Stride-1 convolutions on small output planes with long reductions run faster as one BLAS
+# GEMM per sample (the im2col path; a 1x1 convolution multiplies the input itself) than in
+# the direct kernels, whose few positions fill few vectors and whose weights are repacked at
+# every call: on ResNet-50's and GoogLeNet's 14 x 14 and 7 x 7 planes GEMM took 0.2 - 0.9 of
+# the direct kernels' time, on 28 x 28 planes about the same, on larger ones more; short
+# reductions on small planes stay direct, which is faster there (LeNet's conv2 and
+# cifar10_quick's conv3, (C/G)*R*S 500 and 800; GoogLeNet's 5 x 5 over 48 channels, 1200)
+# (bench/README.md, "Where ResNet-50 loses").
+GEMM_MAX_POSITIONS = 196
+GEMM_MIN_REDUCTION = 1280
+
+
+def gemm_faster(Cg, R, S, P, Q, pointwise):
+    """Whether a stride-1 convolution (Cg input channels per group, an R x S kernel, a P x Q
+    output plane; pointwise: 1 x 1 without padding) runs faster through GEMM."""
+    return P * Q <= GEMM_MAX_POSITIONS and (pointwise or Cg * R * S >= GEMM_MIN_REDUCTION)
+
+
 @register("Convolution")
 class Convolution(Layer):
     """Caffe's Convolution: top (N, K, P, Q) from bottom (N, C, H, W) with weight
@@ -53,16 +71,20 @@ class Convolution(Layer):
     sample's input widened S times, per bottom: (bottoms, C*S*(H + 2*pad_h)*Q + slack) per
     worker. No buffer grows with the chunk: the others hold the weights repacked, one sample
     or a block of its positions ("dycl", dy transposed).
-    Sizes suit both float32 and float64. Other strides run im2col: "col", the column matrix
-    of one sample (C*R*S, P*Q). One input channel per group of several (group = channels > 1,
-    MobileNet's depthwise layers; any stride) runs the depthwise kernels: "plane", one zero-padded
-    channel, "wide", one output channel Wp wide, "acc", the weight gradient's partial sums,
-    "offs", where each tap reads.
+    Sizes suit both float32 and float64. Other strides, and stride-1 layers on small planes
+    where GEMM is faster (gemm_faster), run im2col and BLAS: "col", the column matrix of one
+    sample (C*R*S, P*Q) (none for a 1x1 kernel at stride 1 without padding). One input
+    channel per group of several (group = channels > 1, MobileNet's depthwise layers; any
+    stride) runs the depthwise kernels: "plane", one zero-padded channel, "wide", one output
+    channel Wp wide, "acc", the weight gradient's partial sums, "offs", where each tap reads.
     """
     bottoms = (1, None)
     tops = (1, None)
     params_read = ("convolution_param",)
     backward_reads_top = False
+    # Backward needs nothing from forward but its input: every buffer is a kernel's work.
+    work_scratch = ("e", "wpt", "dycl", "dwt", "dbacc", "eb", "wft", "dxp", "col", "plane",
+                    "wide", "acc", "offs")
 
     def _read(self, bottom_shapes):
         """Check the bottoms and read convolution_param: sets the kernel, padding, stride,
@@ -135,7 +157,10 @@ class Convolution(Layer):
         return self.C == self.group > 1
 
     def _direct(self):
-        return self.stride_h == 1 and self.stride_w == 1 and not self._depthwise()
+        if self.stride_h != 1 or self.stride_w != 1 or self._depthwise():
+            return False
+        pointwise = self.R == self.S == 1 and self.pad_h == self.pad_w == 0
+        return not gemm_faster(self.C // self.group, self.R, self.S, self.P, self.Q, pointwise)
 
     def scratch_shapes(self, n):
         if self._depthwise():
@@ -156,6 +181,9 @@ class Convolution(Layer):
             return {"e": (len(self.lp.bottom), e + e_extra), "wpt": (wpt,),
                     "dycl": (dycl + dycl_extra,), "dwt": (dwt,), "dbacc": (dbacc,),
                     "eb": (eb,), "wft": (wft,), "dxp": (dxp,)}
+        if self.R == self.S == 1 and self.pad_h == self.pad_w == 0 and self.stride_h == \
+                self.stride_w == 1:
+            return {"col": (1, 1)}   # GEMM multiplies the input itself
         return {"col": (self.C * self.R * self.S, self.P * self.Q)}
 
     def _geometry(self):

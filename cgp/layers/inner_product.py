@@ -22,6 +22,7 @@ class InnerProduct(Layer):
     weight's last columns (see cgp.kernels.fc.rows_axpy).
     """
     params_read = ("inner_product_param",)
+    work_scratch = ("rows",)
     can_overwrite_param_diff = True
     can_factor_param_diff = True
     backward_reads_top = False

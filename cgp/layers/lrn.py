@@ -21,6 +21,7 @@ class LRN(Layer):
     for WITHIN_CHANNEL's window sums, an (H, W) one for ACROSS_CHANNELS' backward.
     """
     params_read = ("lrn_param",)
+    work_scratch = ("plane",)   # "scale" and "power" are kept for backward
 
     def setup(self, bottom_shapes):
         shape = tuple(bottom_shapes[0])

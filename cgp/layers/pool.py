@@ -52,6 +52,7 @@ class Pooling(Layer):
     """
     tops = (1, 2)
     params_read = ("pooling_param",)
+    work_scratch = ("rowmax", "rowarg", "planes", "cover")   # "arg" is kept for backward
     backward_reads_top = False
 
     def setup(self, bottom_shapes):

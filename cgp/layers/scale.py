@@ -112,10 +112,11 @@ class Scale(_Broadcast):
         n = chunk.n
         g = self._geometry(n, chunk.first)
         s, off, step = self._factors(bottom, params, n, g)
-        y = self._rows(top[0], n, g)
-        yield K.scale_forward, (self._rows(bottom[0], n, g), s, off, step, y)
+        x, y = self._rows(bottom[0], n, g), self._rows(top[0], n, g)
         if self.bias_term:
-            yield K.bias_forward, (y, view(params[-1], -1), g[3], g[4], y)
+            yield K.scale_bias_forward, (x, s, off, step, view(params[-1], -1), g[3], g[4], y)
+        else:
+            yield K.scale_forward, (x, s, off, step, y)
 
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
@@ -125,11 +126,15 @@ class Scale(_Broadcast):
         starts = chunk.starts * g[0]
         if self.bias_term:
             db, db_step = part_span(param_diff[-1].reshape(param_diff[-1].shape[0], -1))
-            yield K.row_sums, (dy, db, g[3], g[4], starts, db_step, True)
         if self.learnt:
             ds, ds_step = part_span(param_diff[0].reshape(param_diff[0].shape[0], -1))
+        if self.bias_term and self.learnt:
+            yield K.product_and_row_sums, (dy, x, ds, db, g[3], g[4], starts, ds_step, db_step)
+        elif self.bias_term:
+            yield K.row_sums, (dy, db, g[3], g[4], starts, db_step, True)
+        elif self.learnt:
             yield K.product_sums, (dy, x, ds, g[3], g[4], starts, ds_step, True)
-        elif bottom_diff[1] is not None:
+        if not self.learnt and bottom_diff[1] is not None:
             # The second bottom's gradient: each element once, for the call's own rows.
             whole = np.array([0, n * g[0]], np.int64)
             yield K.product_sums, (dy, x, view(bottom_diff[1], -1), 0, g[1], whole, 0, False)

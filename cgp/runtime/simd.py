@@ -7,7 +7,9 @@
 - `shifted_row_sum`, rows added into rows at several shifts (a column matrix into the input
   gradient);
 - max pooling's passes: `stride2_row_max` (along each row for stride 2, or over the rows of
-  whole windows) and `column_max` (down the rows).
+  whole windows) and `column_max` (down the rows);
+- `lane_sums` and `product_and_plain_lane_sums`, sums of rows in 8 float64 lanes (BatchNorm's
+  and Scale's sums).
 No packing, no blocking for caches, no threads: callers lay their operands out so that these
 loops stream them.
 
@@ -728,4 +730,114 @@ def shifted_row_sum(typingctx, out, out_off, W, src, src_off, src_step, S, dil, 
                     builder.call(store_f, [builder.load(acc[k]), targets[k], one, masks[k]])
         return context.get_dummy_value()
 
+    return sig, codegen
+
+
+# -- sums in 8 float64 lanes --------------------------------------------------------------
+# What lane_sums adds up of rows a and b (and a value m): their elements, their products, or
+# the squares of the elements' differences from m (kernels/batchnorm.py's plain_sum,
+# product_sum, centred_square_sum).
+SUM_PLAIN, SUM_PRODUCT, SUM_CENTRED_SQUARE = 0, 1, 2
+SUM_LANES = 8
+
+
+def _lane_sums_codegen(dtype, kinds):
+    """Codegen of a pass over rows a and b (1-d, contiguous) adding each kind of term in
+    `kinds` into 8 float64 lanes (element j into lane j % 8, in order), then each set of
+    lanes in the tree ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). Terms in the rows'
+    dtype before they are widened: a, a * b, or a - m (squared in float64). Lanes past a
+    row's end add +0.0, which leaves a sum that started from +0.0 as it is."""
+    def codegen(context, builder, signature, args):
+        f64 = ir.DoubleType()
+        fty = context.get_value_type(dtype)
+        in_ty, acc_ty = ir.VectorType(fty, SUM_LANES), ir.VectorType(f64, SUM_LANES)
+        bits = "32" if dtype == types.float32 else "64"
+        masked_load, _ = _masked_memory(builder, in_ty, SUM_LANES, bits)
+        a_arr = cgutils.create_struct_proxy(signature.args[0])(context, builder, args[0])
+        b_arr = cgutils.create_struct_proxy(signature.args[1])(context, builder, args[1])
+        intp = context.get_value_type(types.intp)
+        n = a_arr.nitems
+        m = context.cast(builder, args[2], signature.args[2], dtype)
+        i32 = ir.IntType(32)
+        m_v = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(in_ty, ir.Undefined), m, ir.Constant(i32, 0)),
+            ir.Constant(in_ty, ir.Undefined),
+            ir.Constant(ir.VectorType(i32, SUM_LANES), [0] * SUM_LANES))
+        zero_in, zero_acc = ir.Constant(in_ty, None), ir.Constant(acc_ty, None)
+        accs = [cgutils.alloca_once_value(builder, zero_acc) for _ in kinds]
+        count = builder.udiv(builder.add(n, ir.Constant(intp, SUM_LANES - 1)),
+                             ir.Constant(intp, SUM_LANES))
+        align = ir.Constant(ir.IntType(32), 1)
+        with cgutils.for_range(builder, count) as loop:
+            i0 = builder.mul(loop.index, ir.Constant(intp, SUM_LANES))
+            mask = _lanes_below(builder, builder.sub(n, i0), SUM_LANES)
+            a_v = builder.call(masked_load, [builder.bitcast(builder.gep(a_arr.data, [i0]),
+                                                             in_ty.as_pointer()),
+                                             align, mask, zero_in])
+            b_v = builder.call(masked_load, [builder.bitcast(builder.gep(b_arr.data, [i0]),
+                                                             in_ty.as_pointer()),
+                                             align, mask, zero_in]) \
+                if SUM_PRODUCT in kinds else None
+            for kind, acc in zip(kinds, accs):
+                if kind == SUM_PLAIN:
+                    term = a_v
+                elif kind == SUM_PRODUCT:
+                    term = builder.fmul(a_v, b_v)
+                else:
+                    term = builder.fsub(a_v, m_v)
+                if dtype == types.float32:
+                    term = builder.fpext(term, acc_ty)
+                if kind == SUM_CENTRED_SQUARE:
+                    term = builder.select(mask, builder.fmul(term, term), zero_acc)
+                builder.store(builder.fadd(builder.load(acc), term), acc)
+        totals = []
+        for acc in accs:
+            v = builder.load(acc)
+            lane = [builder.extract_element(v, ir.Constant(ir.IntType(32), i))
+                    for i in range(SUM_LANES)]
+            totals.append(builder.fadd(
+                builder.fadd(builder.fadd(lane[0], lane[1]), builder.fadd(lane[2], lane[3])),
+                builder.fadd(builder.fadd(lane[4], lane[5]), builder.fadd(lane[6], lane[7]))))
+        if len(totals) == 1:
+            return totals[0]
+        return context.make_tuple(builder, signature.return_type, totals)
+    return codegen
+
+
+def _rows_dtype(a, b):
+    """For typing: the float dtype of two 1-d contiguous rows, or None."""
+    dtype = _float_dtype(a, b)
+    if dtype is None or a.ndim != 1 or b.ndim != 1 or a.layout != "C" or b.layout != "C":
+        return None
+    return dtype
+
+
+@intrinsic(prefer_literal=True)
+def lane_sums(typingctx, a, b, m, kind):
+    """The float64 sum over rows a, b (1-d, contiguous, one float dtype; b read for
+    SUM_PRODUCT only) of the terms `kind` (a constant: SUM_PLAIN, SUM_PRODUCT,
+    SUM_CENTRED_SQUARE; m, a scalar, for the last), in SUM_LANES interleaved float64 partial
+    sums, one vector (see _lane_sums_codegen)."""
+    dtype = _rows_dtype(a, b)
+    if dtype is None or not isinstance(kind, types.IntegerLiteral):
+        return None
+    sig = types.float64(a, b, types.unliteral(m), kind)
+    return sig, _lane_sums_codegen(dtype, [kind.literal_value])
+
+
+@intrinsic
+def product_and_plain_lane_sums(typingctx, a, b):
+    """(lane_sums(a, b, 0, SUM_PRODUCT), lane_sums(a, b, 0, SUM_PLAIN)) in one pass, the
+    same bits: two vectors of lanes, which the CPU adds side by side."""
+    dtype = _rows_dtype(a, b)
+    if dtype is None:
+        return None
+    sig = types.UniTuple(types.float64, 2)(a, b)
+
+    def codegen(context, builder, signature, args):
+        # m is unused by these kinds: a zero of the rows' dtype stands in.
+        zero = context.get_constant(dtype, 0)
+        inner = _lane_sums_codegen(dtype, [SUM_PRODUCT, SUM_PLAIN])
+        return inner(context, builder, types.UniTuple(types.float64, 2)(a, b, dtype),
+                     [args[0], args[1], zero])
     return sig, codegen
