@@ -310,7 +310,8 @@ class TorchNet(torch.nn.Module):
         grad = np.zeros(self.net.n_params, np.float32)
         for b, p in zip(self.net.param_blobs, self.blobs):
             if p.grad is not None:
-                grad[b.offset:b.offset + b.size] = p.grad.detach().contiguous().cpu().numpy().reshape(-1)
+                grad[b.offset:b.offset + b.size] = (p.grad.detach().contiguous().cpu().numpy()
+                                                    .reshape(-1))
         return grad
 
 
