@@ -9,7 +9,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from cgp.comm import LocalCommunicator
-from cgp.device import make_engine, select_backend
+from cgp.device import check_device, make_engine, select_backend
 from cgp.errors import CgpError, shorten
 from cgp.net import RunOptions, build_net
 from cgp.proto import caffe_pb2
@@ -53,8 +53,7 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
     device: as cgp train's (RunConfig; workers None: procs.default_workers())."""
     if iterations < 1:
         raise CgpError(f"--iterations must be at least 1, got {iterations}")
-    if device != "cpu" and threads != 1:
-        raise CgpError(f"--device {device}: one worker drives the device; --threads must be 1")
+    check_device(device, threads)
     net = build_net(read_model(model), model, caffe_pb2.TEST, RunOptions(data_dir, download))
     load_all_weights(net, weights, log)
     backend = select_backend(device)

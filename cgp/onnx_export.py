@@ -573,6 +573,15 @@ def chain(g, base, x, steps, top):
         x = g.op(op, [x, g.scalar(f"{base}/{op.lower()}", value)], f"{base}/{op.lower()}", out)
 
 
+def _then_scaled(g, op, x, factor_name, factor, tops, name):
+    """tops = op(x) * factor, with no Mul where the factor is 1."""
+    if factor == 1:
+        g.node(op, [x], tops)
+        return
+    x = g.op(op, [x], f"{name}/{op.lower()}")
+    g.node("Mul", [x, g.scalar(f"{name}/{factor_name}", factor)], tops)
+
+
 def exp(g, e, bottoms, tops, params, read):
     """y = outer * exp(inner * x), inner = log(base) * scale and outer = base ^ shift, as
     cgp's Exp takes them."""
@@ -581,11 +590,7 @@ def exp(g, e, bottoms, tops, params, read):
     x = bottoms[0]
     if inner != 1:
         x = g.op("Mul", [x, g.scalar(f"{name}/inner", inner)], f"{name}/inner")
-    if outer == 1:
-        g.node("Exp", [x], tops)
-        return
-    x = g.op("Exp", [x], f"{name}/exp")
-    g.node("Mul", [x, g.scalar(f"{name}/outer", outer)], tops)
+    _then_scaled(g, "Exp", x, "outer", outer, tops, name)
 
 
 def log(g, e, bottoms, tops, params, read):
@@ -597,11 +602,7 @@ def log(g, e, bottoms, tops, params, read):
     for op, value, needed in steps:
         if needed:
             x = g.op(op, [x, g.scalar(f"{name}/{op.lower()}", value)], f"{name}/{op.lower()}")
-    if base_scale == 1:
-        g.node("Log", [x], tops)
-        return
-    x = g.op("Log", [x], f"{name}/log")
-    g.node("Mul", [x, g.scalar(f"{name}/base_scale", base_scale)], tops)
+    _then_scaled(g, "Log", x, "base_scale", base_scale, tops, name)
 
 
 def threshold(g, e, bottoms, tops, params, read):

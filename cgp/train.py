@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 from threadpoolctl import threadpool_limits
 
-from cgp.device import DEVICES, make_engine, select_backend
+from cgp.device import check_device, make_engine, select_backend
 from cgp.engine import group_size
 from cgp.errors import CgpError
 from cgp.hdf5 import require_h5py
@@ -84,11 +84,7 @@ class RunConfig:
         if self.sharing == "hybrid" and not self.groups:
             raise CgpError("--sharing hybrid needs --groups G: the ranks are cut into G groups, "
                            "synchronous within, asynchronous between them")
-        if self.device not in DEVICES:
-            raise CgpError(f"--device {self.device}: expected one of {', '.join(DEVICES)}")
-        if self.device != "cpu" and self.threads != 1:
-            raise CgpError(f"--device {self.device}: one worker per rank drives the device; "
-                           f"--threads must be 1 (run more ranks for more devices)")
+        check_device(self.device, self.threads)
         if self.staleness and self.sharing != "sync":
             raise CgpError(f"--staleness {self.staleness} delays the updates of synchronous "
                            f"training by a fixed count; --sharing {self.sharing} has delays of "

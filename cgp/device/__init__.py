@@ -37,6 +37,16 @@ class ArrayBackend:
         host[...] = self._to_numpy(device)
 
 
+def check_device(device, threads):
+    """Refuses an unknown device, and more than one worker with a device: one worker per
+    rank drives it (more devices come from more ranks)."""
+    if device not in DEVICES:
+        raise CgpError(f"--device {device}: expected one of {', '.join(DEVICES)}")
+    if device != "cpu" and threads != 1:
+        raise CgpError(f"--device {device}: one worker per rank drives the device; --threads "
+                       f"must be 1 (run more ranks for more devices)")
+
+
 def local_rank():
     """This process's rank among those of its node (0 where no launcher says)."""
     for name in LOCAL_RANK_VARIABLES:

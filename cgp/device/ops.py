@@ -91,12 +91,6 @@ class Convolution(Op):
             return "several bottoms sharing the weights"
         return None
 
-    def _geometry(self):
-        L = self.layer
-        P = (L.H + 2 * L.pad_h - (L.dil_h * (L.R - 1) + 1)) // L.stride_h + 1
-        Q = (L.W + 2 * L.pad_w - (L.dil_w * (L.S - 1) + 1)) // L.stride_w + 1
-        return P, Q
-
     def _offsets(self, P, Q):
         """Per kernel offset (r, s): the strided window of the padded input it reads."""
         L = self.layer
@@ -110,7 +104,7 @@ class Convolution(Op):
         """x (n, C, H, W) -> (n, G, Cg*R*S, P*Q)."""
         L, xp = self.layer, self.xp
         n = x.shape[0]
-        P, Q = self._geometry()
+        P, Q = L.P, L.Q
         padded = xp.zeros((n, L.C, L.H + 2 * L.pad_h, L.W + 2 * L.pad_w), x.dtype)
         padded[:, :, L.pad_h:L.pad_h + L.H, L.pad_w:L.pad_w + L.W] = x
         col = xp.empty((n, L.C, L.R, L.S, P, Q), x.dtype)
@@ -134,7 +128,7 @@ class Convolution(Op):
         L, xp = self.layer, self.xp
         x, dy = bottom[0], top_diff[0]
         n, G = x.shape[0], L.group
-        P, Q = self._geometry()
+        P, Q = L.P, L.Q
         dyg = dy.reshape(n, G, L.K // G, P * Q)
         if L.bias_term:
             param_diff[1] += dy.sum(axis=(0, 2, 3))
@@ -607,7 +601,13 @@ class Softmax(Op):
 
 class _Labelled(Op):
     """Labels checked as the CPU layer checks them (integers in [0, C) or the ignore_label),
-    on the device; the message names the first bad one, as the CPU layer's does."""
+    on the device; the message names the first bad one, as the CPU layer's does. A second
+    top (second_top: what it is) is refused."""
+    second_top = None
+
+    @classmethod
+    def refuses(cls, layer):
+        return cls.second_top if len(layer.lp.top) > 1 else None
 
     def _labels(self, labels, n, chunk):
         """(O, I) float labels -> (int labels with ignored ones at 0, mask of counted ones)."""
@@ -627,12 +627,7 @@ class _Labelled(Op):
 
 @op("SoftmaxWithLoss")
 class SoftmaxWithLoss(_Labelled):
-
-    @staticmethod
-    def refuses(layer):
-        if len(layer.lp.top) > 1:
-            return "the probabilities top"
-        return None
+    second_top = "the probabilities top"
 
     def forward(self, stage, bottom, top, params, sums, chunk):
         L, xp = self.layer, self.xp
@@ -663,12 +658,7 @@ class SoftmaxWithLoss(_Labelled):
 class Accuracy(_Labelled):
     """A position is correct when fewer than top_k other classes score at least its label's
     (a tie counts against, as Caffe)."""
-
-    @staticmethod
-    def refuses(layer):
-        if len(layer.lp.top) > 1:
-            return "the per-class accuracy top"
-        return None
+    second_top = "the per-class accuracy top"
 
     def forward(self, stage, bottom, top, params, sums, chunk):
         L, xp = self.layer, self.xp
