@@ -301,28 +301,26 @@ def verify(path, pynet, seed=0):
 # convert(g, entry, bottoms, tops, params, read): bottoms and tops are ONNX value names,
 # params the layer's weights (float32 copies), read the cgp blobs some exported layer reads.
 
-def conv(g, e, bottoms, tops, params, read):
+def _convolution(g, e, bottoms, tops, params, op):
+    """A Conv or ConvTranspose node per bottom, sharing the layer's weight and bias."""
     layer = e.layer
     weight = g.constant(f"{layer.name}/weight", params[0])
     inputs = [weight] + ([g.constant(f"{layer.name}/bias", params[1])] if layer.bias_term else [])
     for x, y in zip(bottoms, tops):
-        g.node("Conv", [x] + inputs, [y], kernel_shape=[layer.R, layer.S],
+        g.node(op, [x] + inputs, [y], kernel_shape=[layer.R, layer.S],
                pads=[layer.pad_h, layer.pad_w, layer.pad_h, layer.pad_w],
                strides=[layer.stride_h, layer.stride_w],
                dilations=[layer.dil_h, layer.dil_w], group=layer.group)
+
+
+def conv(g, e, bottoms, tops, params, read):
+    _convolution(g, e, bottoms, tops, params, "Conv")
 
 
 def deconv(g, e, bottoms, tops, params, read):
     """ConvTranspose: Caffe's output size, stride * (H - 1) + dilated kernel - 2 * pad, is
     ONNX's with no output_padding."""
-    layer = e.layer
-    weight = g.constant(f"{layer.name}/weight", params[0])
-    inputs = [weight] + ([g.constant(f"{layer.name}/bias", params[1])] if layer.bias_term else [])
-    for x, y in zip(bottoms, tops):
-        g.node("ConvTranspose", [x] + inputs, [y], kernel_shape=[layer.R, layer.S],
-               pads=[layer.pad_h, layer.pad_w, layer.pad_h, layer.pad_w],
-               strides=[layer.stride_h, layer.stride_w],
-               dilations=[layer.dil_h, layer.dil_w], group=layer.group)
+    _convolution(g, e, bottoms, tops, params, "ConvTranspose")
 
 
 def caffe_pool_count(size, pad, kernel, stride, out):
