@@ -8,10 +8,10 @@ with those of real mpirun runs of 2 to 4 ranks on this machine (`cgp bench speed
                                 [--check] [--data-dir DIR]
 
 The model, per node of T workers (each node one MPI rank):
-- compute: the per-layer forward and backward times of one worker (cgp.timing.LayerTimer,
+- compute: the per-layer forward and backward times of one worker (cgp.commands.timing.LayerTimer,
   in calls of the chunk size), scaled to the node's share of the batch, batch / N samples on
   T workers (perfect scaling inside a node: an assumption; --check measures it here);
-- the exchange (cgp.mpi): each rank owns n / N columns; it sends every other owner the
+- the exchange (cgp.comm.mpi): each rank owns n / N columns; it sends every other owner the
   partial sums of its subtrees of its chunk range (1 where N is a power of two dividing K)
   for their columns, in buckets (the engine's, about 256K columns), each sent as soon as the
   backward pass has passed the layers that write it, one after the other on the link: a
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 LINKS = {"25GbE": (25e9 / 8, 5e-6), "100GbIB": (100e9 / 8, 1.5e-6)}
-BUCKET = 1 << 18   # columns per bucket, as cgp.mpi.BUCKET
+BUCKET = 1 << 18   # columns per bucket, as cgp.comm.mpi.BUCKET
 
 
 def measure(model, chunks, data_dir, iterations=5):
@@ -46,7 +46,7 @@ def measure(model, chunks, data_dir, iterations=5):
     from cgp.net import RunOptions, build_net
     from cgp.prototxt import read_net, read_solver
     from cgp.solver import Solver
-    from cgp.timing import LayerTimer, denormals
+    from cgp.commands.timing import LayerTimer, denormals
 
     solver = read_solver(models.solver_path(model))
     path = models.FOLDER / solver.net
@@ -73,7 +73,7 @@ def measure(model, chunks, data_dir, iterations=5):
 
 
 def subtree_count(lo, hi, chunks):
-    from cgp.comm import subtrees
+    from cgp.comm.local import subtrees
     return len(subtrees(lo, hi, chunks))
 
 

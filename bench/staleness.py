@@ -25,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cgp import models, mpi
+from cgp import models
+from cgp.comm import mpi
 from cgp.prototxt import format_solver, read_solver
 from cgp.train import resolve
 

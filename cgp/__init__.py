@@ -1,19 +1,19 @@
 """cgp: coarse-grain batch-parallel CPU trainer for Caffe networks.
 
-Also pycaffe's interface, for `import cgp as caffe` (cgp.pycaffe, cgp.netspec, cgp.io),
+Also pycaffe's interface, for `import cgp as caffe` (cgp.caffe: pycaffe, netspec, io),
 imported on first use so that `import cgp` and the command line stay quick.
 """
 import importlib
 
 # Name -> the module that defines it.
-_EXPORTS = {name: "cgp.pycaffe" for name in (
+_EXPORTS = {name: "cgp.caffe.pycaffe" for name in (
     "TRAIN", "TEST", "Net", "Blob", "Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver",
     "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver", "set_mode_cpu",
     "set_mode_gpu", "set_device", "layer_type_list", "PycaffeUnsupported")}
-_EXPORTS.update({"NetSpec": "cgp.netspec", "params": "cgp.netspec", "to_proto": "cgp.netspec"})
+_EXPORTS.update({name: "cgp.caffe.netspec" for name in ("NetSpec", "params", "to_proto")})
 # caffe.io, caffe.net_spec; caffe.layers is the package cgp.layers, which also makes
 # NetSpec's layers (L.Convolution(...)): a submodule always wins over a name given here.
-_MODULES = {"io": "cgp.io", "net_spec": "cgp.netspec", "layers": "cgp.layers"}
+_MODULES = {"io": "cgp.caffe.io", "net_spec": "cgp.caffe.netspec", "layers": "cgp.layers"}
 
 
 def __getattr__(name):
@@ -24,4 +24,4 @@ def __getattr__(name):
     if name.startswith("__"):
         raise AttributeError(f"module 'cgp' has no attribute '{name}'")
     # pycaffe names that cgp lacks raise PycaffeUnsupported, saying so; others AttributeError.
-    return getattr(importlib.import_module("cgp.pycaffe"), name)
+    return getattr(importlib.import_module("cgp.caffe.pycaffe"), name)

@@ -15,8 +15,8 @@ from cgp.errors import CgpError, shorten  # noqa: E402
 from cgp.options import (EPILOG, EQUIVALENCE_THREADS, add_device_option,  # noqa: E402
                          add_run_options, check_threads, solver_file, thread_list,
                          worker_kind, worker_list)
-from cgp.plot import add_plot  # noqa: E402
-from cgp.timing import add_time, compile_notice  # noqa: E402
+from cgp.commands.plot import add_plot  # noqa: E402
+from cgp.commands.timing import add_time, compile_notice  # noqa: E402
 from cgp.tools.speedup import add_bench  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def train_log(args, sp, solver_path, log):
     the trainer finds it: --snapshot-prefix, the solver's, the solver file's name)."""
     from pathlib import Path
 
-    from cgp import mpi
+    from cgp.comm import mpi
     from cgp.trainlog import TrainLog, default_path
 
     if args.no_log:
@@ -221,7 +221,7 @@ def add_equivalence(sub):
 
 
 def cmd_equivalence(args, log=print):
-    from cgp import equivalence
+    from cgp.commands import equivalence
     from cgp.prototxt import read_solver
     from cgp.train import RunConfig
 
@@ -256,7 +256,7 @@ def add_test(sub):
 
 
 def cmd_test(args, log=print):
-    from cgp.caffe_test import run_test
+    from cgp.commands.testing import run_test
     check_threads(args.threads, log, worker_kind(args.workers))
     run_test(args.model, args.weights, args.iterations, threads=args.threads, chunks=args.chunks,
              data_dir=args.data_dir, download=not args.no_download, log=log,
@@ -310,14 +310,14 @@ def add_convert(sub):
 
 
 def cmd_convert(args, log=print):
-    from cgp.convert import convert
+    from cgp.data.convert import convert
     convert(args.dataset, args.out, split=args.split, data_dir=args.data_dir,
             download=not args.no_download, limit=args.limit, mean=args.mean, log=log)
     return 0
 
 
 def cmd_convert_imageset(args, log=print):
-    from cgp.convert import convert_imageset
+    from cgp.data.convert import convert_imageset
     convert_imageset(args.root, args.listfile, args.out, args.resize_height, args.resize_width,
                      gray=args.gray, shuffle=args.shuffle, encoded=args.encoded,
                      encode_type=args.encode_type, backend=args.backend,
@@ -337,7 +337,7 @@ def add_compute_mean(sub):
 
 
 def cmd_compute_mean(args, log=print):
-    from cgp.convert import compute_mean
+    from cgp.data.convert import compute_mean
     compute_mean(args.db, args.out, backend=args.backend, log=log)
     return 0
 
@@ -362,7 +362,7 @@ def add_export(sub):
 
 
 def cmd_export(args, log=print):
-    from cgp.onnx_export import cmd_export as run
+    from cgp.commands.onnx_export import cmd_export as run
     return run(args, log)
 
 
@@ -386,7 +386,7 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    from cgp import mpi
+    from cgp.comm import mpi
     if mpi.launched():
         return main_rank(args, mpi)
     try:

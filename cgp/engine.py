@@ -1,6 +1,6 @@
 """The coarse-grain batch-parallel engine: forward and backward of a net over the chunks of a
 batch that this process owns, on a pool of workers, with the chunks' parameter gradients
-summed in the fixed order of the communicator (cgp.comm) as soon as they are written.
+summed in the fixed order of the communicator (cgp.comm.local) as soon as they are written.
 
 One run, in one place (Engine.run): the batch is cut into K chunks by batch size and chunk
 count alone (chunk_bounds); the communicator says which of them this process computes
@@ -15,7 +15,7 @@ once per net and handed out in order to whichever worker asks next:
                first, so the last layers' sums start while calls still run the first ones);
                then, where the communicator says that sum is the batch's (one process), the
                columns go to the caller's hook at once (on_sums: the solver's update, see
-               cgp.parallel.DataParallelStep) while they are still in this core's cache.
+               cgp.step.DataParallelStep) while they are still in this core's cache.
 
 Which worker runs which task never matters: each task writes buffers of its own, and the sum
 of a column never depends on when it is made, so results are bitwise the same for any
@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cgp.comm import FactoredGrad, sum_over_chunks
+from cgp.comm.local import FactoredGrad, sum_over_chunks
 from cgp.errors import CgpError
 from cgp.layers import Chunk, Factors
 from cgp.net import Workspace, work_scratch
@@ -239,7 +239,7 @@ class Engine:
         task, right after their sum, where the communicator says that sum is the batch's
         (comm.final_in_task); `arg` is run()'s sums_arg, and nothing is called in a run
         without one. claim(lo, hi, arg), if given, runs first in such a task, before the sum
-        (the update's cache lines asked for while the sum runs: cgp.parallel). The same
+        (the update's cache lines asked for while the sum runs: cgp.step). The same
         values as done() called after the run: no call reads a layer's parameters after its
         backward, which every call has passed before the task starts. Before the pool starts
         (worker processes must inherit the hooks)."""

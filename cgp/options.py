@@ -1,6 +1,6 @@
 """The command-line options that several commands share (train, equivalence, test, time,
 bench speedup) and the checks of their values. Imports nothing of cgp's command modules, so
-that each of them can import it: cgp.cli, cgp.timing and cgp.tools.speedup."""
+that each of them can import it: cgp.cli, cgp.commands.timing and cgp.tools.speedup."""
 import os
 
 import psutil

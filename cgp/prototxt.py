@@ -1,6 +1,6 @@
 """Read and write Caffe's text prototxt files (nets, solvers) as caffe_pb2 messages.
 
-Parsing, and Caffe's upgrades of deprecated formats on load (cgp.upgrade); no checks of what a
+Parsing, and Caffe's upgrades of deprecated formats on load (cgp.caffe.upgrade); no checks of what a
 net means (layer types, shapes) and no binary files. Every failure is a PrototxtError whose
 message is "<file>:<line>:<col>: <what>".
 """
@@ -14,7 +14,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 
 from cgp.errors import PrototxtError, shorten
 from cgp.proto import caffe_pb2, cgp_pb2
-from cgp.upgrade import V1_TYPES, note, upgrade_net
+from cgp.caffe.upgrade import V1_TYPES, note, upgrade_net
 
 # Caffe's own spelling of each old SolverParameter.solver_type value as a `type` string.
 _SOLVER_TYPE_NAMES = {
@@ -52,7 +52,7 @@ def parse_text(text, message, filename="<string>"):
 
 def parse_net(text, filename="<string>", log=to_stderr):
     """Parse a net prototxt into a NetParameter, upgrading deprecated formats as Caffe does
-    on load (V1 layers, legacy input fields: cgp.upgrade) with one note to `log`."""
+    on load (V1 layers, legacy input fields: cgp.caffe.upgrade) with one note to `log`."""
     return upgraded(parse_text(text, caffe_pb2.NetParameter(), filename), filename, log)
 
 

@@ -1,5 +1,5 @@
 """Weights and solver state in Caffe's binary formats (.caffemodel, .solverstate), and in
-its HDF5 ones (.caffemodel.h5, .solverstate.h5: cgp.hdf5) where a path ends in .h5; and the
+its HDF5 ones (.caffemodel.h5, .solverstate.h5: cgp.data.hdf5) where a path ends in .h5; and the
 snapshots of a run: each a pair of the two, under a prefix that one run at a time holds.
 
 Files are written atomically (a temporary file in the same folder, then a rename), so
@@ -24,7 +24,7 @@ import psutil
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from cgp import hdf5
+from cgp.data import hdf5
 from cgp.errors import CgpError, DataError, shorten
 from cgp.proto import caffe_pb2, cgp_pb2
 
@@ -190,7 +190,7 @@ def net_to_proto(net):
 
 
 def write_caffemodel(path, net):
-    """Binary, or HDF5 (cgp.hdf5) where path ends in .h5, as Caffe chooses."""
+    """Binary, or HDF5 (cgp.data.hdf5) where path ends in .h5, as Caffe chooses."""
     atomic_write(path, model_bytes(path, net))
 
 
@@ -201,7 +201,7 @@ def model_bytes(path, net):
 
 def read_caffemodel(path):
     """{layer name: [arrays]} of every layer with blobs (new or V1 layer format, or an
-    HDF5 model: cgp.hdf5)."""
+    HDF5 model: cgp.data.hdf5)."""
     data = _read_bytes(path, "weights file")
     if hdf5.is_hdf5(path, data):
         return hdf5.read_model(data, path)

@@ -3,7 +3,7 @@
 A Solver turns a SolverParameter into learning rates and per-slice updates that reproduce BVLC
 Caffe's arithmetic: float32 updates in Caffe's order, and learning rates computed with the same
 mix of float and double that Caffe's C++ uses. It knows nothing about workers or ranks: the
-data-parallel step (cgp.parallel) calls prepare() once per iteration, then apply() on slices
+data-parallel step (cgp.step) calls prepare() once per iteration, then apply() on slices
 [lo, hi) in any order or in parallel.
 Not here: snapshots (see `histories` for Caffe's history order) and the iteration loop.
 """
@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from cgp.comm import blocks
+from cgp.comm.local import blocks
 from cgp.errors import PrototxtError, shorten
 from cgp.runtime import update
 from cgp.prototxt import non_finite, solver_extras

@@ -22,10 +22,11 @@ from threadpoolctl import threadpool_limits
 from cgp.device import check_device, make_engine, select_backend
 from cgp.engine import group_size
 from cgp.errors import CgpError
-from cgp.hdf5 import require_h5py
+from cgp.data.hdf5 import require_h5py
 from cgp.layers import Chunk, scratch_specs
 from cgp.net import RunOptions, Workspace, build_net
-from cgp.parallel import DataParallelStep, Diverged, make_communicator
+from cgp.comm import make_communicator
+from cgp.step import DataParallelStep, Diverged
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
 from cgp.runtime.procs import default_workers, make_pool
@@ -61,7 +62,7 @@ class RunConfig:
     denormals: str = "flush"  # subnormal floats: "flush" to zero (fast) or "keep" (IEEE)
     staleness: int = 0        # the update of iteration t applies iteration t - S's gradient
     # How ranks share the weights: "sync" (every rank computes its share of every batch),
-    # "async" or "hybrid" in `groups` groups (cgp.sharing: not reproducible).
+    # "async" or "hybrid" in `groups` groups (cgp.comm.sharing: not reproducible).
     sharing: str = "sync"
     groups: int = 0
     # Where the chunks compute: "cpu", "gpu" (CuPy) or "numpy" (the GPU path on the host).
@@ -331,7 +332,7 @@ class Trainer:
         self._ahead = None        # (what _batch was asked, the batch) read ahead by step()
         self._request = None      # what a signal asked for: "stop" or "snapshot"
         self._told_to_stop = False   # a signal asked this process to stop
-        self.drained = False      # every iteration to max_iter is claimed (cgp.sharing)
+        self.drained = False      # every iteration to max_iter is claimed (cgp.comm.sharing)
         self._from = 0            # the iteration count where the latest steps() began
         self._heard = []             # what the signal handler has to say (_agree says it)
         self.clock = time.perf_counter   # the display's speed; cgp train's leaves out compiling
@@ -379,7 +380,7 @@ class Trainer:
         is for that very batch (not after a restore or a jump back). A data error is left to
         the step that needs the batch, which then reads it again and raises it."""
         self._ahead = None
-        if it is None:   # no iteration left to claim (cgp.sharing)
+        if it is None:   # no iteration left to claim (cgp.comm.sharing)
             return
         self.solver.prepare_ahead(it)
         position, iteration = self._pass(it, 0)
@@ -416,7 +417,7 @@ class Trainer:
         iteration (its first batch and Step) runs during each iteration's last run, which
         would otherwise keep every worker waiting; the weights are up to date whenever an
         iteration has returned.
-        Where groups of ranks share weights asynchronously (cgp.sharing), the communicator
+        Where groups of ranks share weights asynchronously (cgp.comm.sharing), the communicator
         says which iteration this process computes and what the count is after it (the
         updates of every group): steps run until the count has grown by n, or no iteration
         is left to claim (drained); `it` given to each() is then the count of the weights
@@ -508,7 +509,7 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------
     def _test_all(self):
-        if not self.comm.leader_group:   # cgp.sharing: rank 0's group tests
+        if not self.comm.leader_group:   # cgp.comm.sharing: rank 0's group tests
             return
         for i, net in enumerate(self.test_nets):
             self.log(f"Iteration {self.iter}, Testing net (#{i})")
@@ -542,7 +543,7 @@ class Trainer:
             self.hold_prefix()
         if (sp.snapshot or sp.snapshot_after_train) and self.comm.leader:   # found out now
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
-        # Where groups share weights (cgp.sharing): the buffer starts from these weights.
+        # Where groups share weights (cgp.comm.sharing): the buffer starts from these weights.
         self.iter = self._from = self.comm.begin(self.iter, self.net.params)
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
             last = self.clock()
@@ -578,7 +579,7 @@ class Trainer:
                     if interval > 0:
                         n = min(n, interval - self.iter % interval)
                 self.steps(n, done)
-                if self.drained:   # cgp.sharing: the count once every group's updates are in
+                if self.drained:   # cgp.comm.sharing: the count once every group's updates are in
                     self.iter = self.comm.end(self.iter, self.net.params)
                 self._act_on_request(snapshot_due=self._reached(sp.snapshot))
             self.iter = self.comm.end(self.iter, self.net.params)   # after a stop, likewise
@@ -624,7 +625,7 @@ class Trainer:
 
     def _reached(self, interval):
         """Whether the iteration count is at a multiple of interval (> 0), or, where it grows
-        by more than one a step (cgp.sharing), has passed one since the latest steps() began
+        by more than one a step (cgp.comm.sharing), has passed one since the latest steps() began
         (until every iteration is claimed: the final count is then taken as it is)."""
         if interval <= 0:
             return False
@@ -722,7 +723,7 @@ class Trainer:
         """Write <prefix>_iter_<N>.caffemodel and .solverstate (.caffemodel.h5 and
         .solverstate.h5 with snapshot_format HDF5), a pair that appears whole or not at all
         (snapshot.write_snapshot), from the leader process alone; returns the model's path
-        (None outside the leader's group, which writes none: cgp.sharing)."""
+        (None outside the leader's group, which writes none: cgp.comm.sharing)."""
         if not self.comm.leader_group:
             return None
         pending = self.train_step.pending(self.iter)

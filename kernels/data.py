@@ -32,7 +32,7 @@ def resize_linear(src, dst, xofs, alpha, rows, beta, vec_end):
     vertical pass whose first vec_end elements of each row take the SSE2 arithmetic and the
     rest the plain C one. src: (H, W, C) uint8; dst: (P, Q, C) uint8; xofs: (Q, 2) int64
     source columns of each output column's two taps; alpha: (Q, 2) int32 their weights;
-    rows: (P, 2) int64 source rows; beta: (P, 2) int32 their weights (see cgp.images)."""
+    rows: (P, 2) int64 source rows; beta: (P, 2) int32 their weights (see cgp.data.images)."""
     P, Q, C = dst.shape
     h0 = np.empty(Q * C, np.int32)
     h1 = np.empty(Q * C, np.int32)

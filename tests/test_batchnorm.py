@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from cgp import models
-from cgp.comm import LocalCommunicator
+from cgp.comm.local import LocalCommunicator
 from cgp.engine import Engine
-from cgp.equivalence import compare, train_run
+from cgp.commands.equivalence import compare, train_run
 from cgp.kernels import batchnorm as K
 from cgp.net import Net, RunOptions
 from cgp.proto import caffe_pb2

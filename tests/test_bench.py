@@ -19,7 +19,7 @@ from cgp.models import FOLDER, solver_path
 from cgp.net import Net, RunOptions
 from cgp.prototxt import parse_net, read_net, read_solver
 from cgp.proto import caffe_pb2
-from cgp.timing import COMPILING, compile_notice
+from cgp.commands.timing import COMPILING, compile_notice
 from cgp.train import RunConfig, Trainer
 
 LENET = FOLDER / "lenet_train_test.prototxt"
@@ -506,10 +506,10 @@ def test_torch_timings_treat_subnormals_as_cgp_does(mnist_dir, flush):
 
 def test_torch_copy_of_every_supported_layer():
     pytest.importorskip("torch")
-    from cgp.comm import LocalCommunicator
+    from cgp.comm.local import LocalCommunicator
     from cgp.engine import Engine
     from cgp.runtime.pool import Pool
-    from cgp.timing import fill_inputs
+    from cgp.commands.timing import fill_inputs
     from cgp.tools.torch_ref import TorchNet
 
     net = Net(parse_net(ALL_KINDS), caffe_pb2.TRAIN)
@@ -578,10 +578,10 @@ def assert_torch_matches_cgp(path, batch, gradient_norm_tolerance=None):
     layout, from the same weights: the same loss and parameter gradients (elementwise, or
     each blob's within gradient_norm_tolerance of PyTorch's in norm). Dropout ratios are set
     to 0 (a random mask cannot be compared)."""
-    from cgp.comm import LocalCommunicator
+    from cgp.comm.local import LocalCommunicator
     from cgp.engine import Engine
     from cgp.runtime.pool import Pool
-    from cgp.timing import fill_inputs
+    from cgp.commands.timing import fill_inputs
     from cgp.tools.net_bench import bench_solver
     from cgp.tools.torch_ref import TorchNet
 

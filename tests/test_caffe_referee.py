@@ -12,8 +12,8 @@ import tarfile
 import numpy as np
 import pytest
 
-from cgp import lmdb_data
-from cgp.caffe_test import run_test
+from cgp.data import lmdb_data
+from cgp.commands.testing import run_test
 from cgp.datasets import store
 from cgp.errors import DataError
 from cgp.net import Net
@@ -109,7 +109,7 @@ def test_lmdbs_read_back_as_caffe_wrote_them(lenet, here):
 def test_convert_writes_caffes_database_byte_for_byte(here, tmp_path):
     """`cgp convert mnist` on the first N records writes the data.mdb that Caffe's
     convert_mnist_data wrote."""
-    from cgp.convert import convert
+    from cgp.data.convert import convert
     for name, split, count in ((LMDBS[0], "train", 6400), (LMDBS[1], "test", 1000)):
         out = tmp_path / name
         convert("mnist", out, split=split, limit=count, log=lambda line: None)
@@ -332,7 +332,7 @@ def classify(net, weights):
 def test_cifar10_examples_train_unchanged(caffe_dir, cifar_dir, tmp_path, monkeypatch, name):
     """Caffe's cifar10 solvers and nets, unchanged, on LMDBs and a mean.binaryproto that
     `cgp convert` made where the files expect them; then their deploy nets."""
-    from cgp.convert import convert
+    from cgp.data.convert import convert
     monkeypatch.chdir(tmp_path)
     path = example(caffe_dir, tmp_path, f"{name}_solver.prototxt", "cifar10")
     example(caffe_dir, tmp_path, f"{name}_train_test.prototxt", "cifar10")

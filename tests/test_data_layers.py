@@ -147,7 +147,7 @@ def write_leveldb(path, images, labels):
 def test_the_siamese_examples_leveldb_data_layers(caffe_dir, tmp_path, monkeypatch, cache):
     """mnist_siamese_train_test.prototxt's Data layers, unchanged (backend: LEVELDB, scale),
     on LevelDBs of pairs where the example expects them."""
-    from cgp import lmdb_data
+    from cgp.data import lmdb_data
     monkeypatch.setattr(lmdb_data, "CACHE_BYTES", lmdb_data.CACHE_BYTES if cache is None else 0)
     monkeypatch.chdir(tmp_path)
     rng = np.random.default_rng(1)
@@ -196,7 +196,7 @@ def data_layer(folder, source, extra=""):
 def test_two_readers_in_a_process_share_a_leveldb(tmp_path):
     """LevelDB lets one handle open a database: a train and a test net reading one share it."""
     write_leveldb(tmp_path / "db", np.zeros((3, 1, 2, 2), np.uint8), [0, 1, 2])
-    from cgp.leveldb_data import LevelDbRecords
+    from cgp.data.leveldb_data import LevelDbRecords
     first = LevelDbRecords(tmp_path / "db", cache_bytes=0)
     second = LevelDbRecords(tmp_path / "db", cache_bytes=0)
     assert first.read(1, 2)[1].tolist() == second.read(1, 2)[1].tolist() == [1, 2]
@@ -217,7 +217,7 @@ def test_each_missing_package_names_its_extra(tmp_path):
     code = """
 import sys
 sys.modules["PIL"] = sys.modules["h5py"] = sys.modules["plyvel"] = None
-import cgp.cli, cgp.train, cgp.layers, cgp.convert, cgp.snapshot
+import cgp.cli, cgp.train, cgp.layers, cgp.data.convert, cgp.snapshot
 from google.protobuf import text_format
 from cgp.errors import CgpError
 from cgp.net import Net

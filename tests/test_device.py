@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from cgp import models
-from cgp.comm import LocalCommunicator
+from cgp.comm.local import LocalCommunicator
 from cgp.device import select_backend
 from cgp.device.engine import DeviceEngine
 from cgp.engine import Engine
-from cgp.equivalence import DEVICE_TOLERANCE, device_against_cpu, gradient_error, run
+from cgp.commands.equivalence import DEVICE_TOLERANCE, device_against_cpu, gradient_error, run
 from cgp.errors import CgpError, NetError
 from cgp.net import build_net
 from cgp.prototxt import parse_net
@@ -83,7 +83,7 @@ def test_zoo_nets_on_the_device_are_the_cpu_engines_in_float64(name, caffe_dir):
     (LRN, Concat, Dropout, CEIL pooling), MobileNet v2 (depthwise convolution, BatchNorm,
     linear bottlenecks whose bias gradients are rounding noise)."""
     from cgp import cli
-    from cgp.timing import fill_inputs
+    from cgp.commands.timing import fill_inputs
     from cgp.tools.speedup import solver as deploy_solver
     args = cli.build_parser().parse_args(["bench", "speedup", "--model",
                                           str(caffe_dir / "zoo" / name), "--batch", "2"])

@@ -14,14 +14,14 @@ import psutil
 import pytest
 from numba import njit
 
-from cgp.comm import (FactoredGrad, LocalCommunicator, ReferenceCommunicator, blocks,
+from cgp.comm.local import (FactoredGrad, LocalCommunicator, ReferenceCommunicator, blocks,
                       reference_reduce, split, sum_block, uncovered)
 from cgp.engine import Call, Engine, Sum, chunk_bounds, group_size
-from cgp.equivalence import compare, train_run
+from cgp.commands.equivalence import compare, train_run
 from cgp.errors import CgpError, NetError
 from cgp.kernels.fc import add_outer_rows
 from cgp.net import Net, RunOptions
-from cgp.parallel import DataParallelStep
+from cgp.step import DataParallelStep
 from cgp.proto import caffe_pb2
 from cgp.prototxt import parse_net
 from cgp.runtime import fpenv
@@ -479,7 +479,7 @@ def test_a_worker_waiting_for_progress_ends_when_the_main_process_is_killed():
     code = ("import os, signal, sys, threading, time\n"
             f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
             "from test_engine import before_first_layer, grouped_net_and_batch\n"
-            "from cgp.comm import LocalCommunicator\n"
+            "from cgp.comm.local import LocalCommunicator\n"
             "from cgp.engine import Engine\n"
             "from cgp.runtime.procs import make_pool\n"
             "net, batch = grouped_net_and_batch()\n"

@@ -228,7 +228,7 @@ def world(tmp_path_factory):
     """Valid inputs of every kind, from which the cases are mutated: small MNIST and
     CIFAR-10 folders, an LMDB, the net and solver, and a snapshot pair of a short run."""
     pytest.importorskip("lmdb")
-    from cgp.convert import write_lmdb
+    from cgp.data.convert import write_lmdb
     root = tmp_path_factory.mktemp("fuzz")
     write_mnist(root / "mnist", n_train=64, n_test=24)
     write_cifar(root / "cifar", per_batch=12)

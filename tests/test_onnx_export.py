@@ -18,9 +18,9 @@ onnxruntime = pytest.importorskip("onnxruntime")
 
 from test_zoo import NETS, ZOO, needs, read, runnable  # noqa: E402
 
-from cgp.onnx_export import CONVERTERS, blob_errors, export, load_net, verify  # noqa: E402
+from cgp.commands.onnx_export import CONVERTERS, blob_errors, export, load_net, verify  # noqa: E402
 from cgp.prototxt import format_message  # noqa: E402
-from cgp.pycaffe import TEST, Net  # noqa: E402
+from cgp.caffe.pycaffe import TEST, Net  # noqa: E402
 
 TOLERANCE = 1e-5
 # BatchNorm's statistics are stored times this factor (Caffe's third blob): the export must
@@ -373,7 +373,7 @@ def test_a_graph_over_one_files_limit_is_refused(tmp_path, monkeypatch):
     """Protobuf holds 2 GiB in one message: a bigger graph is refused before it is written.
     (A real one takes over 2 GiB of memory to build: the limit is lowered to 100 kB for a
     200 kB layer.)"""
-    from cgp import onnx_export
+    from cgp.commands import onnx_export
 
     monkeypatch.setattr(onnx_export, "ONE_FILE", 100_000)
     net = Net(one_layer_net(tmp_path, (2, 500), 'type: "InnerProduct" inner_product_param { '

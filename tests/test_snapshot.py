@@ -198,7 +198,7 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: 
 def lmdb_net(tmp_path):
     """An LMDB net: 23 training and 9 test records of 2x8x8 (batches wrap around)."""
     pytest.importorskip("lmdb")
-    from cgp.convert import write_lmdb
+    from cgp.data.convert import write_lmdb
     rng = np.random.default_rng(3)
     paths = {}
     for split, n in (("train", 23), ("test", 9)):
@@ -211,7 +211,7 @@ def lmdb_net(tmp_path):
 def test_resume_is_bit_for_bit(lmdb_net, tmp_path, monkeypatch):
     """Interrupted at iteration 5 and resumed at another thread count, with the records
     streamed: the same weights, history, test results and displayed loss as one run."""
-    from cgp import lmdb_data
+    from cgp.data import lmdb_data
     monkeypatch.setattr(lmdb_data, "CACHE_BYTES", 0)
     sp = solver(lmdb_net, iter_size=2, average_loss=3, test_iter=[2], test_interval=3,
                 snapshot=5, snapshot_prefix=str(tmp_path / "r"))

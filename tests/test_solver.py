@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cgp.comm import blocks
+from cgp.comm.local import blocks
 from cgp.errors import PrototxtError
 from cgp.prototxt import parse_solver
 from cgp.runtime import update

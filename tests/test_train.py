@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from cgp import models
-from cgp.equivalence import train_run
+from cgp.commands.equivalence import train_run
 from cgp.prototxt import read_net, read_solver
 from cgp.train import RunConfig
 

@@ -138,7 +138,7 @@ def test_compile_notice_counts_kernels():
     count every `every`, and the total with its time at the end."""
     from numba import njit
 
-    from cgp.timing import COMPILING, compile_notice
+    from cgp.commands.timing import COMPILING, compile_notice
 
     kernels = [njit(lambda x, k=k: x + k) for k in range(3)]   # fresh, uncached
     for kernel in kernels:

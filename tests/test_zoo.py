@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from cgp.equivalence import compare, train_run
+from cgp.commands.equivalence import compare, train_run
 from cgp.layers import REGISTRY, Chunk
 from cgp.net import Net, Workspace
 from cgp.proto import caffe_pb2

@@ -11,8 +11,8 @@ from cgp.layers import (  # noqa: E402,F401
 
 def __getattr__(name):
     """pycaffe's NetSpec layers: `import cgp as caffe` makes caffe.layers this package, so
-    caffe.layers.Convolution(...) (a Caffe type name) specifies a layer (cgp.netspec)."""
+    caffe.layers.Convolution(...) (a Caffe type name) specifies a layer (cgp.caffe.netspec)."""
     if name[:1].isupper():
-        from cgp.netspec import layers
+        from cgp.caffe.netspec import layers
         return getattr(layers, name)
     raise AttributeError(f"module 'cgp.layers' has no attribute '{name}'")

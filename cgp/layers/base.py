@@ -117,7 +117,7 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from cgp.comm import sum_over_chunks
+from cgp.comm.local import sum_over_chunks
 from cgp.errors import NetError, shorten
 from cgp.proto import caffe_pb2
 from cgp.runtime.memory import aligned_zeros

@@ -20,8 +20,8 @@ from cgp.fillers import SUPPORTED as FILLERS
 from cgp.fillers import fill
 from cgp.kernels import data as K
 from cgp.layers.base import Layer, register
-from cgp.databases import open_database
-from cgp.lmdb_data import ArrayRecords
+from cgp.data.databases import open_database
+from cgp.data.lmdb_data import ArrayRecords
 from cgp.proto import caffe_pb2
 from cgp.snapshot import read_blob
 
@@ -30,7 +30,7 @@ DB = caffe_pb2.DataParameter
 
 
 def open_source(source, options, backend=None, color=None):
-    """The records of a Data layer's `source` (see cgp.lmdb_data): a bundled data set split,
+    """The records of a Data layer's `source` (see cgp.data.lmdb_data): a bundled data set split,
     written 'mnist:train', 'cifar10:test', ..., or the path of a Caffe LMDB or LevelDB
     folder, relative to the working directory as in Caffe. backend: the prototxt's
     data_param.backend if it was given, else None; color: how encoded images decode."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cgp.errors import DataError
-from cgp.hdf5 import require_h5py
+from cgp.data.hdf5 import require_h5py
 from cgp.layers.base import Layer, register
 from cgp.layers.data import sample_stream
 

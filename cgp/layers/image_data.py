@@ -1,5 +1,5 @@
 """Caffe's ImageData layer: images named by a list file of `path label` lines, decoded as
-Caffe's OpenCV path does (cgp.images), resized to new_height x new_width if given, then
+Caffe's OpenCV path does (cgp.data.images), resized to new_height x new_width if given, then
 transformed as the Data layer's records (TransformationParameter).
 
 Which image record r of the run reads is a pure function of (seed, r): the list is read in
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from cgp.errors import DataError
-from cgp.images import read_image, read_list
+from cgp.data.images import read_image, read_list
 from cgp.layers.base import register
 from cgp.layers.data import (LabeledSource, Transform, refuse_legacy_transform,
                              sample_stream)

@@ -165,7 +165,7 @@ def sum_rows(rows, total):
 def merge_rows(rows, pairs, lo, hi):
     """rows: (S, P) partial sums of whole subtrees of the chunk tree; pairs: (M, 2) int64.
     For each (dst, src) in order: rows[dst, lo:hi] += rows[src, lo:hi]: the additions that
-    complete the tree from those subtrees (cgp.comm.merge_pairs), each element the same
+    complete the tree from those subtrees (cgp.comm.local.merge_pairs), each element the same
     float additions tree_sum would make."""
     for m in range(pairs.shape[0]):
         d = rows[pairs[m, 0], lo:hi]

@@ -18,12 +18,12 @@ Numba compute in float64 and the result would no longer be Caffe's float32 arith
                reads two arrays fewer and its regularization test is the same for every
                element; local_rate and local_decay are the products Caffe forms per blob.
 Each returns whether every weight it wrote is finite (no NaN, no infinity): the check rides
-on the loop that writes them and costs nothing measurable (cgp.parallel stops training on it).
+on the loop that writes them and costs nothing measurable (cgp.step stops training on it).
 Elementwise only, so results are bitwise identical however [0, n) is cut into slices. The
 loops index views of the slice from 0: an index that may be negative (lo + i) costs Numba a
 wrap-around test per element, which keeps the loop from being vectorised.
 Also `claim`, a hint that asks for a slice's cache lines for writing before an update writes
-them (cgp.parallel.DataParallelStep, in the reduction's tasks); it changes no value.
+them (cgp.step.DataParallelStep, in the reduction's tasks); it changes no value.
 """
 import numpy as np
 from llvmlite import ir

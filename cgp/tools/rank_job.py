@@ -41,7 +41,7 @@ def main(spec_path):
 
 
 if __name__ == "__main__":
-    from cgp import mpi
+    from cgp.comm import mpi
     try:
         main(sys.argv[1])
     except BaseException as error:   # noqa: BLE001  (any failure ends every rank of the job)

@@ -304,7 +304,7 @@ class RankJob:
         import json
         from dataclasses import asdict
 
-        from cgp import mpi
+        from cgp.comm import mpi
         self.ranks, self.threads = ranks, config.threads
         spec = Path(folder) / f"rank_job_{ranks}_{config.threads}_{config.workers}.json"
         spec.write_text(json.dumps({"solver": str(solver), "config": asdict(config)}))
@@ -515,7 +515,7 @@ def cmd_speedup(args, log=print):
     import statistics
 
     from cgp.errors import CgpError
-    from cgp.timing import fill_inputs
+    from cgp.commands.timing import fill_inputs
     from cgp.train import RunConfig, Trainer
 
     path, sp = solver(args, log)

@@ -255,7 +255,7 @@ def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True,
     """Wall-clock milliseconds per forward-backward of the real engine on `threads` workers,
     run as `workers` ("threads" or "processes", as cgp train's; gradient reduction
     included). With processes, net.params moves into shared memory."""
-    from cgp.comm import LocalCommunicator
+    from cgp.comm.local import LocalCommunicator
     from cgp.engine import Engine
     from cgp.runtime.procs import make_pool
 

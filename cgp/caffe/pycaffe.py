@@ -85,7 +85,7 @@ def unsupported(where, name, table):
     hint = table.get(name)
     if hint is None:
         return AttributeError(f"{where} has no attribute '{name}' (cgp's pycaffe interface "
-                              f"does not know it; see cgp/pycaffe.py for what it covers)")
+                              f"does not know it; see cgp/caffe/pycaffe.py for what it covers)")
     return PycaffeUnsupported(f"pycaffe's {where}.{name} is not supported by cgp: {hint}")
 
 
@@ -400,7 +400,7 @@ class Net:
         or their next one, unless all their tops are `given` ({blob name: array}), which
         then replace what they read."""
         from cgp.layers import Chunk
-        from cgp.timing import denormals
+        from cgp.commands.timing import denormals
         from threadpoolctl import threadpool_limits
 
         net = self._net
@@ -457,7 +457,7 @@ class Net:
         of Caffe's order backwards (start the later one, as pycaffe); clears the parameter
         diffs first. Returns {input (or end's bottom) name: its diff}, plus `diffs`."""
         from cgp.layers import Chunk
-        from cgp.timing import denormals
+        from cgp.commands.timing import denormals
         from threadpoolctl import threadpool_limits
 
         net = self._net
@@ -514,7 +514,7 @@ class Net:
 
     def save_hdf5(self, path):
         """Writes the weights in Caffe's HDF5 layout, whatever the name (net.save_hdf5)."""
-        from cgp.hdf5 import model_bytes
+        from cgp.data.hdf5 import model_bytes
         from cgp.snapshot import atomic_write
         self._sync_params()
         atomic_write(Path(path), model_bytes(self._net))

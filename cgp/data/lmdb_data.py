@@ -1,11 +1,11 @@
 """Record sets for the Data layer: Caffe databases of Datum records (LMDB here; LevelDB in
-cgp/leveldb_data.py, through the same reader) and the bundled data sets held in memory,
+cgp/data/leveldb_data.py, through the same reader) and the bundled data sets held in memory,
 behind one small interface (len, shape, read(start, count), where(position), close).
 
 read(start, count) returns the records start, start+1, ... in key order, wrapping around
 at the end as Caffe's reader does, so which records a batch holds is a function of its
 start alone. A Datum holds raw pixels (or float_data), or an encoded image (JPEG, PNG, as
-convert_imageset --encoded writes) that is decoded only when its record is read (cgp.images),
+convert_imageset --encoded writes) that is decoded only when its record is read (cgp.data.images),
 so a process decodes only the records it reads. Small databases are read once into memory
 (raw records decoded, encoded ones kept as bytes); bigger ones are read batch by batch by one
 reader thread that fetches the next batch while the current one trains. It reads records
@@ -26,7 +26,7 @@ import numpy as np
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from cgp import images
+from cgp.data import images
 from cgp.errors import DataError, require, shorten
 from cgp.proto import caffe_pb2
 

@@ -1,5 +1,5 @@
 """Caffe LevelDB databases of Datum records (`backend: LEVELDB`, e.g. Caffe's siamese
-example) for the Data layer, read by cgp.lmdb_data's reader through `plyvel` (the `leveldb`
+example) for the Data layer, read by cgp.data.lmdb_data's reader through `plyvel` (the `leveldb`
 extra, a wheel with LevelDB inside), and written by `cgp convert imageset --backend leveldb`.
 
 LevelDB lets one process at a time open a database: every reader in a process shares one
@@ -11,7 +11,7 @@ import threading
 import time
 
 from cgp.errors import DataError, require, shorten
-from cgp.lmdb_data import DatabaseRecords
+from cgp.data.lmdb_data import DatabaseRecords
 
 # How long to wait for a database another process holds open.
 LOCK_WAIT_S = 60

@@ -57,7 +57,7 @@ def load_net(model, weights=None, input_shape=None, data_dir=None, download=True
     """A pycaffe Net of the model's TEST phase with the weights; input_shape replaces the
     Data layers by Input layers of that shape (their second top, labels, (N,))."""
     from cgp.prototxt import format_message, read_model
-    from cgp.pycaffe import TEST, Net
+    from cgp.caffe.pycaffe import TEST, Net
 
     if input_shape is None:
         return Net(model, TEST, weights=weights, data_dir=data_dir, download=download)
@@ -111,7 +111,7 @@ class Graph:
 
 
 def export(pynet, path, opset=OPSET):
-    """Writes the ONNX graph of a pycaffe Net (cgp.pycaffe.Net) to path; returns the model,
+    """Writes the ONNX graph of a pycaffe Net (cgp.caffe.pycaffe.Net) to path; returns the model,
     which onnx.checker has accepted. Values are named as the blobs in the prototxt: the last
     layer to write a name (an in-place chain's last) gives it, the ones before write
     <name>/<layer>."""

@@ -8,17 +8,17 @@ keys: the zero-padded index, 8 digits for MNIST and 5 for CIFAR-10; an image set
 convert_imageset's, '%08d_<path>'. A raw Datum holds channels, height, width, the uint8
 pixels (C x H x W, BGR for color images, as OpenCV reads them) and the label; an encoded one
 the image file's bytes and the label. It reads the data sets through cgp.datasets, images
-through cgp.images, and databases through cgp.lmdb_data.
+through cgp.data.images, and databases through cgp.data.lmdb_data.
 """
 from pathlib import Path
 
 import numpy as np
 
-from cgp import images as imagelib
+from cgp.data import images as imagelib
 from cgp.datasets import store
 from cgp.errors import CgpError, DataError
-from cgp.databases import open_database
-from cgp.lmdb_data import require_lmdb
+from cgp.data.databases import open_database
+from cgp.data.lmdb_data import require_lmdb
 from cgp.proto import caffe_pb2
 from cgp.snapshot import atomic_write, writable_folder
 
@@ -66,7 +66,7 @@ def write_db(out, records, backend, log=None):
         raise CgpError(f"{out} already exists: cgp creates a new database (remove it first)")
     count = 0
     if backend == "leveldb":
-        from cgp.leveldb_data import open_db
+        from cgp.data.leveldb_data import open_db
         db = open_db(out, create=True)
         try:
             for batch in _batches(records):

@@ -8,7 +8,7 @@ loss, then each output's mean (with its loss weight for losses). Not here: train
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp.comm import LocalCommunicator
+from cgp.comm.local import LocalCommunicator
 from cgp.device import check_device, make_engine, select_backend
 from cgp.errors import CgpError, shorten
 from cgp.net import RunOptions, build_net

@@ -4,7 +4,7 @@ chunks, workers or ranks.
 
 One step has one shape:
   iter_size passes of the engine: its chunks' forward and backward, and the fixed-order sums
-    of the chunks this process owns (cgp.engine, cgp.comm);
+    of the chunks this process owns (cgp.engine, cgp.comm.local);
   the communicator's exchange: nothing on one machine; across ranks, the rest of the same
     tree (the point between "local sums done" and "update");
   the solver's update of the blocks of parameters this process updates;
@@ -26,36 +26,10 @@ import math
 
 import numpy as np
 
-from cgp import mpi
-from cgp.comm import LocalCommunicator
 from cgp.errors import CgpError
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.update import all_finite, claim
 from cgp.solver import Step
-
-
-def make_communicator(pool, sharing="sync", groups=0):
-    """The communicator of a run on `pool`, chosen in this one place: one rank of an MPI job
-    where an MPI launcher started this process as one of several (cgp.mpi), else the
-    workers of this machine alone; with sharing "async" (a group per rank) or "hybrid"
-    (`groups` groups), a rank whose group shares weights with the others asynchronously
-    (cgp.sharing)."""
-    if sharing == "sync":
-        if mpi.launched():
-            return mpi.MPICommunicator(pool, mpi.world())
-        return LocalCommunicator(pool)
-    if not mpi.launched():
-        raise CgpError(f"--sharing {sharing} shares weights between the ranks of an MPI job: "
-                       f"launch it with mpirun -np R (R of 2 or more)")
-    from cgp import sharing as shared
-    world = mpi.world()
-    size = world.Get_size()
-    if sharing == "async":
-        groups = size
-    elif not 2 <= groups <= size:
-        raise CgpError(f"--sharing hybrid --groups {groups}: from 2 to the {size} ranks of the "
-                       "job (one group is --sharing sync; one rank a group is --sharing async)")
-    return shared.SharedCommunicator(pool, world, sharing, groups)
 
 
 class Diverged(Exception):

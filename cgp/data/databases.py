@@ -1,10 +1,10 @@
-"""Opening a Caffe database folder for reading: an LMDB (cgp.lmdb_data) or a LevelDB
-(cgp.leveldb_data), as the files in it say, checked against the backend a user named."""
+"""Opening a Caffe database folder for reading: an LMDB (cgp.data.lmdb_data) or a LevelDB
+(cgp.data.leveldb_data), as the files in it say, checked against the backend a user named."""
 from pathlib import Path
 
 from cgp.errors import DataError, shorten
-from cgp.leveldb_data import LevelDbRecords
-from cgp.lmdb_data import LmdbRecords
+from cgp.data.leveldb_data import LevelDbRecords
+from cgp.data.lmdb_data import LmdbRecords
 
 
 def open_database(path, backend=None, color=None, what="data source"):

@@ -4,7 +4,7 @@ hybrid --groups G), as ShmCaffe-A and ShmCaffe-H: not reproducible, by nature.
 The ranks are cut into G groups of consecutive ranks (async: one rank each). A group trains
 as a whole job of its own would: it computes whole batches (the solver's batch_size, cut
 into --chunks and, in a group of several ranks, summed across them by the fixed tree of
-cgp.mpi), and updates its own copy of the weights with its own solver state. The groups
+cgp.comm.mpi), and updates its own copy of the weights with its own solver state. The groups
 share the weights through a parameter buffer in MPI one-sided windows on rank 0
 (ParameterBuffer): after each update a group's leader adds the update it made (new weights
 less the weights it last pulled) into the buffer and pulls the buffer back, which holds every
@@ -21,9 +21,9 @@ mpirun, cgp never imports mpi4py.
 """
 import numpy as np
 
-from cgp.comm import LocalCommunicator
+from cgp.comm.local import LocalCommunicator
 from cgp.errors import CgpError
-from cgp.mpi import MPICommunicator
+from cgp.comm.mpi import MPICommunicator
 
 # The parameter buffer's counters: the tickets drawn, the updates added, the strongest request
 # of the signals (cgp.train.REQUESTS).
@@ -127,8 +127,8 @@ def groups_of(size, groups):
 
 class SharedCommunicator:
     """One rank of a job whose groups of ranks share weights asynchronously (see the module):
-    within its group, the group's communicator (cgp.mpi.MPICommunicator on the group's
-    ranks, or cgp.comm.LocalCommunicator for a group of one), which every method of the
+    within its group, the group's communicator (cgp.comm.mpi.MPICommunicator on the group's
+    ranks, or cgp.comm.local.LocalCommunicator for a group of one), which every method of the
     engine's and the step's protocol is handed to; between groups, the ParameterBuffer,
     after each update (share) and for the iterations (claim, after, request, begin, end)."""
 

@@ -10,11 +10,11 @@ A chunk's gradient comes either as a row of a (chunks, parameters) buffer or, fo
 whose gradient is a product A^T @ B (InnerProduct), as its factors: the product is then
 formed inside the reduction, with the same bits, and never stored once per chunk.
 
-The protocol that cgp.engine, cgp.parallel and cgp.train rely on is Communicator below;
-cgp.parallel.make_communicator() picks the implementation: LocalCommunicator (the threads or
-worker processes of one machine) or, under mpirun, cgp.mpi.MPICommunicator, both in lockstep
-(Lockstep: every process computes every iteration); or, with --sharing async or hybrid,
-cgp.sharing.SharedCommunicator, whose groups of ranks compute iterations of their own. The
+The protocol that cgp.engine, cgp.step and cgp.train rely on is Communicator below;
+cgp.comm.make_communicator() picks the implementation: LocalCommunicator (the threads or
+worker processes of one machine) or, under mpirun, cgp.comm.mpi.MPICommunicator, both in
+lockstep (Lockstep: every process computes every iteration); or, with --sharing async or hybrid,
+cgp.comm.sharing.SharedCommunicator, whose groups of ranks compute iterations of their own. The
 naive twin that tests compare with is ReferenceCommunicator.
 """
 from typing import NamedTuple, Protocol

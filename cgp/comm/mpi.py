@@ -3,11 +3,11 @@ a process that `mpirun -np R` started, one of R ranks.
 
 The K chunks of each batch are cut into R contiguous ranges, one per rank (partition). A rank
 computes its chunks on its own workers and sums them in the one fixed tree over chunk index
-as far as its range allows: its range is a few whole subtrees of that tree (cgp.comm.subtrees,
+as far as its range allows: its range is a few whole subtrees of that tree (cgp.comm.local.subtrees,
 one where R is a power of two dividing K), each summed alone. The columns of the gradient
 are cut into R contiguous ranges too, each owned by a rank (update_blocks). The exchange
 sends each owner the partial sums of its columns (one all-to-all: a reduce-scatter whose sum
-cgp makes itself), and the owner adds them up the rest of the tree (cgp.comm.merge_pairs):
+cgp makes itself), and the owner adds them up the rest of the tree (cgp.comm.local.merge_pairs):
 MPI's own SUM adds in an order that depends on the number of ranks; this never does, so the
 weights are bitwise those of one process for any R. The owner updates its columns, and holds
 the solver's history of those alone (about 1/R of it); the updated parameters then go to
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cgp.comm import (BLOCK, ROW_GRAIN, Lockstep, Reduction, blocks, merge_pairs, split,
+from cgp.comm.local import (BLOCK, ROW_GRAIN, Lockstep, Reduction, blocks, merge_pairs, split,
                       subtrees, sum_block, uncovered)
 from cgp.errors import CgpError
 from cgp.runtime import fpenv
@@ -66,7 +66,7 @@ def local_job(ranks, args):
     Open MPI told that it may run as root (containers), place more ranks than cores, leave
     every rank free to use any core (its workers are processes of its own), and talk through
     shared memory only (it starts in a fifth of the time it takes probing networks), with
-    one-sided windows (cgp.sharing) through shared memory too (Open MPI's UCX component,
+    one-sided windows (cgp.comm.sharing) through shared memory too (Open MPI's UCX component,
     which this machine cannot use, otherwise prints an error as it declines)."""
     env = dict(os.environ, OMPI_MCA_btl="self,sm", OMPI_MCA_osc="^ucx",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",

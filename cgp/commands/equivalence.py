@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp.comm import LocalCommunicator
+from cgp.comm.local import LocalCommunicator
 from cgp.engine import Engine
 from cgp.errors import CgpError
 from cgp.prototxt import format_solver, solver_extras
@@ -66,16 +66,16 @@ def train_run(sp, solver_path, config, iters, log=lambda line: None):
 
 
 def mpi_run(sp, solver_path, config, ranks, iters):
-    """train_run on `ranks` MPI ranks of this machine (mpirun, cgp.mpi.local_job): each rank
+    """train_run on `ranks` MPI ranks of this machine (mpirun, cgp.comm.mpi.local_job): each rank
     runs this module (main_rank below), rank 0 writes the outcome, read back here."""
-    from cgp import mpi
+    from cgp.comm import mpi
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         (folder / "solver.prototxt").write_text(format_solver(sp))
         (folder / "spec.json").write_text(json.dumps({
             "solver_path": None if solver_path is None else str(solver_path),
             "config": asdict(config), "iters": iters}))
-        argv, env = mpi.local_job(ranks, ["-m", "cgp.equivalence", str(folder)])
+        argv, env = mpi.local_job(ranks, ["-m", "cgp.commands.equivalence", str(folder)])
         done = subprocess.run(argv, env=env, capture_output=True, text=True)
         if done.returncode != 0 or not (folder / "outcome.json").exists():
             raise CgpError(f"{ranks} MPI ranks: {' '.join(argv)} ended with status "
@@ -93,7 +93,7 @@ def main_rank(folder):
     spec = json.loads((folder / "spec.json").read_text())
     sp = parse_solver((folder / "solver.prototxt").read_text(), "solver.prototxt")
     outcome = train_run(sp, spec["solver_path"], RunConfig(**spec["config"]), spec["iters"])
-    from cgp import mpi
+    from cgp.comm import mpi
     if mpi.world().Get_rank() == 0:
         np.save(folder / "params.npy", outcome.params, allow_pickle=False)
         (folder / "outcome.json").write_text(json.dumps(
@@ -156,7 +156,7 @@ def gradient_error(net, got, want):
 def device_against_cpu(sp, solver_path, config, prepare=None):
     """The first batch's gradient of the device engine (config.device) in float64 against
     the CPU engine's in float64 (gradient_error), and the two losses. prepare(trainer), if
-    given, runs first (cgp.timing.fill_inputs for a deploy net's Input layers)."""
+    given, runs first (cgp.commands.timing.fill_inputs for a deploy net's Input layers)."""
     from cgp.device import select_backend
     from cgp.device.engine import DeviceEngine
     trainer = Trainer(sp, solver_path, replace(config, max_iter=1, progress=False))

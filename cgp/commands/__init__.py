@@ -1,0 +1,1 @@
+"""The implementations of cgp's commands beyond train: test, time, equivalence, plot, export."""
