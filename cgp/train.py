@@ -32,7 +32,7 @@ from cgp.training.progress import Progress, fmt, loss_note            # noqa: F4
 from cgp.training.signals import REQUESTS, Signals                   # noqa: F401  (*)
 from cgp.training.snapshots import Snapshots, restore
 from cgp.training.solver_files import build_nets, check_solver_fields, resolve
-from cgp.training.testing import Tests, copy_shared                   # noqa: F401  (*)
+from cgp.training.testing import PeriodicTests, copy_shared          # noqa: F401  (*)
 from cgp.training.triggers import Count
 # (*) Names that other modules import from cgp.train, where they were defined before.
 
@@ -74,7 +74,7 @@ class Trainer:
                                            config.staleness)
         self.pool.start()   # workers forked once everything they run exists
         # The loop's units.
-        self.tests = Tests(sp, self.test_nets, self.test_engines)
+        self.tests = PeriodicTests(sp, self.test_nets, self.test_engines)
         self.snapshots = Snapshots(sp, config, solver_path)
         self.signals = Signals(config.sigint_effect, config.sighup_effect, config.sigterm_effect)
         self.progress = Progress(self)
@@ -181,7 +181,7 @@ class Trainer:
 
     def test(self, index=0):
         """One test pass of test net `index`: (outputs averaged over test_iter batches, the
-        loss likewise), or None when a signal asked to stop meanwhile (Tests.run_one)."""
+        loss likewise), or None when a signal asked to stop meanwhile (PeriodicTests.run_one)."""
         return self.tests.run_one(self, index)
 
     # -- the loop ------------------------------------------------------------------

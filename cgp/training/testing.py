@@ -19,7 +19,7 @@ def copy_shared(train, test):
                 train.params[source.offset:source.offset + source.size]
 
 
-class Tests:
+class PeriodicTests:
     """The periodic tests of a trainer's test nets (none: never due)."""
 
     def __init__(self, sp, test_nets, test_engines):
