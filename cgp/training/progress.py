@@ -25,8 +25,8 @@ def smoothed(losses, loss, average_loss):
 
 
 class Progress:
-    """The display of one solve(): `with Progress(trainer):`, after_step() after each
-    iteration."""
+    """The display of a trainer's solve(): entered for the run (the bar, the clock of the
+    speed), after_step() after each iteration, closing() after the last."""
 
     def __init__(self, trainer):
         self.trainer = trainer
