@@ -339,7 +339,7 @@ def mutations(data, rng, count):
 def fuzz_inputs(mnist_dir, tmp_path, caffe):
     t = trainer(solver(type_="Adam"), mnist_dir)
     write_caffemodel(tmp_path / "m.caffemodel", t.net)
-    t.snapshot_prefix = lambda: str(tmp_path / "fz")
+    t.snapshots.prefix = str(tmp_path / "fz")
     t.snapshot()
     seeds = [((tmp_path / "m.caffemodel").read_bytes(),
               (tmp_path / "fz_iter_0.solverstate").read_bytes(), 400)]
@@ -455,7 +455,7 @@ def test_a_stop_during_a_test_ends_it_and_the_training(mnist_dir, tmp_path):
     interrupted.") and the training before its next iteration."""
     sp = solver(test_iter=[3], test_interval=2, snapshot_prefix=str(tmp_path / "s"))
     t, lines = logged_trainer(sp, mnist_dir, max_iter=6)
-    t._request = "stop"   # what Ctrl-C's handler sets; here before the first test batch
+    t.signals.request = "stop"   # what Ctrl-C's handler sets; here before the first test batch
     t.solve()
     assert t.iter == 0 and "Test interrupted." in lines
     assert lines[-1] == "Optimization stopped early."
