@@ -41,6 +41,25 @@ Caffe's AbsVal, as cgp/layers/activation.py registers it (kernels: cgp/kernels/a
                 yield K.absval_backward, (flat(bottom[0]), flat(top_diff[0]),
                                           flat(bottom_diff[0]))
 
+On the device and in ONNX: the same module, next to the layer
+------------------------------------------------------------
+A layer that runs on the device engine (cgp.device) and exports to ONNX
+(cgp.commands.onnx_export) registers those next to itself, in its own module, so a new
+layer is one module (plus its kernels and its test):
+
+    @device_op(AbsVal)
+    class AbsValOp(DeviceOp):     # forward/backward on one chunk, over array module self.xp
+        ...
+
+    @onnx_converter(AbsVal)
+    def absval_onnx(g, e, bottoms, tops, params, read):
+        g.node("Abs", bottoms, tops)
+
+A layer with neither (the default, which register() sets, never inherited from a base
+class) is refused by name by `--device gpu` ("no device op") and by `cgp export` ("no ONNX
+conversion"). Neither a device op nor a converter imports CuPy or onnx: they are handed
+the array module and the graph builder.
+
 The net asks each worker's layers for their calls once, on that worker's buffers, and then
 makes only those calls at every step (cgp.net.BoundCall): no Python of the layer runs per
 call. What the calls may rely on, and what they must keep:
@@ -132,14 +151,49 @@ PARAM_MESSAGES = tuple(f.name for f in caffe_pb2.LayerParameter.DESCRIPTOR.field
 
 def register(*type_names):
     """Class decorator: make a layer available under its Caffe type name(s), once it keeps
-    the contract (check_contract)."""
+    the contract (check_contract). The layer starts with no device op and no ONNX
+    conversion of its own (not its base class's): device_op and onnx_converter, next to it
+    in its module, give it those."""
     def add(cls):
         check_contract(cls)
         for name in type_names:
             REGISTRY[name] = cls
         cls.type_name = type_names[0]
+        cls.device_op = None
+        cls.to_onnx = None
         return cls
     return add
+
+
+def device_op(*layer_classes):
+    """Class decorator: the DeviceOp of these registered layer classes (cgp.device.ops
+    finds it as the layer's device_op)."""
+    def add(op_class):
+        for cls in layer_classes:
+            _check_registered(cls, "device op", op_class.__name__)
+            cls.device_op = op_class
+        return op_class
+    return add
+
+
+def onnx_converter(*layer_classes):
+    """Function decorator: convert(g, entry, bottoms, tops, params, read), the ONNX
+    conversion of these registered layer classes (cgp.commands.onnx_export finds it as the
+    layer's to_onnx): g is the export's Graph (its onnx module is g.onnx; nothing here
+    imports onnx), entry the net's entry of the layer, bottoms and tops ONNX value names,
+    params the layer's weights (float32 copies), read the blobs that exported layers read."""
+    def add(convert):
+        for cls in layer_classes:
+            _check_registered(cls, "ONNX converter", convert.__name__)
+            cls.to_onnx = staticmethod(convert)
+        return convert
+    return add
+
+
+def _check_registered(cls, what, name):
+    if REGISTRY.get(getattr(cls, "type_name", None)) is not cls:
+        raise TypeError(f"{what} {name} names layer class {cls.__name__}, which is not "
+                        f"registered: register the layer first")
 
 
 def check_contract(cls):
@@ -194,6 +248,28 @@ def supported_types():
     return sorted(REGISTRY)
 
 
+class DeviceOp:
+    """Base of the device ops (cgp.device.ops says what one is): one stage each way, no
+    refusals. Here, not in cgp.device, so that a layer's module defines its op without
+    importing the device engine."""
+    stages = (1, 1)
+
+    def __init__(self, layer, xp):
+        self.layer, self.xp = layer, xp
+
+    @staticmethod
+    def refuses(layer):
+        """Why the device cannot run this configuration of the layer, or None."""
+        return None
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        raise NotImplementedError
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        """Nothing flows back (Accuracy)."""
+
+
 class Layer:
     """Base class of every layer; the module's docstring says what a subclass defines.
 
@@ -210,6 +286,11 @@ class Layer:
     """
     # -- every layer ---------------------------------------------------------------------
     type_name = "?"            # set by @register: the first Caffe type name
+    # The layer's DeviceOp class (@device_op) and its ONNX converter (@onnx_converter), set
+    # next to the layer in its module; None: the device engine (export) refuses the layer,
+    # by name.
+    device_op = None
+    to_onnx = None
     bottoms = (1, 1)           # allowed number of bottoms (min, max); max None = any
     tops = (1, 1)              # allowed number of tops
     # The LayerParameter `*_param` messages the layer reads (Caffe's: e.g. SoftmaxWithLoss
