@@ -226,6 +226,8 @@ def _per_call(self, *args):
      "Quiet declares calls_each_time and also defines forward_calls"),
     (dict(reduces_batch=True), "Quiet has reduces_batch"),
     (dict(batch_sums=(1, 0)), "Quiet has batch_sums: it hands its calls over"),
+    (dict(forward_parts=_per_call), "Quiet takes the parts at once: it needs reduces_batch, "
+                                    "forward_parts and backward_parts"),
     (dict(params_read="relu_param"), "Quiet: params_read must be a tuple"),
     (dict(params_read=("relu_parameter",)), "Quiet: params_read must be a tuple"),
 ])
@@ -235,6 +237,18 @@ def test_register_refuses_a_class_that_breaks_the_contract(monkeypatch, attribut
     with pytest.raises(TypeError, match=message):
         register("Quiet")(cls)
     assert base.REGISTRY == {}
+
+
+def test_register_derives_the_flags_from_the_methods():
+    """is_source, can_factor_param_diff and takes_parts follow load, factor_shape and
+    forward_parts: no layer declares them, so none can disagree with its methods."""
+    for kind, cls in REGISTRY.items():
+        assert cls.is_source == (cls.load is not Layer.load), kind
+        assert cls.can_factor_param_diff == (cls.factor_shape is not Layer.factor_shape), kind
+        assert cls.takes_parts == hasattr(cls, "forward_parts"), kind
+    assert {k for k, c in REGISTRY.items() if c.can_factor_param_diff} == {"InnerProduct"}
+    assert {k for k, c in REGISTRY.items() if c.takes_parts} == {"SoftmaxWithLoss"}
+    assert SOURCES == {"Data", "DummyData", "HDF5Data", "ImageData", "Input"}
 
 
 def test_register_refuses_a_layer_with_no_calls(monkeypatch):

@@ -25,7 +25,6 @@ class InnerProduct(Layer):
     params_read = ("inner_product_param",)
     work_scratch = ("rows",)
     can_overwrite_param_diff = True
-    can_factor_param_diff = True
     backward_reads_top = False
 
     def setup(self, bottom_shapes):

@@ -184,7 +184,6 @@ class SoftmaxWithLoss(_ClassAxis):
     params_read = ("softmax_param", "loss_param")   # Caffe's inner Softmax reads the first
     reduces_batch = True
     calls_each_time = True   # it checks the labels, and may count the whole batch's
-    takes_parts = True
     default_loss_weight = 1.0
 
     def setup(self, bottom_shapes):
