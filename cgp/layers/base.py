@@ -47,8 +47,8 @@ A layer that runs on the device engine (cgp.device) and exports to ONNX
 (cgp.commands.onnx_export) registers those next to itself, in its own module, so a new
 layer is one module (plus its kernels and its test):
 
-    @device_op(AbsVal)
-    class AbsValOp(DeviceOp):     # forward/backward on one chunk, over array module self.xp
+    @device_op(TanH)              # cgp/layers/activation.py's
+    class TanHOp(DeviceOp):       # forward/backward on one chunk, over array module self.xp
         ...
 
     @onnx_converter(AbsVal)
