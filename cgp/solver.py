@@ -442,15 +442,16 @@ class Solver:
         hyper = self._hyper
         if self.type == "SGD":
             hyper = (hyper[0] * step.momentum_scale,)   # exactly momentum unless warming up
+        h, u = self.histories[0], self.histories[-1]   # a one-history rule reads h alone
         finite = True
         for a, b, lr_mult, decay_mult, blob in self._pieces(lo, hi):
             rate = step.rate
             if self.layerwise:   # a blob's rate in place of a positive lr_mult
                 rate, local = self.local[blob]
                 lr_mult = local if lr_mult > 0 else lr_mult
-            finite &= self._kernel(params, grads, *self.histories, lr_mult, decay_mult, a, b,
-                                   rate, step.clip_scale, self._accum, self._weight_decay,
-                                   self._l1, *hyper, *extra)
+            finite &= self._kernel(params, grads, h, u, lr_mult, decay_mult, a, b, rate,
+                                   step.clip_scale, self._accum, self._weight_decay, self._l1,
+                                   hyper + extra)
         return finite
 
     def _pieces(self, lo, hi):

@@ -20,6 +20,7 @@ from cgp.device.engine import DeviceEngine
 from cgp.engine import Engine
 from cgp.commands.equivalence import DEVICE_TOLERANCE, device_against_cpu, gradient_error, run
 from cgp.errors import CgpError, NetError
+from cgp.layers import REGISTRY
 from cgp.net import build_net
 from cgp.prototxt import parse_net
 from cgp.proto import caffe_pb2
@@ -219,6 +220,15 @@ def test_snapshots_resume_across_devices(tmp_path, mnist_dir):
             assert np.array_equal(got, want)
         else:
             assert np.allclose(got, want, rtol=0, atol=1e-4), np.abs(got - want).max()
+
+
+def test_the_zoo_runs_every_device_op():
+    """Every device op that a layer module registers runs in ZOO (with the layer type it was
+    registered for, or another of its types: Flatten's op is Reshape's)."""
+    net = build_net(parse_net(ZOO, "every_op.prototxt"), None, caffe_pb2.TRAIN)
+    ran = {type(e.layer).device_op for e in net.entries}
+    registered = {cls.device_op for cls in REGISTRY.values()} - {None}
+    assert registered <= ran, sorted(op.__name__ for op in registered - ran)
 
 
 def test_a_net_with_a_layer_the_device_lacks_is_refused_by_name(tmp_path):

@@ -1,14 +1,18 @@
 """The layer contract (cgp/layers/base.py): every registered layer hands its kernel calls over
 to the net or says that it runs each call; register() refuses a layer that would leave the
 bound calls unsaid; a `*_param` message a layer does not read is refused by name, in Caffe's
-example and model-zoo nets too; `engine:` is a hint cgp ignores."""
+example and model-zoo nets too; `engine:` is a hint cgp ignores. The groups of layers come from
+the registry: a registered type with no net to try here, no test in its family's file, or a
+device op or converter that is no registered layer's fails."""
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cgp.errors import NetError
-from cgp.layers import REGISTRY, SYNC, Chunk, base, register
+from cgp.layers import (REGISTRY, SYNC, Chunk, DeviceOp, base, device_op, onnx_converter,
+                        register)
 from cgp.layers.activation import ReLU
 from cgp.layers.base import Layer
 from cgp.net import Net, Workspace, build_net
@@ -63,10 +67,11 @@ HANDS_OVER = {
     "Split": 'type: "Split" bottom: "data" top: "y" top: "z"',
     "TanH": 'type: "TanH" bottom: "data" top: "y"',
 }
-# Layers that run Python at every call (calls_each_time), and the data layers (is_source).
-EACH_TIME = {"Accuracy", "ContrastiveLoss", "Dropout", "Embed", "EuclideanLoss", "HingeLoss",
-             "InfogainLoss", "Reduction", "SigmoidCrossEntropyLoss", "SoftmaxWithLoss"}
-SOURCES = {"Data", "DummyData", "HDF5Data", "ImageData", "Input"}
+# From the registry: layers that run Python at every call (calls_each_time), the data
+# layers (is_source), and the rest, which hand their calls over (each needs a net above).
+EACH_TIME = {kind for kind, cls in REGISTRY.items() if cls.calls_each_time}
+SOURCES = {kind for kind, cls in REGISTRY.items() if cls.is_source}
+HANDS_OVER_TYPES = set(REGISTRY) - EACH_TIME - SOURCES
 # Layers of HANDS_OVER with nothing to do one way: Silence computes no top; ArgMax and
 # Threshold have no gradient (Caffe implements none) and refuse a net that needs one.
 NO_FORWARD = {"Silence"}
@@ -74,11 +79,79 @@ NO_GRADIENT = {"ArgMax", "Threshold"}
 
 
 def test_every_registered_type_is_walked():
-    """A new layer type lands in exactly one of the three groups above (and a layer that left
-    the bound calls would have to move here, in plain sight)."""
-    groups = [set(HANDS_OVER), EACH_TIME, SOURCES]
-    assert sorted(set.union(*groups)) == sorted(REGISTRY)
-    assert sum(len(g) for g in groups) == len(REGISTRY)
+    """A registered type lands in exactly one of the three groups, and each type that hands
+    its calls over has a net above to try them on (a new one without fails here)."""
+    assert not EACH_TIME & SOURCES
+    assert sorted(HANDS_OVER) == sorted(HANDS_OVER_TYPES)
+
+
+# The test files of a layer module (tests/test_<module>.py unless named here).
+FAMILY_TESTS = {"data": ("test_data_layers.py", "test_net.py"),
+                "hdf5_data": ("test_data_layers.py",),
+                "image_data": ("test_data_layers.py", "test_images.py"),
+                "loss": ("test_loss.py", "test_losses.py")}
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRY))
+def test_every_registered_type_has_a_test_of_its_family(kind):
+    """Each registered type is named, "Type", in its module's test file: a layer module that
+    registers a type nobody tests fails here."""
+    module = REGISTRY[kind].__module__.rsplit(".", 1)[1]
+    names = FAMILY_TESTS.get(module, (f"test_{module}.py",))
+    here = Path(__file__).parent
+    texts = [(here / name).read_text() for name in names if (here / name).exists()]
+    assert any(f'"{kind}"' in text for text in texts), (
+        f"{kind} (cgp/layers/{module}.py) is named in none of {', '.join(names)}")
+
+
+def _layer_modules():
+    return [module for name, module in sorted(sys.modules.items())
+            if name.startswith("cgp.layers.") and name != "cgp.layers.base"]
+
+
+def test_every_device_op_and_converter_belongs_to_a_registered_layer():
+    """A layer module's device ops and ONNX converters are each some registered layer's (one
+    written but attached to nothing, or to a type that is not registered, fails here), and
+    each layer's sits in the layer's own module."""
+    ops = {cls.device_op for cls in REGISTRY.values()} - {None}
+    converters = {cls.to_onnx for cls in REGISTRY.values()} - {None}
+    for module in _layer_modules():
+        for name, value in vars(module).items():
+            if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
+                continue
+            if isinstance(value, type) and issubclass(value, DeviceOp):
+                assert value in ops, f"{module.__name__}.{name} is no layer's device op"
+            elif callable(value) and name.endswith("_onnx"):
+                assert value in converters, f"{module.__name__}.{name} is no layer's converter"
+    for kind, cls in REGISTRY.items():
+        for attached in (cls.device_op, cls.to_onnx):
+            if attached is not None:
+                assert attached.__module__ == cls.__module__, (kind, attached)
+
+
+def test_a_device_op_or_converter_for_an_unregistered_layer_is_refused():
+    loose = type("Loose", (ReLU,), {})
+    with pytest.raises(TypeError, match="device op LooseOp names layer class Loose, which is "
+                                        "not registered"):
+        device_op(loose)(type("LooseOp", (DeviceOp,), {}))
+    with pytest.raises(TypeError, match="ONNX converter _loose_onnx names layer class Loose"):
+        onnx_converter(loose)(_loose_onnx)
+    assert loose.device_op is ReLU.device_op is not None and loose.to_onnx is ReLU.to_onnx
+
+
+def _loose_onnx(g, e, bottoms, tops, params, read):
+    pass
+
+
+def test_a_registered_subclass_inherits_no_device_op_or_converter(monkeypatch):
+    """register() gives a layer neither, whatever its base class has: Deconvolution is a
+    Convolution without Convolution's device op; it has a converter of its own."""
+    assert REGISTRY["Convolution"].device_op is not None
+    assert REGISTRY["Deconvolution"].device_op is None
+    assert REGISTRY["Deconvolution"].to_onnx not in (None, REGISTRY["Convolution"].to_onnx)
+    monkeypatch.setattr(base, "REGISTRY", {})
+    cls = register("Leaky")(type("Leaky", (ReLU,), {}))
+    assert cls.device_op is None and cls.to_onnx is None
 
 
 @pytest.mark.parametrize("kind", sorted(HANDS_OVER))
@@ -132,8 +205,10 @@ def test_per_call_layers_declare_it(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(SOURCES))
-def test_sources_declare_it(kind):
-    assert REGISTRY[kind].is_source
+def test_sources_load_and_take_no_bottoms(kind):
+    cls = REGISTRY[kind]
+    assert cls.load is not Layer.load and cls.bottoms == (0, 0)
+    assert cls.device_op is None and cls.to_onnx is None
 
 
 def _per_call(self, *args):
@@ -151,6 +226,8 @@ def _per_call(self, *args):
      "Quiet declares calls_each_time and also defines forward_calls"),
     (dict(reduces_batch=True), "Quiet has reduces_batch"),
     (dict(batch_sums=(1, 0)), "Quiet has batch_sums: it hands its calls over"),
+    (dict(forward_parts=_per_call), "Quiet takes the parts at once: it needs reduces_batch, "
+                                    "forward_parts and backward_parts"),
     (dict(params_read="relu_param"), "Quiet: params_read must be a tuple"),
     (dict(params_read=("relu_parameter",)), "Quiet: params_read must be a tuple"),
 ])
@@ -160,6 +237,18 @@ def test_register_refuses_a_class_that_breaks_the_contract(monkeypatch, attribut
     with pytest.raises(TypeError, match=message):
         register("Quiet")(cls)
     assert base.REGISTRY == {}
+
+
+def test_register_derives_the_flags_from_the_methods():
+    """is_source, can_factor_param_diff and takes_parts follow load, factor_shape and
+    forward_parts: no layer declares them, so none can disagree with its methods."""
+    for kind, cls in REGISTRY.items():
+        assert cls.is_source == (cls.load is not Layer.load), kind
+        assert cls.can_factor_param_diff == (cls.factor_shape is not Layer.factor_shape), kind
+        assert cls.takes_parts == hasattr(cls, "forward_parts"), kind
+    assert {k for k, c in REGISTRY.items() if c.can_factor_param_diff} == {"InnerProduct"}
+    assert {k for k, c in REGISTRY.items() if c.takes_parts} == {"SoftmaxWithLoss"}
+    assert SOURCES == {"Data", "DummyData", "HDF5Data", "ImageData", "Input"}
 
 
 def test_register_refuses_a_layer_with_no_calls(monkeypatch):

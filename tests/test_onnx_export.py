@@ -18,8 +18,11 @@ onnxruntime = pytest.importorskip("onnxruntime")
 
 from test_zoo import NETS, ZOO, needs, read, runnable  # noqa: E402
 
-from cgp.commands.onnx_export import CONVERTERS, blob_errors, export, load_net, verify  # noqa: E402
+from cgp.commands.onnx_export import (  # noqa: E402
+    blob_errors, converted_types, export, load_net, verify)
 from cgp.prototxt import format_message  # noqa: E402
+from cgp.layers import REGISTRY, register  # noqa: E402
+from cgp.layers.activation import ReLU  # noqa: E402
 from cgp.caffe.pycaffe import TEST, Net  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -259,7 +262,31 @@ def test_one_layer_against_cgp(case, tmp_path):
 
 def test_every_layer_type_with_a_conversion_is_tested_alone():
     tested = {body.split('type: "')[1].split('"')[0] for _, body in LAYERS.values()}
-    assert set(CONVERTERS) - tested == {"Concat", "Eltwise", "Silence"}
+    assert set(converted_types()) - tested == {"Concat", "Eltwise", "Silence"}
+
+
+def test_layers_with_no_conversion_are_named_in_one_error(tmp_path, monkeypatch):
+    """A registered layer type that registers no converter (as a Python layer) is refused with
+    every such layer named, and what is converted."""
+    cls = type("NoConversion", (ReLU,), {})
+    monkeypatch.setitem(REGISTRY, "NoConversion", cls)
+    register("NoConversion")(cls)
+    path = tmp_path / "two.prototxt"
+    path.write_text('name: "two" layer { name: "data" type: "Input" top: "data" '
+                    'input_param { shape { dim: 2 dim: 3 } } }\n'
+                    'layer { name: "a" type: "NoConversion" bottom: "data" top: "a" }\n'
+                    'layer { name: "b" type: "ReLU" bottom: "a" top: "b" }\n'
+                    'layer { name: "c" type: "NoConversion" bottom: "b" top: "c" }\n')
+    net = Net(str(path), TEST)
+    with pytest.raises(CgpError) as refused:
+        export(net, tmp_path / "two.onnx")
+    listed = ", ".join(converted_types())
+    assert str(refused.value) == (
+        f"{path}: cannot export net 'two' to ONNX: layer 'a' (type NoConversion): no ONNX "
+        f"conversion (converted: {listed}); layer 'c' (type NoConversion): no ONNX conversion "
+        f"(converted: {listed})")
+    assert "NoConversion" not in listed and "ReLU" in listed
+    assert not (tmp_path / "two.onnx").exists()
 
 
 @pytest.mark.parametrize("body", [

@@ -4,6 +4,8 @@ invariance, and the error messages for what Caffe rejects."""
 import math
 import platform
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -557,3 +559,30 @@ def test_large_batch_fields_are_checked():
             Solver(rule_param("SGD", extra), lr_mult, decay_mult, blobs=BLOBS)
     with pytest.raises(PrototxtError, match="LARS and LARC scale SGD"):
         Solver(rule_param("Adam", "local_lr_auto: true"), lr_mult, decay_mult, blobs=BLOBS)
+
+
+CACHED = """
+import numpy as np
+from cgp.runtime import update
+f = np.float32
+a = [np.ones(8, f) for _ in range(4)]
+args = (f(1), f(1), 0, 8, f(0.1), f(1), f(1), f(0), False)
+hyper = {"sgd": (f(0.9),), "nesterov": (f(0.9),), "adagrad": (f(1e-8),),
+         "rmsprop": (f(0.9), f(1e-8)), "adadelta": (f(0.9), f(1e-6)),
+         "adam": (f(0.9), f(0.999), f(1e-8), f(1))}
+for name, h in hyper.items():
+    kernel = getattr(update, name + "_update")
+    kernel(a[0], a[1], a[2], a[3], *args, h)
+    print(name, sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_misses.values()))
+"""
+
+
+def test_every_update_kernel_loads_from_numbas_cache():
+    """The kernels that update_kernel builds keep Numba's cache: a second process compiles
+    none of them (a rule passed as a dispatcher would miss in every process)."""
+    runs = [subprocess.run([sys.executable, "-c", CACHED], capture_output=True, text=True,
+                           check=True).stdout.split() for _ in range(2)]
+    second = runs[1]
+    assert len(second) == 18
+    for name, hits, misses in zip(second[::3], second[1::3], second[2::3]):
+        assert (hits, misses) == ("1", "0"), name

@@ -15,7 +15,7 @@ worker drives the device: its tasks run in the list's order.
 """
 import numpy as np
 
-from cgp.device.ops import OPS, unsupported
+from cgp.device.ops import make_op, unsupported
 from cgp.engine import Engine
 from cgp.errors import CgpError, NetError
 from cgp.layers import Chunk
@@ -39,7 +39,7 @@ class DeviceWorkspace:
         self.diff = [alloc(b) for b in blobs] if engine.backward else None
         self.grad = xp.zeros(net.n_params, dtype) if engine.backward else None
         self.grad_views = net.param_views(self.grad) if engine.backward else None
-        self.ops = [OPS[e.layer.type_name](e.layer, engine.backend.xp) for e in net.entries]
+        self.ops = [make_op(e.layer, engine.backend.xp) for e in net.entries]
         self.sums = [[(xp.zeros(m, np.float64), total) for m, total in
                       zip(e.layer.sum_sizes(), engine.device_totals[i])]
                      if i in engine.device_totals else None
@@ -75,7 +75,7 @@ class DeviceEngine(Engine):
         self.host_params = net.params if params is None else params
         self.device_params = xp.zeros(net.n_params, self.dtype)
         self.device_param_views = net.param_views(self.device_params)
-        stages = [OPS[e.layer.type_name](e.layer, xp).stages for e in net.entries]
+        stages = [make_op(e.layer, xp).stages for e in net.entries]
         self.forward_plan, syncs = _stages(net, [f for f, _ in stages], False)
         backward_plan, back_syncs = _stages(net, [b for _, b in stages], True)
         self.backward_plan = backward_plan if backward else []

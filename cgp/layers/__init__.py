@@ -1,6 +1,7 @@
 """Layers by Caffe type name. Importing this package registers every layer family."""
-from cgp.layers.base import (REGISTRY, SYNC, Chunk, Factors, Layer, aligned_zeros, alloc_scratch,
-                             check_axis, register, scratch_specs, supported_types)
+from cgp.layers.base import (REGISTRY, SYNC, Chunk, DeviceOp, Factors, Layer, aligned_zeros,
+                             alloc_scratch, check_axis, device_op, onnx_converter, register,
+                             scratch_specs, supported_types)
 
 # Each family module registers its layers on import.
 from cgp.layers import (  # noqa: E402,F401

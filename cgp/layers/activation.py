@@ -12,7 +12,8 @@ import math
 import numpy as np
 
 from cgp.kernels import activation as K
-from cgp.layers.base import Layer, flat, part_span, register, view
+from cgp.layers.base import (DeviceOp, Layer, device_op, flat, onnx_converter, part_span,
+                             register, view)
 from cgp.proto import caffe_pb2
 
 
@@ -372,3 +373,191 @@ class PReLU(Layer):
         if bottom_diff[0] is not None:
             yield K.prelu_backward, (x, dy, self._rows(bottom_diff[0], n), view(params[0], -1),
                                      self.shared)
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@device_op(ReLU)
+class ReLUOp(DeviceOp):
+    """In place (top = bottom), the bottom holds y, whose sign is x's for a slope >= 0."""
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        x = bottom[0]
+        slope = x.dtype.type(self.layer.slope)
+        top[0][...] = self.xp.where(x > 0, x, x * slope)
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        if bottom_diff[0] is not None:
+            x, dy = bottom[0], top_diff[0]
+            slope = dy.dtype.type(self.layer.slope)
+            bottom_diff[0][...] = self.xp.where(x > 0, dy, dy * slope)
+
+
+@device_op(Sigmoid)
+class SigmoidOp(DeviceOp):
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        x = bottom[0]
+        one = x.dtype.type(1)
+        top[0][...] = one / (one + self.xp.exp(-x))
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        if bottom_diff[0] is not None:
+            y = top[0]
+            bottom_diff[0][...] = top_diff[0] * y * (y.dtype.type(1) - y)
+
+
+@device_op(TanH)
+class TanHOp(DeviceOp):
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        top[0][...] = self.xp.tanh(bottom[0])
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        if bottom_diff[0] is not None:
+            y = top[0]
+            bottom_diff[0][...] = top_diff[0] * (y.dtype.type(1) - y * y)
+
+
+@device_op(Dropout)
+class DropoutOp(DeviceOp):
+    """The CPU layer's mask, drawn on the host by its Philox kernel (keyed by sample, never by
+    chunk or device) and copied over; TEST: the identity."""
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        L, x = self.layer, bottom[0]
+        if not L.train:
+            top[0][...] = x
+            return
+        rows = (x.shape[0], x[0].size)
+        ones, mask = np.ones(rows, x.dtype), np.empty(rows, x.dtype)
+        K.dropout_forward(ones, np.empty(rows, x.dtype), mask, L.ratio, x.dtype.type(L.scale),
+                        chunk.seed, chunk.iteration, chunk.first, L.index)
+        self.mask = self.xp.asarray(mask).reshape(x.shape)
+        top[0][...] = x * self.mask
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        if bottom_diff[0] is not None:
+            dy = top_diff[0]
+            bottom_diff[0][...] = dy * self.mask if self.layer.train else dy
+
+
+@onnx_converter(ReLU)
+def relu_onnx(g, e, bottoms, tops, params, read):
+    if e.layer.slope == 0:
+        g.node("Relu", bottoms, tops)
+    else:
+        g.node("LeakyRelu", bottoms, tops, alpha=e.layer.slope)
+
+
+@onnx_converter(PReLU)
+def prelu_onnx(g, e, bottoms, tops, params, read):
+    layer = e.layer
+    slope = params[0] if layer.shared else params[0].reshape(
+        (layer.shape[1],) + (1,) * (len(layer.shape) - 2))
+    g.node("PRelu", [bottoms[0], g.constant(f"{layer.name}/slope", slope)], tops)
+
+
+@onnx_converter(ELU)
+def elu_onnx(g, e, bottoms, tops, params, read):
+    g.node("Elu", bottoms, tops, alpha=e.layer.lp.elu_param.alpha)
+
+
+@onnx_converter(Sigmoid)
+def sigmoid_onnx(g, e, bottoms, tops, params, read):
+    g.node("Sigmoid", bottoms, tops)
+
+
+@onnx_converter(TanH)
+def tanh_onnx(g, e, bottoms, tops, params, read):
+    g.node("Tanh", bottoms, tops)
+
+
+@onnx_converter(AbsVal)
+def absval_onnx(g, e, bottoms, tops, params, read):
+    g.node("Abs", bottoms, tops)
+
+
+@onnx_converter(BNLL)
+def bnll_onnx(g, e, bottoms, tops, params, read):
+    g.node("Softplus", bottoms, tops)
+
+
+@onnx_converter(Power)
+def power_onnx(g, e, bottoms, tops, params, read):
+    """y = (shift + scale * x) ^ power, each step only where it changes x; where power *
+    scale is 0, Caffe's constant (1 for power 0, else shift ^ power) of x's shape."""
+    layer, x = e.layer, bottoms[0]
+    name = layer.name
+    p, scale, shift = layer.forward_args(np.float32)
+    if p * scale == 0:
+        value = np.float32(1) if p == 0 else np.float32(shift ** p)
+        shape = g.op("Shape", [x], f"{name}/shape")
+        g.node("ConstantOfShape", [shape], tops, value=g.onnx.numpy_helper.from_array(
+            np.array([value], np.float32)))
+        return
+    steps = [("Mul", scale, scale != 1), ("Add", shift, shift != 0), ("Pow", p, p != 1)]
+    g.chain(name, x, [(op, value) for op, value, needed in steps if needed], tops[0])
+
+
+@onnx_converter(Exp)
+def exp_onnx(g, e, bottoms, tops, params, read):
+    """y = outer * exp(inner * x), inner = log(base) * scale and outer = base ^ shift, as
+    cgp's Exp takes them."""
+    name = e.layer.name
+    inner, outer = e.layer.forward_args(np.float32)
+    x = bottoms[0]
+    if inner != 1:
+        x = g.op("Mul", [x, g.scalar(f"{name}/inner", inner)], f"{name}/inner")
+    g.then_scaled("Exp", x, "outer", outer, tops, name)
+
+
+@onnx_converter(Log)
+def log_onnx(g, e, bottoms, tops, params, read):
+    """y = log(scale * x + shift) / log(base), as cgp's Log takes them."""
+    name = e.layer.name
+    scale, shift, base_scale = e.layer.forward_args(np.float32)
+    x = bottoms[0]
+    steps = [("Mul", scale, scale != 1), ("Add", shift, shift != 0)]
+    for op, value, needed in steps:
+        if needed:
+            x = g.op(op, [x, g.scalar(f"{name}/{op.lower()}", value)], f"{name}/{op.lower()}")
+    g.then_scaled("Log", x, "base_scale", base_scale, tops, name)
+
+
+@onnx_converter(Threshold)
+def threshold_onnx(g, e, bottoms, tops, params, read):
+    """y = 1 where x > threshold, else 0 (NaN too)."""
+    name = e.layer.name
+    above = g.op("Greater", [bottoms[0], g.scalar(f"{name}/threshold",
+                                                  e.layer.lp.threshold_param.threshold)],
+                 f"{name}/above")
+    g.node("Cast", [above], tops, to=g.onnx.TensorProto.FLOAT)
+
+
+@onnx_converter(Clip)
+def clip_onnx(g, e, bottoms, tops, params, read):
+    p, name = e.layer.lp.clip_param, e.layer.name
+    g.node("Clip", [bottoms[0], g.scalar(f"{name}/min", p.min), g.scalar(f"{name}/max", p.max)],
+           tops)
+
+
+@onnx_converter(Swish)
+def swish_onnx(g, e, bottoms, tops, params, read):
+    """y = x * sigmoid(beta * x)."""
+    name, x = e.layer.name, bottoms[0]
+    beta = np.float32(e.layer.lp.swish_param.beta)
+    scaled = x if beta == 1 else g.op("Mul", [x, g.scalar(f"{name}/beta", beta)],
+                                      f"{name}/scaled")
+    gate = g.op("Sigmoid", [scaled], f"{name}/gate")
+    g.node("Mul", [x, gate], tops)
+
+
+@onnx_converter(Dropout)
+def dropout_onnx(g, e, bottoms, tops, params, read):
+    """Dropout at test time, Caffe's identity."""
+    g.node("Identity", bottoms, tops)

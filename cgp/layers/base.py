@@ -41,6 +41,25 @@ Caffe's AbsVal, as cgp/layers/activation.py registers it (kernels: cgp/kernels/a
                 yield K.absval_backward, (flat(bottom[0]), flat(top_diff[0]),
                                           flat(bottom_diff[0]))
 
+On the device and in ONNX: the same module, next to the layer
+------------------------------------------------------------
+A layer that runs on the device engine (cgp.device) and exports to ONNX
+(cgp.commands.onnx_export) registers those next to itself, in its own module, so a new
+layer is one module (plus its kernels and its test):
+
+    @device_op(TanH)              # cgp/layers/activation.py's
+    class TanHOp(DeviceOp):       # forward/backward on one chunk, over array module self.xp
+        ...
+
+    @onnx_converter(AbsVal)
+    def absval_onnx(g, e, bottoms, tops, params, read):
+        g.node("Abs", bottoms, tops)
+
+A layer with neither (the default, which register() sets, never inherited from a base
+class) is refused by name by `--device gpu` ("no device op") and by `cgp export` ("no ONNX
+conversion"). Neither a device op nor a converter imports CuPy or onnx: they are handed
+the array module and the graph builder.
+
 The net asks each worker's layers for their calls once, on that worker's buffers, and then
 makes only those calls at every step (cgp.net.BoundCall): no Python of the layer runs per
 call. What the calls may rely on, and what they must keep:
@@ -68,10 +87,13 @@ Performance hooks (optional; Layer's class attributes, under "Performance hooks"
   bottom and sharing the buffers changes no bit (ReLU).
 - can_overwrite_param_diff: backward sets the parameter gradients instead of adding to them,
   so the engine skips zeroing them (InnerProduct).
-- can_factor_param_diff, factor_shape(): the first parameter's gradient is handed over as
-  the two factors of a product that the engine forms while it sums the chunks (InnerProduct).
-- takes_parts, forward_parts/backward_parts: a batch-value layer takes every part of a call
-  at once rather than one at a time (SoftmaxWithLoss).
+- factor_shape(): the first parameter's gradient is handed over as the two factors of a
+  product that the engine forms while it sums the chunks (InnerProduct).
+- forward_parts/backward_parts: a batch-value layer takes every part of a call at once
+  rather than one at a time (SoftmaxWithLoss).
+register() derives the flags the engine reads from what a class defines, so that no flag
+and method can disagree: is_source (load), can_factor_param_diff (factor_shape) and
+takes_parts (forward_parts and backward_parts).
 - work_scratch: the scratch buffers that hold nothing from one step of a call to the next,
   which the engine gives once per worker where calls pause at sums over the batch
   (Convolution, Pooling, InnerProduct, LRN).
@@ -84,14 +106,15 @@ over the batch), declares calls_each_time = True and defines forward(bottom, top
 scratch, chunk) and backward(top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
 chunk), which the net calls at every call with that call's chunk. Batch-value layers
 (reduces_batch: losses, accuracies) always run this way: the net calls them one part at a
-time, or with takes_parts once per call through forward_parts/backward_parts. register()
+time, or once per call through forward_parts/backward_parts. register()
 refuses a class that overrides forward or backward without declaring calls_each_time, one that
 declares it and hands its calls over too, and one that does neither, so that no layer leaves
 the bound calls without saying so.
 
-Sources: is_source = True
--------------------------
-Data layers (Data, Input) take no bottoms and make no per-chunk calls: the trainer runs
+Sources: load()
+---------------
+Data layers (Data, Input; is_source, which register() sets for a class that defines load)
+take no bottoms and make no per-chunk calls: the trainer runs
 load(start, iteration, seed, rows) once per iteration on the batch (or on the samples `rows`
 that this process computes), before the batch is cut into chunks, and sets `options`
 (cgp.net.RunOptions) before setup (see cgp/layers/data.py).
@@ -132,14 +155,52 @@ PARAM_MESSAGES = tuple(f.name for f in caffe_pb2.LayerParameter.DESCRIPTOR.field
 
 def register(*type_names):
     """Class decorator: make a layer available under its Caffe type name(s), once it keeps
-    the contract (check_contract)."""
+    the contract (check_contract). The layer starts with no device op and no ONNX
+    conversion of its own (not its base class's): device_op and onnx_converter, next to it
+    in its module, give it those."""
     def add(cls):
+        cls.is_source = cls.load is not Layer.load
+        cls.can_factor_param_diff = cls.factor_shape is not Layer.factor_shape
+        cls.takes_parts = hasattr(cls, "forward_parts")
         check_contract(cls)
         for name in type_names:
             REGISTRY[name] = cls
         cls.type_name = type_names[0]
+        cls.device_op = None
+        cls.to_onnx = None
         return cls
     return add
+
+
+def device_op(*layer_classes):
+    """Class decorator: the DeviceOp of these registered layer classes (cgp.device.ops
+    finds it as the layer's device_op)."""
+    def add(op_class):
+        for cls in layer_classes:
+            _check_registered(cls, "device op", op_class.__name__)
+            cls.device_op = op_class
+        return op_class
+    return add
+
+
+def onnx_converter(*layer_classes):
+    """Function decorator: convert(g, entry, bottoms, tops, params, read), the ONNX
+    conversion of these registered layer classes (cgp.commands.onnx_export finds it as the
+    layer's to_onnx): g is the export's Graph (its onnx module is g.onnx; nothing here
+    imports onnx), entry the net's entry of the layer, bottoms and tops ONNX value names,
+    params the layer's weights (float32 copies), read the blobs that exported layers read."""
+    def add(convert):
+        for cls in layer_classes:
+            _check_registered(cls, "ONNX converter", convert.__name__)
+            cls.to_onnx = staticmethod(convert)
+        return convert
+    return add
+
+
+def _check_registered(cls, what, name):
+    if REGISTRY.get(getattr(cls, "type_name", None)) is not cls:
+        raise TypeError(f"{what} {name} names layer class {cls.__name__}, which is not "
+                        f"registered: register the layer first")
 
 
 def check_contract(cls):
@@ -152,8 +213,6 @@ def check_contract(cls):
         raise TypeError(f"layer class {name}: params_read must be a tuple of LayerParameter's "
                         f"*_param message names, got {cls.params_read!r}")
     if cls.is_source:
-        if cls.load is Layer.load:
-            raise TypeError(f"layer class {name}: a source (is_source) must define load()")
         return
     each_time = (cls.forward is not Layer.forward, cls.backward is not Layer.backward)
     hands_over = (cls.forward_calls is not Layer.forward_calls,
@@ -180,9 +239,9 @@ def check_contract(cls):
             raise TypeError(f"layer class {name} has reduces_batch: the net calls batch-value "
                             f"layers at every call; declare calls_each_time = True and define "
                             f"forward and backward")
-    if cls.takes_parts and not (cls.reduces_batch and hasattr(cls, "forward_parts")
-                                and hasattr(cls, "backward_parts")):
-        raise TypeError(f"layer class {name} has takes_parts: it needs reduces_batch, "
+    parts = (hasattr(cls, "forward_parts"), hasattr(cls, "backward_parts"))
+    if any(parts) and not (all(parts) and cls.reduces_batch):
+        raise TypeError(f"layer class {name} takes the parts at once: it needs reduces_batch, "
                         f"forward_parts and backward_parts")
     if any(cls.batch_sums) and (cls.calls_each_time or cls.reduces_batch
                                 or cls.sync is Layer.sync or cls.sum_sizes is Layer.sum_sizes):
@@ -192,6 +251,28 @@ def check_contract(cls):
 
 def supported_types():
     return sorted(REGISTRY)
+
+
+class DeviceOp:
+    """Base of the device ops (cgp.device.ops says what one is): one stage each way, no
+    refusals. Here, not in cgp.device, so that a layer's module defines its op without
+    importing the device engine."""
+    stages = (1, 1)
+
+    def __init__(self, layer, xp):
+        self.layer, self.xp = layer, xp
+
+    @staticmethod
+    def refuses(layer):
+        """Why the device cannot run this configuration of the layer, or None."""
+        return None
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        raise NotImplementedError
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        """Nothing flows back (Accuracy)."""
 
 
 class Layer:
@@ -210,6 +291,11 @@ class Layer:
     """
     # -- every layer ---------------------------------------------------------------------
     type_name = "?"            # set by @register: the first Caffe type name
+    # The layer's DeviceOp class (@device_op) and its ONNX converter (@onnx_converter), set
+    # next to the layer in its module; None: the device engine (export) refuses the layer,
+    # by name.
+    device_op = None
+    to_onnx = None
     bottoms = (1, 1)           # allowed number of bottoms (min, max); max None = any
     tops = (1, 1)              # allowed number of tops
     # The LayerParameter `*_param` messages the layer reads (Caffe's: e.g. SoftmaxWithLoss
@@ -226,7 +312,8 @@ class Layer:
     # The net calls forward and backward at every call, with that call's chunk, instead of
     # binding kernel calls that forward_calls/backward_calls hand over once.
     calls_each_time = False
-    # A data layer: load(start, iteration, seed, rows) once per iteration on the batch.
+    # A data layer: load(start, iteration, seed, rows) once per iteration on the batch
+    # (set by register() where the class defines load).
     is_source = False
 
     # -- performance hooks (optional) ------------------------------------------------------
@@ -252,9 +339,10 @@ class Layer:
     # says so with factor_shape(); the engine may then pass it, in place of that gradient's
     # array, a Factors to copy A and B into, and forms the products itself while it sums
     # the chunks, with the same bits and no per-chunk copy of the gradient in memory.
+    # (Set by register() where the class defines factor_shape.)
     can_factor_param_diff = False
-    # A batch-value layer that can run every part of a call at once says so, and defines
-    # forward_parts / backward_parts: arguments as forward's and backward's, but with each
+    # A batch-value layer that can run every part of a call at once defines
+    # forward_parts / backward_parts (register() then sets takes_parts): arguments as forward's and backward's, but with each
     # batch-value top (and its diff) as (parts,) + the top's shape, part k's at [k], and
     # scratch sized for the call. The net then calls it once per call rather than once per
     # part: for LeNet's loss, half of a call's Python, which threads take in turn.

@@ -11,7 +11,7 @@ bitwise the same for any number of workers.
 import numpy as np
 
 from cgp.kernels import batchnorm as K
-from cgp.layers.base import SYNC, Layer, register, view
+from cgp.layers.base import SYNC, DeviceOp, Layer, device_op, onnx_converter, register, view
 from cgp.proto import caffe_pb2
 
 f32 = np.float32
@@ -117,3 +117,91 @@ class BatchNorm(Layer):
             correction = f(self.m) / f(self.m - 1) if self.m > 1 else f(1)
             variance_blob[:] = correction * variance.astype(f) + fraction * variance_blob
             totals[1][:] = np.sqrt(variance + f(self.eps))
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@device_op(BatchNorm)
+class BatchNormOp(DeviceOp):
+    """Caffe's arithmetic as cgp.kernels.batchnorm: float64 sums of the chunk (its share),
+    everything else in the blobs' dtype."""
+
+    def __init__(self, layer, xp):
+        super().__init__(layer, xp)
+        self.stages = (1, 1) if layer.global_stats else (3, 2)
+
+    def _view(self, a):
+        return a.reshape(a.shape[0], self.layer.C, -1)
+
+    def _stats(self, params, dtype):
+        """use_global_stats: mean and std from the blobs."""
+        xp = self.xp
+        mean, variance, factor = params
+        f = dtype.type
+        # Caffe's: 0 where the factor is 0 (no statistics yet), else its inverse.
+        empty = factor[0] == 0
+        scale = xp.where(empty, f(0), f(1) / xp.where(empty, f(1), factor[0]))
+        return scale * mean, xp.sqrt(scale * variance + f(self.layer.eps))
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        x, y = self._view(bottom[0]), self._view(top[0])
+        if self.layer.global_stats:
+            mean, std = self._stats(params, x.dtype)
+        elif stage == 0:
+            sums[0][0][...] = x.astype(np.float64).sum(axis=(0, 2))
+            return
+        elif stage == 1:
+            d = (x - sums[0][1].astype(x.dtype)[None, :, None]).astype(np.float64)
+            sums[1][0][...] = (d * d).sum(axis=(0, 2))
+            return
+        else:
+            mean, std = sums[0][1].astype(x.dtype), sums[1][1].astype(x.dtype)
+        y[...] = (x - mean[None, :, None]) / std[None, :, None]
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        if bottom_diff[0] is None:
+            return
+        y, dy, dx = self._view(top[0]), self._view(top_diff[0]), self._view(bottom_diff[0])
+        f = y.dtype.type
+        C = self.layer.C
+        if self.layer.global_stats:
+            _, std = self._stats(params, y.dtype)
+            dx[...] = dy / std[None, :, None]
+        elif stage == 0:
+            share = sums[2][0]
+            share[:C] = (dy * y).astype(np.float64).sum(axis=(0, 2))
+            share[C:] = dy.astype(np.float64).sum(axis=(0, 2))
+        else:
+            total = sums[2][1].astype(y.dtype)
+            a, b = total[None, :C, None], total[None, C:, None]
+            std = sums[1][1].astype(y.dtype)[None, :, None]
+            scale = f(-1.0) / f(self.layer.m)
+            dx[...] = (dy + scale * (y * a + b)) / std
+
+
+@onnx_converter(BatchNorm)
+def batch_norm_onnx(g, e, bottoms, tops, params, read):
+    """Global statistics (TEST's default): BatchNormalization with Caffe's blobs divided by
+    their scale factor (0 where the factor is 0, as Caffe's). Batch statistics
+    (use_global_stats: false): the batch's mean and biased variance per channel, composed."""
+    layer, x = e.layer, bottoms[0]
+    name, f = layer.name, np.float32
+    C, ndim = layer.C, len(layer.shape)
+    if layer.global_stats:
+        mean_blob, variance_blob, factor = params
+        scale = f(0) if factor[0] == 0 else f(1) / factor[0]
+        g.node("BatchNormalization", [x, g.constant(f"{name}/ones", np.ones(C, f)),
+                                      g.constant(f"{name}/zeros", np.zeros(C, f)),
+                                      g.constant(f"{name}/mean", scale * mean_blob),
+                                      g.constant(f"{name}/variance", scale * variance_blob)],
+               tops, epsilon=layer.eps)
+        return
+    axes = [0] + list(range(2, ndim))
+    mean = g.op("ReduceMean", [x], f"{name}/mean", axes=axes, keepdims=1)
+    centred = g.op("Sub", [x, mean], f"{name}/centred")
+    square = g.op("Mul", [centred, centred], f"{name}/square")
+    variance = g.op("ReduceMean", [square], f"{name}/variance", axes=axes, keepdims=1)
+    shifted = g.op("Add", [variance, g.scalar(f"{name}/eps", layer.eps)], f"{name}/shifted")
+    std = g.op("Sqrt", [shifted], f"{name}/std")
+    g.node("Div", [centred, std], tops)

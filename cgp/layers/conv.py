@@ -10,7 +10,8 @@ import numpy as np
 
 from cgp.kernels import conv as K
 from cgp.runtime.simd import lanes
-from cgp.layers.base import Layer, check_axis, part_span, register
+from cgp.layers.base import (DeviceOp, Layer, check_axis, device_op, onnx_converter,
+                             part_span, register)
 
 
 def spatial_values(layer, p, name, default):
@@ -275,3 +276,97 @@ class Deconvolution(Convolution):
             need_dx = dx is not None
             yield K.deconv_backward, (x, w, dy, dx if need_dx else x, dw, dw_step, db, db_step,
                                       chunk.starts, scratch["col"], *self._geometry(), need_dx)
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@device_op(Convolution)
+class ConvolutionOp(DeviceOp):
+    """im2col over the chunk's samples (R*S strided copies), one batched product per group,
+    col2im adding the kernel's offsets one after another."""
+
+    @staticmethod
+    def refuses(layer):
+        if len(layer.lp.bottom) > 1:
+            return "several bottoms sharing the weights"
+        return None
+
+    def _offsets(self, P, Q):
+        """Per kernel offset (r, s): the strided window of the padded input it reads."""
+        L = self.layer
+        for r in range(L.R):
+            for s in range(L.S):
+                h, w = r * L.dil_h, s * L.dil_w
+                yield r, s, (slice(h, h + L.stride_h * (P - 1) + 1, L.stride_h),
+                             slice(w, w + L.stride_w * (Q - 1) + 1, L.stride_w))
+
+    def _columns(self, x):
+        """x (n, C, H, W) -> (n, G, Cg*R*S, P*Q)."""
+        L, xp = self.layer, self.xp
+        n = x.shape[0]
+        P, Q = L.P, L.Q
+        padded = xp.zeros((n, L.C, L.H + 2 * L.pad_h, L.W + 2 * L.pad_w), x.dtype)
+        padded[:, :, L.pad_h:L.pad_h + L.H, L.pad_w:L.pad_w + L.W] = x
+        col = xp.empty((n, L.C, L.R, L.S, P, Q), x.dtype)
+        for r, s, (rows, cols) in self._offsets(P, Q):
+            col[:, :, r, s] = padded[:, :, rows, cols]
+        return col.reshape(n, L.group, L.C // L.group * L.R * L.S, P * Q)
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        L, xp = self.layer, self.xp
+        x, y = bottom[0], top[0]
+        G = L.group
+        w = params[0].reshape(G, L.K // G, -1)
+        out = xp.matmul(w[None], self._columns(x))          # (n, G, Kg, P*Q)
+        out = out.reshape(y.shape)
+        if L.bias_term:
+            out += params[1].reshape(1, L.K, 1, 1)
+        y[...] = out
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        L, xp = self.layer, self.xp
+        x, dy = bottom[0], top_diff[0]
+        n, G = x.shape[0], L.group
+        P, Q = L.P, L.Q
+        dyg = dy.reshape(n, G, L.K // G, P * Q)
+        if L.bias_term:
+            param_diff[1] += dy.sum(axis=(0, 2, 3))
+        col = self._columns(x)                                # (n, G, CRS, PQ)
+        # Weight gradient: (G, Kg, n*PQ) @ (G, n*PQ, CRS).
+        a = dyg.transpose(1, 2, 0, 3).reshape(G, L.K // G, n * P * Q)
+        b = col.transpose(1, 0, 3, 2).reshape(G, n * P * Q, -1)
+        param_diff[0] += xp.matmul(a, b).reshape(param_diff[0].shape)
+        if bottom_diff[0] is None:
+            return
+        w = params[0].reshape(G, L.K // G, -1)
+        dcol = xp.matmul(w.transpose(0, 2, 1)[None], dyg)      # (n, G, CRS, PQ)
+        dcol = dcol.reshape(n, L.C, L.R, L.S, P, Q)
+        padded = xp.zeros((n, L.C, L.H + 2 * L.pad_h, L.W + 2 * L.pad_w), x.dtype)
+        for r, s, (rows, cols) in self._offsets(P, Q):
+            padded[:, :, rows, cols] += dcol[:, :, r, s]
+        bottom_diff[0][...] = padded[:, :, L.pad_h:L.pad_h + L.H, L.pad_w:L.pad_w + L.W]
+
+
+def _convolution_onnx(g, e, bottoms, tops, params, op):
+    """A Conv or ConvTranspose node per bottom, sharing the layer's weight and bias."""
+    layer = e.layer
+    weight = g.constant(f"{layer.name}/weight", params[0])
+    inputs = [weight] + ([g.constant(f"{layer.name}/bias", params[1])] if layer.bias_term else [])
+    for x, y in zip(bottoms, tops):
+        g.node(op, [x] + inputs, [y], kernel_shape=[layer.R, layer.S],
+               pads=[layer.pad_h, layer.pad_w, layer.pad_h, layer.pad_w],
+               strides=[layer.stride_h, layer.stride_w],
+               dilations=[layer.dil_h, layer.dil_w], group=layer.group)
+
+
+@onnx_converter(Convolution)
+def convolution_onnx(g, e, bottoms, tops, params, read):
+    _convolution_onnx(g, e, bottoms, tops, params, "Conv")
+
+
+@onnx_converter(Deconvolution)
+def deconvolution_onnx(g, e, bottoms, tops, params, read):
+    """ConvTranspose: Caffe's output size, stride * (H - 1) + dilated kernel - 2 * pad, is
+    ONNX's with no output_padding."""
+    _convolution_onnx(g, e, bottoms, tops, params, "ConvTranspose")

@@ -217,7 +217,6 @@ class DataLayer(LabeledSource):
     bottoms = (0, 0)
     tops = (1, 2)
     params_read = ("data_param", "transform_param")
-    is_source = True
     options = None  # RunOptions, set by the net before setup
 
     def setup(self, bottom_shapes):
@@ -281,7 +280,6 @@ class InputLayer(Layer):
     bottoms = (0, 0)
     tops = (1, None)
     params_read = ("input_param",)
-    is_source = True
     options = None
 
     def setup(self, bottom_shapes):
@@ -323,7 +321,6 @@ class DummyDataLayer(Layer):
     bottoms = (0, 0)
     tops = (1, None)
     params_read = ("dummy_data_param",)
-    is_source = True
     options = None
 
     def setup(self, bottom_shapes):

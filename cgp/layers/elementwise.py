@@ -6,9 +6,12 @@ Nothing here may mix samples, so the batch axis is never concatenated, flattened
 """
 import math
 
+import numpy as np
+
 from cgp.errors import shorten
 from cgp.kernels import elementwise as K
-from cgp.layers.base import Layer, assign, check_axis, flat, register
+from cgp.layers.base import (DeviceOp, Layer, assign, check_axis, device_op, flat,
+                             onnx_converter, register)
 from cgp.proto import caffe_pb2
 
 
@@ -259,3 +262,150 @@ class Split(Layer):
             yield K.add, (diffs[0], diffs[1], dx)
             for d in diffs[2:]:
                 yield K.add, (dx, d, dx)
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@device_op(Concat)
+class ConcatOp(DeviceOp):
+
+    def _pieces(self, a):
+        L = self.layer
+        rows = a.reshape(a.shape[0] * L.outer, -1, L.inner)
+        at = 0
+        for size in L.sizes:
+            yield rows[:, at:at + size]
+            at += size
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        L = self.layer
+        for piece, x in zip(self._pieces(top[0]), bottom):
+            piece[...] = x.reshape(x.shape[0] * L.outer, -1, L.inner)
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        L = self.layer
+        for piece, dx in zip(self._pieces(top_diff[0]), bottom_diff):
+            if dx is not None:
+                dx.reshape(dx.shape[0] * L.outer, -1, L.inner)[...] = piece
+
+
+@device_op(Eltwise)
+class EltwiseOp(DeviceOp):
+    """SUM (coefficients), PROD, MAX (ties to the earlier bottom, bottom 1 over bottom 0, as
+    Caffe)."""
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        L, xp = self.layer, self.xp
+        P = caffe_pb2.EltwiseParameter
+        y = top[0]
+        if L.op == P.SUM:
+            out = bottom[0] * y.dtype.type(L.coeffs[0])
+            for x, c in zip(bottom[1:], L.coeffs[1:]):
+                out = out + x * y.dtype.type(c)
+        elif L.op == P.PROD:
+            out = bottom[0] * bottom[1]
+            for x in bottom[2:]:
+                out = out * x
+        else:
+            # Caffe: bottom 1 wins a tie with bottom 0; later bottoms win only when larger.
+            take = bottom[1] >= bottom[0]
+            out = xp.where(take, bottom[1], bottom[0])
+            arg = take.astype(np.int32)
+            for k, x in enumerate(bottom[2:], 2):
+                larger = x > out
+                out = xp.where(larger, x, out)
+                arg = xp.where(larger, np.int32(k), arg)
+            self.arg = arg
+        y[...] = out
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        L, xp = self.layer, self.xp
+        P = caffe_pb2.EltwiseParameter
+        dy = top_diff[0]
+        for i, dx in enumerate(bottom_diff):
+            if dx is None:
+                continue
+            if L.op == P.SUM:
+                dx[...] = dy * dy.dtype.type(L.coeffs[i])
+            elif L.op == P.PROD:
+                others = [x for j, x in enumerate(bottom) if j != i]
+                out = others[0]
+                for x in others[1:]:
+                    out = out * x
+                dx[...] = out * dy
+            else:
+                dx[...] = xp.where(self.arg == i, dy, dy.dtype.type(0))
+
+
+@device_op(Flatten, Reshape)
+class CopyOp(DeviceOp):
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        top[0].reshape(-1)[...] = bottom[0].reshape(-1)
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        if bottom_diff[0] is not None:
+            bottom_diff[0].reshape(-1)[...] = top_diff[0].reshape(-1)
+
+
+@device_op(Split)
+class SplitOp(DeviceOp):
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        for t in top:
+            t[...] = bottom[0]
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        if bottom_diff[0] is not None:
+            total = top_diff[0]
+            for d in top_diff[1:]:
+                total = total + d
+            bottom_diff[0][...] = total
+
+
+@onnx_converter(Concat)
+def concat_onnx(g, e, bottoms, tops, params, read):
+    g.node("Concat", bottoms, tops, axis=e.layer.axis)
+
+
+@onnx_converter(Eltwise)
+def eltwise_onnx(g, e, bottoms, tops, params, read):
+    P = caffe_pb2.EltwiseParameter
+    layer = e.layer
+    if layer.op == P.MAX:
+        g.node("Max", bottoms, tops)
+        return
+    if layer.op == P.PROD:
+        op = "Mul"
+        terms = bottoms
+    else:
+        op = "Add"
+        terms = []
+        for k, (x, c) in enumerate(zip(bottoms, layer.coeffs)):
+            if c == 1:
+                terms.append(x)
+                continue
+            term = g.fresh(f"{layer.name}/term{k}")
+            g.node("Mul", [x, g.constant(f"{layer.name}/coeff{k}", np.array(c, np.float32))],
+                   [term])
+            terms.append(term)
+    # Caffe adds (multiplies) the bottoms in order: a chain, not a Sum of all at once.
+    acc = terms[0]
+    for k, x in enumerate(terms[1:], 1):
+        out = tops[0] if k == len(terms) - 1 else g.fresh(f"{layer.name}/acc{k}")
+        g.node(op, [acc, x], [out])
+        acc = out
+    if len(terms) == 1:
+        g.node("Identity", [acc], tops)
+
+
+@onnx_converter(Flatten, Reshape)
+def reshape_onnx(g, e, bottoms, tops, params, read):
+    """Flatten and Reshape: the top's shape, its batch axis copied (0)."""
+    shape = [0] + list(g.net.blob_shapes[e.tops[0]][1:])
+    g.node("Reshape", [bottoms[0], g.constant(f"{e.layer.name}/shape",
+                                              np.array(shape, np.int64))], tops)

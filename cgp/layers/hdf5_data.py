@@ -39,7 +39,6 @@ class HDF5DataLayer(Layer):
     bottoms = (0, 0)
     tops = (1, None)
     params_read = ("hdf5_data_param",)
-    is_source = True
     options = None
 
     def setup(self, bottom_shapes):

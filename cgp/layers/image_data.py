@@ -86,7 +86,6 @@ class ImageDataLayer(LabeledSource):
     bottoms = (0, 0)
     tops = (2, 2)
     params_read = ("image_data_param", "transform_param")
-    is_source = True
     options = None
 
     def setup(self, bottom_shapes):

@@ -7,7 +7,8 @@ on its chunk (see cgp.kernels.fc). Axis 0 is refused.
 import numpy as np
 
 from cgp.kernels import fc as K
-from cgp.layers.base import Factors, Layer, assign, check_axis, part_span, register, view
+from cgp.layers.base import (DeviceOp, Factors, Layer, assign, check_axis, device_op,
+                             onnx_converter, part_span, register, view)
 
 
 @register("InnerProduct")
@@ -24,7 +25,6 @@ class InnerProduct(Layer):
     params_read = ("inner_product_param",)
     work_scratch = ("rows",)
     can_overwrite_param_diff = True
-    can_factor_param_diff = True
     backward_reads_top = False
 
     def setup(self, bottom_shapes):
@@ -144,3 +144,74 @@ class Embed(Layer):
         if self.bias_term:
             db, step = part_span(param_diff[1])
             K.bias_parts(dy, db, step, starts, False)
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@device_op(InnerProduct)
+class InnerProductOp(DeviceOp):
+
+    def _rows(self, a, n, width):
+        return view(a, (n * self.layer.rows, width))
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        L, xp = self.layer, self.xp
+        n = bottom[0].shape[0]
+        x = self._rows(bottom[0], n, L.C)
+        w = params[0]
+        out = xp.matmul(x, w) if L.transpose else xp.matmul(x, w.T)
+        if L.bias_term:
+            out += params[1]
+        self._rows(top[0], n, L.K)[...] = out
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        L, xp = self.layer, self.xp
+        n = bottom[0].shape[0]
+        x = self._rows(bottom[0], n, L.C)
+        dy = self._rows(top_diff[0], n, L.K)
+        param_diff[0] += xp.matmul(x.T, dy) if L.transpose else xp.matmul(dy.T, x)
+        if L.bias_term:
+            param_diff[1] += dy.sum(axis=0)
+        if bottom_diff[0] is not None:
+            w = params[0]
+            self._rows(bottom_diff[0], n, L.C)[...] = (xp.matmul(dy, w.T) if L.transpose
+                                                      else xp.matmul(dy, w))
+
+
+@onnx_converter(InnerProduct)
+def inner_product_onnx(g, e, bottoms, tops, params, read):
+    layer = e.layer
+    bottom_shape = g.net.blob_shapes[e.bottoms[0]]
+    weight = params[0] if layer.transpose else params[0].T     # (C, K)
+    x = bottoms[0]
+    if layer.axis == 1:
+        flat = g.fresh(f"{layer.name}/flat")
+        g.node("Flatten", [x], [flat], axis=1)
+        # The blob as stored, (K, C) or with transpose (C, K): no copy of a large matrix.
+        inputs = [flat, g.constant(f"{layer.name}/weight", params[0])]
+        if layer.bias_term:
+            inputs.append(g.constant(f"{layer.name}/bias", params[1]))
+        g.node("Gemm", inputs, [tops[0]], transB=0 if layer.transpose else 1)
+        return
+    rows = g.fresh(f"{layer.name}/rows")
+    g.node("Reshape", [x, g.constant(f"{layer.name}/shape", np.array(
+        [0] + list(bottom_shape[1:layer.axis]) + [layer.C], np.int64))], [rows])
+    product = g.fresh(f"{layer.name}/product") if layer.bias_term else tops[0]
+    g.node("MatMul", [rows, g.constant(f"{layer.name}/weight", np.ascontiguousarray(weight))],
+           [product])
+    if layer.bias_term:
+        g.node("Add", [product, g.constant(f"{layer.name}/bias", params[1])], [tops[0]])
+
+
+@onnx_converter(Embed)
+def embed_onnx(g, e, bottoms, tops, params, read):
+    """Row lookup: Gather of the table at the indices (floats holding integers)."""
+    layer, name = e.layer, e.layer.name
+    indices = g.op("Cast", [bottoms[0]], f"{name}/indices", to=g.onnx.TensorProto.INT64)
+    table = g.constant(f"{name}/weight", params[0])
+    if not layer.bias_term:
+        g.node("Gather", [table, indices], tops, axis=0)
+        return
+    rows = g.op("Gather", [table, indices], f"{name}/rows", axis=0)
+    g.node("Add", [rows, g.constant(f"{name}/bias", params[1])], tops)

@@ -11,7 +11,8 @@ import numpy as np
 
 from cgp.errors import shorten
 from cgp.kernels import loss as K
-from cgp.layers.base import Layer, check_axis, register, view
+from cgp.layers.base import (DeviceOp, Layer, check_axis, device_op, onnx_converter, register,
+                             view)
 from cgp.proto import caffe_pb2
 from cgp.snapshot import read_blob
 
@@ -183,7 +184,6 @@ class SoftmaxWithLoss(_ClassAxis):
     params_read = ("softmax_param", "loss_param")   # Caffe's inner Softmax reads the first
     reduces_batch = True
     calls_each_time = True   # it checks the labels, and may count the whole batch's
-    takes_parts = True
     default_loss_weight = 1.0
 
     def setup(self, bottom_shapes):
@@ -410,3 +410,108 @@ class InfogainLoss(_ClassAxis):
                                   self._scores(bottom_diff[0], n))
         if bad >= 0:
             raise self._bad_label(labels, bad, chunk.first)
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+def _softmax(xp, scores):
+    """Softmax over axis 1 of (O, C, I) scores, the maximum subtracted first."""
+    e = xp.exp(scores - scores.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+@device_op(Softmax)
+class SoftmaxOp(DeviceOp):
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        n = bottom[0].shape[0]
+        self.layer._scores(top[0], n)[...] = _softmax(self.xp, self.layer._scores(bottom[0], n))
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        if bottom_diff[0] is None:
+            return
+        n = top[0].shape[0]
+        y = self.layer._scores(top[0], n)
+        dy = self.layer._scores(top_diff[0], n)
+        self.layer._scores(bottom_diff[0], n)[...] = (
+            dy - (dy * y).sum(axis=1, keepdims=True)) * y
+
+
+class _LabelledOp(DeviceOp):
+    """Labels checked as the CPU layer checks them (integers in [0, C) or the ignore_label),
+    on the device; the message names the first bad one, as the CPU layer's does. A second
+    top (second_top: what it is) is refused."""
+    second_top = None
+
+    @classmethod
+    def refuses(cls, layer):
+        return cls.second_top if len(layer.lp.top) > 1 else None
+
+    def _labels(self, labels, n, chunk):
+        """(O, I) float labels -> (int labels with ignored ones at 0, mask of counted ones)."""
+        L, xp = self.layer, self.xp
+        labels = L._labels(labels, n)
+        whole = labels == xp.floor(labels)
+        ok = whole & (labels >= 0) & (labels < L.classes)
+        counted = ok
+        if L.has_ignore:
+            ignored = labels == L.ignore
+            ok = ok | ignored
+            counted = ok & ~ignored
+        if not bool(ok.all()):
+            raise L._bad_label(labels, int(xp.argmin(ok.reshape(-1))), chunk.first)
+        return xp.where(counted, labels, 0).astype(np.int64), counted
+
+
+@device_op(SoftmaxWithLoss)
+class SoftmaxWithLossOp(_LabelledOp):
+    second_top = "the probabilities top"
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        L, xp = self.layer, self.xp
+        n = bottom[0].shape[0]
+        labels, counted = self._labels(bottom[1], n, chunk)
+        prob = _softmax(xp, L._scores(bottom[0], n))                     # (O, C, I)
+        picked = xp.take_along_axis(prob, labels[:, None, :], axis=1)[:, 0, :]
+        f = prob.dtype.type
+        logs = xp.log(xp.maximum(picked, f(np.finfo(prob.dtype).tiny)))
+        self.prob, self.labels, self.counted = prob, labels, counted
+        top[0][...] = -xp.where(counted, logs, f(0)).sum() / f(L.normaliser(chunk))
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        L, xp = self.layer, self.xp
+        if bottom_diff[0] is None:
+            return
+        n = bottom[0].shape[0]
+        f = self.prob.dtype.type
+        classes = xp.arange(self.prob.shape[1])[None, :, None]
+        grad = self.prob - (classes == self.labels[:, None, :]).astype(self.prob.dtype)
+        grad = xp.where(self.counted[:, None, :], grad, f(0))
+        scale = top_diff[0] / f(L.normaliser(chunk))
+        L._scores(bottom_diff[0], n)[...] = grad * scale
+
+
+@device_op(Accuracy)
+class AccuracyOp(_LabelledOp):
+    """A position is correct when fewer than top_k other classes score at least its label's
+    (a tie counts against, as Caffe)."""
+    second_top = "the per-class accuracy top"
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        L, xp = self.layer, self.xp
+        n = bottom[0].shape[0]
+        labels, counted = self._labels(bottom[1], n, chunk)
+        scores = L._scores(bottom[0], n)
+        mine = xp.take_along_axis(scores, labels[:, None, :], axis=1)       # (O, 1, I)
+        others = (scores >= mine).sum(axis=1) - 1
+        correct = int(((others < L.top_k) & counted).sum())
+        count = (int(L._batch_label_counts(chunk, "accuracy with an ignore_label").sum())
+                 if L.has_ignore else L._positions(chunk))
+        top[0][...] = correct / count if count > 0 else 0.0
+
+
+@onnx_converter(Softmax)
+def softmax_onnx(g, e, bottoms, tops, params, read):
+    g.node("Softmax", bottoms, tops, axis=e.layer.axis)

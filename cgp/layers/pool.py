@@ -6,7 +6,7 @@ each other; the `engine` field chooses an implementation in Caffe and is ignored
 import numpy as np
 
 from cgp.kernels import pool as K
-from cgp.layers.base import Layer, assign, register
+from cgp.layers.base import DeviceOp, Layer, assign, device_op, onnx_converter, register
 from cgp.proto import caffe_pb2
 
 PP = caffe_pb2.PoolingParameter
@@ -150,3 +150,126 @@ class Pooling(Layer):
         else:
             yield K.ave_pool_backward, (top_diff[0], bottom_diff[0], scratch["planes"],
                                         scratch["cover"], *self._window())
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@device_op(Pooling)
+class PoolingOp(DeviceOp):
+    """MAX keeps, per output, the offset r*S + s of its window's first maximum (Caffe's: the
+    first in row-major order); AVE divides by Caffe's window size (padding counted, the part
+    past the padded input not)."""
+
+    @staticmethod
+    def refuses(layer):
+        if len(layer.lp.top) > 1:
+            return "the mask top of MAX pooling"
+        return None
+
+    def __init__(self, layer, xp):
+        super().__init__(layer, xp)
+        L = layer
+        # The padded input every window fits in: windows may run past it in CEIL mode.
+        self.Hp = max((L.P - 1) * L.stride_h + L.R, L.H + L.pad_h)
+        self.Wp = max((L.Q - 1) * L.stride_w + L.S, L.W + L.pad_w)
+        if not L.max:
+            hs = np.arange(L.P) * L.stride_h - L.pad_h
+            ws = np.arange(L.Q) * L.stride_w - L.pad_w
+            rows = np.minimum(hs + L.R, L.H + L.pad_h) - hs
+            cols = np.minimum(ws + L.S, L.W + L.pad_w) - ws
+            self.size = np.outer(rows, cols)
+        self.arg = None   # MAX: the chunk's window offsets of the maxima, for backward
+
+    def _windows(self):
+        L = self.layer
+        for r in range(L.R):
+            for s in range(L.S):
+                yield r * L.S + s, (slice(r, r + L.stride_h * (L.P - 1) + 1, L.stride_h),
+                                    slice(s, s + L.stride_w * (L.Q - 1) + 1, L.stride_w))
+
+    def _padded(self, x, fill):
+        L, xp = self.layer, self.xp
+        padded = xp.full((x.shape[0], L.C, self.Hp, self.Wp), fill, x.dtype)
+        padded[:, :, L.pad_h:L.pad_h + L.H, L.pad_w:L.pad_w + L.W] = x
+        return padded
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        L, xp = self.layer, self.xp
+        x, y = bottom[0], top[0]
+        if L.max:
+            padded = self._padded(x, -np.inf)
+            best = xp.full(y.shape, -np.inf, x.dtype)
+            arg = xp.zeros(y.shape, np.int32)
+            for k, (rows, cols) in self._windows():
+                window = padded[:, :, rows, cols]
+                better = window > best
+                best = xp.where(better, window, best)
+                arg = xp.where(better, np.int32(k), arg)
+            y[...] = best
+            self.arg = arg
+        else:
+            padded = self._padded(x, 0)
+            total = xp.zeros(y.shape, x.dtype)
+            for _, (rows, cols) in self._windows():
+                total += padded[:, :, rows, cols]
+            y[...] = total / xp.asarray(self.size, x.dtype)
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        L, xp = self.layer, self.xp
+        if bottom_diff[0] is None:
+            return
+        dy = top_diff[0]
+        padded = xp.zeros((dy.shape[0], L.C, self.Hp, self.Wp), dy.dtype)
+        share = None if L.max else dy / xp.asarray(self.size, dy.dtype)
+        zero = dy.dtype.type(0)
+        for k, (rows, cols) in self._windows():
+            padded[:, :, rows, cols] += (xp.where(self.arg == k, dy, zero) if L.max
+                                         else share)
+        bottom_diff[0][...] = padded[:, :, L.pad_h:L.pad_h + L.H, L.pad_w:L.pad_w + L.W]
+
+
+LOWEST = float(np.finfo(np.float32).min)   # MAX pooling's padding in ONNX: never the maximum
+
+
+def caffe_pool_count(size, pad, kernel, stride, out):
+    """Per output position, the cells Caffe's AVE pooling divides by along one axis: the
+    window clipped to the padded input's end (not to its start)."""
+    starts = np.arange(out) * stride - pad
+    return np.minimum(starts + kernel, size + pad) - starts
+
+
+@onnx_converter(Pooling)
+def pooling_onnx(g, e, bottoms, tops, params, read):
+    layer = e.layer
+    if len(e.tops) == 2 and e.tops[1] in read:
+        raise layer.error("its second top (the max's mask) is read by another layer; ONNX's "
+                          "MaxPool indices are not Caffe's mask")
+    R, S, sh, sw = layer.R, layer.S, layer.stride_h, layer.stride_w
+    ph, pw = layer.pad_h, layer.pad_w
+    H, W, P, Q = layer.H, layer.W, layer.P, layer.Q
+    # Pad explicitly: Caffe's first window starts at -pad, its last at (P-1)*stride - pad,
+    # and no window reaches past that one's end; ONNX's ceil_mode would add a window.
+    end_h = max(0, (P - 1) * sh + R - H - ph)
+    end_w = max(0, (Q - 1) * sw + S - W - pw)
+    assert (H + ph + end_h - R) // sh + 1 == P and (W + pw + end_w - S) // sw + 1 == Q
+    x = bottoms[0]
+    if ph or pw or end_h or end_w:
+        padded = g.fresh(f"{layer.name}/padded")
+        pads = g.constant(f"{layer.name}/pads", np.array([0, 0, ph, pw, 0, 0, end_h, end_w],
+                                                         np.int64))
+        fill = g.constant(f"{layer.name}/fill", np.array(LOWEST if layer.max else 0, np.float32))
+        g.node("Pad", [x, pads, fill], [padded], mode="constant")
+        x = padded
+    attrs = dict(kernel_shape=[R, S], strides=[sh, sw])
+    if layer.max:
+        g.node("MaxPool", [x], [tops[0]], **attrs)
+        return
+    count = np.outer(caffe_pool_count(H, ph, R, sh, P), caffe_pool_count(W, pw, S, sw, Q))
+    if np.all(count == R * S):
+        g.node("AveragePool", [x], [tops[0]], **attrs)
+        return
+    mean = g.fresh(f"{layer.name}/mean")
+    g.node("AveragePool", [x], [mean], **attrs)
+    scale = (R * S / count).astype(np.float32).reshape(1, 1, P, Q)
+    g.node("Mul", [mean, g.constant(f"{layer.name}/scale", scale)], [tops[0]])

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from cgp.kernels import reduction as K
-from cgp.layers.base import Layer, check_axis, flat, register, view
+from cgp.layers.base import Layer, check_axis, flat, onnx_converter, register, view
 from cgp.proto import caffe_pb2
 
 OPS = {caffe_pb2.ReductionParameter.SUM: K.SUM, caffe_pb2.ReductionParameter.ASUM: K.ASUM,
@@ -162,3 +162,75 @@ class MVN(Layer):
         yield K.mvn_backward, (self._view(top[0], n), self._view(top_diff[0], n),
                                self._view(bottom_diff[0], n), scratch["std"][:n * self.rows],
                                dtype(1.0 / self.dim), self.normalize)
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@onnx_converter(Reduction)
+def reduction_onnx(g, e, bottoms, tops, params, read):
+    """Axes from reduction_param.axis (> 0: axis 0's batch value is left out as a loss is)
+    summed, as magnitudes (ASUM) or squares (SUMSQ), times Caffe's coeff (for MEAN divided
+    by the count)."""
+    layer, name = e.layer, e.layer.name
+    axes = list(range(layer.axis, len(g.net.blob_shapes[e.bottoms[0]])))
+    coeff = layer._coeff(np.float32, 1)
+    if layer.op in (K.SUM, K.MEAN):
+        total = g.op("ReduceSum", [bottoms[0], g.ints(f"{name}/axes", axes)], f"{name}/total",
+                     keepdims=0)
+    else:
+        op = "ReduceL1" if layer.op == K.ASUM else "ReduceSumSquare"
+        total = g.op(op, [bottoms[0]], f"{name}/total", axes=axes, keepdims=0)
+    g.chain(name, total, [("Mul", coeff)] if coeff != 1 else [], tops[0])
+
+
+@onnx_converter(ArgMax)
+def argmax_onnx(g, e, bottoms, tops, params, read):
+    """TopK on the axis reversed, so that a tie goes to the larger index as in Caffe (TopK
+    gives it to the smaller); indices as floats, after the values' rows with out_max_val and
+    no axis."""
+    layer, name, x = e.layer, e.layer.name, bottoms[0]
+    p = layer.lp.argmax_param
+    shape = g.net.blob_shapes[e.bottoms[0]]
+    if p.HasField("axis"):
+        axis = p.axis % len(shape)
+        size = shape[axis]
+    else:
+        axis, size = 1, int(np.prod(shape[1:]))
+        x = g.op("Flatten", [x], f"{name}/rows", axis=1)
+    flipped = g.op("Slice", [x, g.ints(f"{name}/start", [-1]),
+                             g.ints(f"{name}/end", [np.iinfo(np.int64).min]),
+                             g.ints(f"{name}/axis", [axis]), g.ints(f"{name}/step", [-1])],
+                   f"{name}/flipped")
+    values, flipped_at = g.fresh(f"{name}/values"), g.fresh(f"{name}/at")
+    g.node("TopK", [flipped, g.ints(f"{name}/k", [layer.K])], [values, flipped_at], axis=axis)
+    at = g.op("Sub", [g.ints(f"{name}/last", size - 1), flipped_at], f"{name}/index")
+    if p.HasField("axis") and p.out_max_val:
+        g.node("Identity", [values], tops)
+        return
+    indices = g.op("Cast", [at], f"{name}/indices", to=g.onnx.TensorProto.FLOAT)
+    if p.HasField("axis"):
+        g.node("Identity", [indices], tops)
+        return
+    rows = g.op("Concat", [indices, values], f"{name}/rows", axis=1) if p.out_max_val else indices
+    top_shape = [0] + list(g.net.blob_shapes[e.tops[0]][1:])
+    g.node("Reshape", [rows, g.ints(f"{name}/shape", top_shape)], tops)
+
+
+@onnx_converter(MVN)
+def mvn_onnx(g, e, bottoms, tops, params, read):
+    """Per row (a sample's channel, or with across_channels the sample): y = x - mean, and
+    with normalize_variance y / (sqrt(mean of y^2) + eps), Caffe's eps on the deviation."""
+    layer, name = e.layer, e.layer.name
+    shape = g.net.blob_shapes[e.bottoms[0]]
+    rows = g.op("Reshape", [bottoms[0], g.ints(f"{name}/rows_shape", [0, layer.rows, layer.dim])],
+                f"{name}/rows")
+    mean = g.op("ReduceMean", [rows], f"{name}/mean", axes=[2], keepdims=1)
+    y = g.op("Sub", [rows, mean], f"{name}/centred")
+    if layer.normalize:
+        square = g.op("Mul", [y, y], f"{name}/square")
+        variance = g.op("ReduceMean", [square], f"{name}/variance", axes=[2], keepdims=1)
+        std = g.op("Sqrt", [variance], f"{name}/std")
+        shifted = g.op("Add", [std, g.scalar(f"{name}/eps", layer.lp.mvn_param.eps)],
+                       f"{name}/shifted")
+        y = g.op("Div", [y, shifted], f"{name}/normalized")
+    g.node("Reshape", [y, g.ints(f"{name}/shape", [0] + list(shape[1:]))], tops)

@@ -13,7 +13,7 @@ import numpy as np
 
 from cgp.kernels import scale as K
 from cgp.kernels.elementwise import copy
-from cgp.layers.base import Layer, part_span, register, view
+from cgp.layers.base import DeviceOp, Layer, device_op, onnx_converter, part_span, register, view
 from cgp.proto import caffe_pb2
 
 
@@ -181,3 +181,78 @@ class Bias(_Broadcast):
         elif bottom_diff[1] is not None:
             whole = np.array([0, n * g[0]], np.int64)
             yield K.row_sums, (dy, view(bottom_diff[1], -1), 0, g[1], whole, 0, False)
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@device_op(Scale)
+class ScaleOp(DeviceOp):
+    """A learnt scale (and bias) broadcast over the other axes."""
+
+    @staticmethod
+    def refuses(layer):
+        if not layer.learnt:
+            return "a second bottom as the scale"
+        if layer.axis == 0 and layer.blob_shape:
+            return "a scale blob along the batch axis"
+        return None
+
+    def __init__(self, layer, xp):
+        super().__init__(layer, xp)
+        L, k = layer, len(layer.blob_shape)
+        # The blob's shape broadcast against a chunk's arrays, and the axes it sums over.
+        self.shape = (1,) * L.axis + tuple(L.blob_shape) + (1,) * (len(L.shape) - L.axis - k)
+        self.axes = tuple(a for a in range(len(L.shape)) if not L.axis <= a < L.axis + k)
+
+    def forward(self, stage, bottom, top, params, sums, chunk):
+        out = bottom[0] * params[0].reshape(self.shape)
+        if self.layer.bias_term:
+            out = out + params[1].reshape(self.shape)
+        top[0][...] = out
+
+    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+                 chunk):
+        dy = top_diff[0]
+        if self.layer.bias_term:
+            param_diff[1] += dy.sum(axis=self.axes).reshape(param_diff[1].shape)
+        param_diff[0] += (dy * bottom[0]).sum(axis=self.axes).reshape(param_diff[0].shape)
+        if bottom_diff[0] is not None:
+            bottom_diff[0][...] = dy * params[0].reshape(self.shape)
+
+
+def _broadcast_onnx(g, e, array, base):
+    """A Scale's or Bias's learnt blob shaped to broadcast from the layer's axis."""
+    layer = e.layer
+    trailing = len(layer.shape) - layer.axis - len(layer.blob_shape)
+    return g.constant(base, array.reshape(layer.blob_shape + (1,) * trailing))
+
+
+def _given_blob_onnx(g, e, x):
+    """A Scale's or Bias's second bottom, (N, ...), with axes of 1 after its own."""
+    layer = e.layer
+    k, ndim = len(layer.blob_shape), len(layer.shape)
+    if k == ndim:
+        return x
+    return g.op("Unsqueeze", [x, g.ints(f"{layer.name}/axes", list(range(k, ndim)))],
+                f"{layer.name}/factors")
+
+
+@onnx_converter(Scale)
+def scale_onnx(g, e, bottoms, tops, params, read):
+    """y = x * s (+ b with bias_term), s the learnt blob or the second bottom."""
+    layer, name = e.layer, e.layer.name
+    s = (_broadcast_onnx(g, e, params[0], f"{name}/scale") if layer.learnt
+         else _given_blob_onnx(g, e, bottoms[1]))
+    if not layer.bias_term:
+        g.node("Mul", [bottoms[0], s], tops)
+        return
+    product = g.op("Mul", [bottoms[0], s], f"{name}/product")
+    g.node("Add", [product, _broadcast_onnx(g, e, params[-1], f"{name}/bias")], tops)
+
+
+@onnx_converter(Bias)
+def bias_onnx(g, e, bottoms, tops, params, read):
+    layer = e.layer
+    b = (_broadcast_onnx(g, e, params[0], f"{layer.name}/bias") if layer.learnt
+         else _given_blob_onnx(g, e, bottoms[1]))
+    g.node("Add", [bottoms[0], b], tops)

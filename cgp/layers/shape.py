@@ -11,7 +11,7 @@ import numpy as np
 
 from cgp.kernels import elementwise as E
 from cgp.kernels import shape as K
-from cgp.layers.base import Layer, assign, check_axis, flat, register, view
+from cgp.layers.base import Layer, assign, check_axis, flat, onnx_converter, register, view
 
 
 @register("Slice")
@@ -178,3 +178,43 @@ class Silence(Layer):
         for dx in bottom_diff:
             if dx is not None:
                 yield assign, (dx, 0)
+
+
+# -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
+
+@onnx_converter(Slice)
+def slice_onnx(g, e, bottoms, tops, params, read):
+    layer = e.layer
+    g.node("Split", [bottoms[0], g.ints(f"{layer.name}/sizes", layer.sizes)], tops,
+           axis=layer.axis)
+
+
+@onnx_converter(Crop)
+def crop_onnx(g, e, bottoms, tops, params, read):
+    """Bottom 0's window of bottom 1's shape; bottom 1 gives its shape only (and the batch
+    axis, whose offset is 0, stays whole)."""
+    layer = e.layer
+    g.reads.add(bottoms[1])
+    axes = [i for i in range(1, len(layer.big)) if layer.small[i] != layer.big[i]]
+    if not axes:
+        g.node("Identity", [bottoms[0]], tops)
+        return
+    starts = [layer.offsets[i] for i in axes]
+    ends = [layer.offsets[i] + layer.small[i] for i in axes]
+    g.node("Slice", [bottoms[0], g.ints(f"{layer.name}/starts", starts),
+                     g.ints(f"{layer.name}/ends", ends), g.ints(f"{layer.name}/axes", axes)],
+           tops)
+
+
+@onnx_converter(Tile)
+def tile_onnx(g, e, bottoms, tops, params, read):
+    layer = e.layer
+    repeats = [1] * len(g.net.blob_shapes[e.bottoms[0]])
+    repeats[layer.axis] = layer.tiles
+    g.node("Tile", [bottoms[0], g.ints(f"{layer.name}/repeats", repeats)], tops)
+
+
+@onnx_converter(Silence)
+def silence_onnx(g, e, bottoms, tops, params, read):
+    """No value: its bottoms are no outputs (and what only they needed is left out)."""
+    g.reads.update(bottoms)

@@ -1,4 +1,5 @@
-"""Solver update kernels: one elementwise kernel per Caffe solver rule, over a slice [lo, hi).
+"""Solver update kernels: one elementwise kernel per Caffe solver rule, over a slice [lo, hi),
+each the one loop of update_kernel around the rule's arithmetic for one element.
 
 Each kernel follows BVLC Caffe's CPU path operation by operation, in float32: clip scale, then
 iter_size normalization, then L1/L2 regularization (Caffe's ClipGradients, Normalize, Regularize),
@@ -6,11 +7,16 @@ then the rule's history update and step (ComputeUpdateValue), then w -= step (Ne
 Like Caffe, a kernel overwrites the gradient with the step it applied.
 Not here: the learning rate policy, the global gradient norm, and any threading (see cgp.solver).
 
-Arrays, all flat float32 of the net's parameter count n (only [lo, hi) is read or written):
+Every kernel takes (w, g, h, u, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum,
+weight_decay, l1, hyper). Arrays, all flat float32 of the net's parameter count n (only
+[lo, hi) is read or written):
   w       parameters              g        gradients in, steps out
-  h, u    rule histories
+  h, u    rule histories (a rule with one history reads only h; pass it as u too)
 Scalars are float32 (np.float32) except lo, hi (int) and l1 (bool): a Python float would make
 Numba compute in float64 and the result would no longer be Caffe's float32 arithmetic.
+  hyper        the rule's float32 hyperparameters, a tuple: SGD and Nesterov (momentum,),
+               AdaGrad (delta,), RMSProp (rms_decay, delta), AdaDelta (momentum, delta), Adam
+               (beta1, beta2, delta, correction)
   rate         global learning rate        clip_scale  clip_gradients factor, 1 when not clipping
   accum        1 / iter_size, in float32   weight_decay, l1  regularization (L1 if l1 else L2)
   lr_mult, decay_mult   the blob multipliers of every parameter in [lo, hi) (the caller cuts
@@ -29,7 +35,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, register_jitable
 
 
 FLOAT32_MAX = np.float32(np.finfo(np.float32).max)   # |x| <= it: x is finite
@@ -64,132 +70,103 @@ def _caffe_gradient(g, w, clip_scale, accum, local_decay, l1):
     return g
 
 
-@njit(cache=True, nogil=True)
-def sgd_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay, l1,
-               momentum):
-    """h = local_rate * g + momentum * h; w -= h."""
-    w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
-    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
-    finite = True
-    for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
-        step = local_rate * gi + momentum * h[i]
-        h[i] = step
-        g[i] = step
-        wi = w[i] - step
-        w[i] = wi
-        finite &= abs(wi) <= FLOAT32_MAX
-    return finite
+def update_kernel(rule):
+    """The update kernel of one solver rule: the loop every rule shares (the slice, Caffe's
+    gradient, w -= step, the finite check) around rule(g, h, u, i, local_rate, hyper), which
+    updates element i of the histories h and u from the element's gradient g and returns the
+    step. The rule is a register_jitable function, which Numba compiles into the loop (no call
+    per element); a Numba dispatcher here would make the cache miss in every new process,
+    since a closure's cache key pickles it with an id of the process's own."""
+    @njit(cache=True, nogil=True)
+    def kernel(w, g, h, u, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
+               l1, hyper):
+        w, g, h, u = w[lo:hi], g[lo:hi], h[lo:hi], u[lo:hi]
+        local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
+        finite = True
+        for i in range(hi - lo):
+            step = rule(_caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1), h, u, i,
+                        local_rate, hyper)
+            g[i] = step
+            wi = w[i] - step
+            w[i] = wi
+            finite &= abs(wi) <= FLOAT32_MAX
+        return finite
+    return kernel
 
 
-@njit(cache=True, nogil=True)
-def nesterov_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
-                    l1, momentum):
-    """h' = local_rate * g + momentum * h; step = (1 + momentum) * h' - momentum * h; w -= step."""
-    one_plus_momentum = np.float32(1.0) + momentum
-    w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
-    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
-    finite = True
-    for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
-        previous = h[i]
-        current = local_rate * gi + momentum * previous
-        h[i] = current
-        step = one_plus_momentum * current - momentum * previous
-        g[i] = step
-        wi = w[i] - step
-        w[i] = wi
-        finite &= abs(wi) <= FLOAT32_MAX
-    return finite
+# -- the rules: one element's history update and step (u is h for one-history rules) ----
+
+@register_jitable
+def _sgd(g, h, u, i, local_rate, hyper):
+    """h = local_rate * g + momentum * h; step = h."""
+    (momentum,) = hyper
+    step = local_rate * g + momentum * h[i]
+    h[i] = step
+    return step
 
 
-@njit(cache=True, nogil=True)
-def adagrad_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
-                   l1, delta):
-    """h += g^2; step = local_rate * (g / (sqrt(h) + delta)); w -= step."""
-    w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
-    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
-    finite = True
-    for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
-        history = gi * gi + h[i]
-        h[i] = history
-        step = local_rate * (gi / (np.sqrt(history) + delta))
-        g[i] = step
-        wi = w[i] - step
-        w[i] = wi
-        finite &= abs(wi) <= FLOAT32_MAX
-    return finite
+@register_jitable
+def _nesterov(g, h, u, i, local_rate, hyper):
+    """h' = local_rate * g + momentum * h; step = (1 + momentum) * h' - momentum * h."""
+    (momentum,) = hyper
+    previous = h[i]
+    current = local_rate * g + momentum * previous
+    h[i] = current
+    return (np.float32(1.0) + momentum) * current - momentum * previous
 
 
-@njit(cache=True, nogil=True)
-def rmsprop_update(w, g, h, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
-                   l1, rms_decay, delta):
+@register_jitable
+def _adagrad(g, h, u, i, local_rate, hyper):
+    """h += g^2; step = local_rate * (g / (sqrt(h) + delta))."""
+    (delta,) = hyper
+    history = g * g + h[i]
+    h[i] = history
+    return local_rate * (g / (np.sqrt(history) + delta))
+
+
+@register_jitable
+def _rmsprop(g, h, u, i, local_rate, hyper):
     """h = (1 - rms_decay) * g^2 + rms_decay * h; step = local_rate * (g / (sqrt(h) + delta))."""
-    one_minus_decay = np.float32(1.0) - rms_decay
-    w, g, h = w[lo:hi], g[lo:hi], h[lo:hi]
-    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
-    finite = True
-    for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
-        history = one_minus_decay * (gi * gi) + rms_decay * h[i]
-        h[i] = history
-        step = local_rate * (gi / (np.sqrt(history) + delta))
-        g[i] = step
-        wi = w[i] - step
-        w[i] = wi
-        finite &= abs(wi) <= FLOAT32_MAX
-    return finite
+    rms_decay, delta = hyper
+    history = (np.float32(1.0) - rms_decay) * (g * g) + rms_decay * h[i]
+    h[i] = history
+    return local_rate * (g / (np.sqrt(history) + delta))
 
 
-@njit(cache=True, nogil=True)
-def adadelta_update(w, g, h, u, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum,
-                    weight_decay, l1, momentum, delta):
+@register_jitable
+def _adadelta(g, h, u, i, local_rate, hyper):
     """h: mean squared gradient, u: mean squared update (Caffe's second history block).
     h = (1-momentum) g^2 + momentum h; d = g sqrt((u + delta) / (h + delta));
     u = (1-momentum) d^2 + momentum u; step = local_rate * d."""
+    momentum, delta = hyper
     one_minus_momentum = np.float32(1.0) - momentum
-    w, g, h, u = w[lo:hi], g[lo:hi], h[lo:hi], u[lo:hi]
-    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
-    finite = True
-    for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
-        history = one_minus_momentum * (gi * gi) + momentum * h[i]
-        h[i] = history
-        # The old u, before this step's update, scales the gradient.
-        d = gi * np.sqrt((delta + u[i]) / (delta + history))
-        u[i] = one_minus_momentum * (d * d) + momentum * u[i]
-        step = local_rate * d
-        g[i] = step
-        wi = w[i] - step
-        w[i] = wi
-        finite &= abs(wi) <= FLOAT32_MAX
-    return finite
+    history = one_minus_momentum * (g * g) + momentum * h[i]
+    h[i] = history
+    # The old u, before this step's update, scales the gradient.
+    d = g * np.sqrt((delta + u[i]) / (delta + history))
+    u[i] = one_minus_momentum * (d * d) + momentum * u[i]
+    return local_rate * d
 
 
-@njit(cache=True, nogil=True)
-def adam_update(w, g, m, v, lr_mult, decay_mult, lo, hi, rate, clip_scale, accum, weight_decay,
-                l1, beta1, beta2, delta, correction):
+@register_jitable
+def _adam(g, m, v, i, local_rate, hyper):
     """m = (1-beta1) g + beta1 m; v = (1-beta2) g^2 + beta2 v;
     step = (local_rate * correction) * (m / (sqrt(v) + delta)), with the iteration's bias
     correction sqrt(1 - beta2^t) / (1 - beta1^t) computed by the caller."""
-    one_minus_beta1 = np.float32(1.0) - beta1
-    one_minus_beta2 = np.float32(1.0) - beta2
-    w, g, m, v = w[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
-    local_rate, local_decay = rate * lr_mult, weight_decay * decay_mult
-    finite = True
-    for i in range(hi - lo):
-        gi = _caffe_gradient(g[i], w[i], clip_scale, accum, local_decay, l1)
-        mi = one_minus_beta1 * gi + beta1 * m[i]
-        vi = one_minus_beta2 * (gi * gi) + beta2 * v[i]
-        m[i] = mi
-        v[i] = vi
-        step = (local_rate * correction) * (mi / (np.sqrt(vi) + delta))
-        g[i] = step
-        wi = w[i] - step
-        w[i] = wi
-        finite &= abs(wi) <= FLOAT32_MAX
-    return finite
+    beta1, beta2, delta, correction = hyper
+    mi = (np.float32(1.0) - beta1) * g + beta1 * m[i]
+    vi = (np.float32(1.0) - beta2) * (g * g) + beta2 * v[i]
+    m[i] = mi
+    v[i] = vi
+    return (local_rate * correction) * (mi / (np.sqrt(vi) + delta))
+
+
+sgd_update = update_kernel(_sgd)
+nesterov_update = update_kernel(_nesterov)
+adagrad_update = update_kernel(_adagrad)
+rmsprop_update = update_kernel(_rmsprop)
+adadelta_update = update_kernel(_adadelta)
+adam_update = update_kernel(_adam)
 
 
 @njit(cache=True, nogil=True)
