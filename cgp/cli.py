@@ -366,6 +366,53 @@ def cmd_export(args, log=print):
     return run(args, log)
 
 
+def add_pycaffe(sub):
+    p = sub.add_parser("pycaffe", help="run a pycaffe script unchanged, with `import caffe` as cgp",
+                       description="Runs SCRIPT (or -m MODULE) as `python SCRIPT ARGS` would, "
+                                   "with `import caffe`, caffe.proto.caffe_pb2, caffe.io, "
+                                   "caffe.draw and caffe.coord_map resolving to cgp. Refuses "
+                                   "where a real Caffe is importable, unless --force.")
+    p.add_argument("--force", action="store_true",
+                   help="stand in for caffe even where a real Caffe is importable")
+    p.add_argument("-m", dest="module", default=None, help="run a module (as python -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
+                   help="the script and its arguments (with -m: the module's arguments)")
+    p.set_defaults(run=cmd_pycaffe)
+
+
+def cmd_pycaffe(args, log=print):
+    from cgp.caffe.run import run_module, run_script
+    if args.module is not None:
+        run_module(args.module, args.args, force=args.force)
+    elif not args.args:
+        raise CgpError("cgp pycaffe: give the script to run (or -m MODULE)")
+    else:
+        run_script(args.args[0], args.args[1:], force=args.force)
+    return 0
+
+
+def add_draw(sub):
+    p = sub.add_parser("draw", help="draw a net prototxt as Graphviz dot, PNG or SVG "
+                                    "(Caffe's draw_net.py)")
+    p.add_argument("model", help="net prototxt")
+    p.add_argument("out", help="output file: .dot/.gv/.raw writes Graphviz's text; any other "
+                               "extension (.png, .svg, .pdf) is made by Graphviz's `dot` program")
+    p.add_argument("--rankdir", default="LR", choices=("LR", "TB", "BT", "RL"),
+                   help="direction of the graph's layout (default LR)")
+    p.add_argument("--phase", default="ALL", choices=("TRAIN", "TEST", "ALL"),
+                   help="draw only the layers of this phase (default ALL)")
+    p.add_argument("--display-lrm", action="store_true",
+                   help="show the learning-rate multipliers of the layers' params")
+    p.set_defaults(run=cmd_draw)
+
+
+def cmd_draw(args, log=print):
+    from cgp.caffe.draw import draw_prototxt
+    draw_prototxt(args.model, args.out, args.rankdir, args.phase, args.display_lrm)
+    log(f"wrote {args.out}")
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="cgp", description="Coarse-grain batch-parallel CPU trainer for Caffe networks: "
@@ -380,6 +427,8 @@ def build_parser():
     add_compute_mean(sub)
     add_plot(sub)
     add_export(sub)
+    add_pycaffe(sub)
+    add_draw(sub)
     return parser
 
 
