@@ -62,6 +62,8 @@ HANDS_OVER = {
     "Softmax": 'type: "Softmax" bottom: "data" top: "y"',
     "Split": 'type: "Split" bottom: "data" top: "y" top: "z"',
     "TanH": 'type: "TanH" bottom: "data" top: "y"',
+    "Python": 'type: "Python" bottom: "data" top: "y" python_param { module: "cgp.caffe.pylayer" '
+              'layer: "ScaleLayer" param_str: "2" }',
 }
 # Layers that run Python at every call (calls_each_time), and the data layers (is_source).
 EACH_TIME = {"Accuracy", "ContrastiveLoss", "Dropout", "Embed", "EuclideanLoss", "HingeLoss",
@@ -232,6 +234,7 @@ CAFFE_READS = {
     "Power": ("power_param",), "Reduction": ("reduction_param",), "Scale": ("scale_param",),
     "SigmoidCrossEntropyLoss": ("loss_param",), "Silence": (), "Slice": ("slice_param",),
     "Swish": ("swish_param",), "Threshold": ("threshold_param",), "Tile": ("tile_param",),
+    "Python": ("python_param",),
 }
 
 

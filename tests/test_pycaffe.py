@@ -267,7 +267,7 @@ def test_load_and_resize_image(tmp_path):
 
 
 def test_unsupported_pycaffe_names_say_so(caffe_dir):
-    for name in ("Classifier", "set_random_seed", "Layer"):
+    for name in ("Classifier", "set_random_seed", "Timer"):
         with pytest.raises(caffe.PycaffeUnsupported, match=f"caffe.{name} is not supported"):
             getattr(caffe, name)
         assert not hasattr(caffe, name)

@@ -77,3 +77,23 @@ class Layer:
 
     def backward(self, top, propagate_down, bottom):
         pass
+
+
+class ScaleLayer(Layer):
+    """An example Python layer, top = k * bottom with k = float(param_str) (default 1):
+    python_param { module: "cgp.caffe.pylayer" layer: "ScaleLayer" param_str: "2" }."""
+
+    def setup(self, bottom, top):
+        if len(bottom) != 1 or len(top) != 1:
+            raise ValueError("ScaleLayer takes one bottom and one top")
+        self.k = float(self.param_str or 1)
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = self.k * bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            bottom[0].diff[...] = self.k * top[0].diff

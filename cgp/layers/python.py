@@ -55,7 +55,6 @@ class PythonLayer(Layer):
         super().__init__(lp, index, phase)
         # Without bottoms, a data layer (Net reads is_source from the layer).
         self.is_source = not lp.bottom
-        self.user = self._make_user()
         self._pid = os.getpid()
         self._propagate = [True] * len(lp.bottom)
 
@@ -89,6 +88,7 @@ class PythonLayer(Layer):
     def setup(self, bottom_shapes):
         """The user's setup and reshape on zeroed bottoms of these shapes: the tops' shapes
         and the learnable blobs (their values after setup are their initial weights)."""
+        self.user = self._make_user()
         self.bottom = [self._blob(s) for s in bottom_shapes]
         self.top = [self._blob() for _ in self.lp.top]
         self.user.setup(self.bottom, self.top)
