@@ -38,8 +38,9 @@ def _add(target, values):
 
 def _check_run_here(layer, pid):
     if os.getpid() != pid:
-        raise NetError(f"layer '{shorten(layer.name)}' (type Python): Python layers run in the "
-                       "process that built the net; train with --workers threads")
+        raise NetError(f"layer '{shorten(layer.name)}' (type Python): a Python layer with "
+                       "bottoms runs in the process that built the net, not in worker "
+                       "processes: train with --workers threads (or --threads 1)")
 
 
 @register("Python")
@@ -64,6 +65,11 @@ class PythonLayer(Layer):
         if not pp.module or not pp.layer:
             raise self.error("python_param needs module and layer (the Python module on "
                              "sys.path / PYTHONPATH and the class in it)")
+        # The module says `import caffe`, meaning the framework that runs it: cgp, unless a
+        # real Caffe is importable (cgp.caffe.run).
+        from cgp.caffe.run import install, real_caffe
+        if real_caffe() is None:
+            install()
         try:
             module = importlib.import_module(pp.module)
         except ModuleNotFoundError as e:
@@ -150,6 +156,7 @@ class PythonLayer(Layer):
                 yield (assign, (span, rows)) if into else (assign, (rows, span))
 
     def forward_calls(self, bottom, top, params, scratch, chunk):
+        _check_run_here(self, self._pid)   # bound in a worker process: refused at once
         shares, total = scratch["sums"][0]
         offs_b, end = self._offsets(self.widths_bottom)
         offs_t, _ = self._offsets(self.widths_top, end)
