@@ -14,9 +14,9 @@ What differs from pycaffe, and why (each said again where it applies):
   Caffe's Step runs are left to solver.solve() (run solver.test_nets[i].forward() to test).
 - Parameter diffs hold the gradient of the latest backward(): backward() clears them first
   (Caffe adds until its solver clears them; clear_param_diffs() clears them as Caffe's).
-  After solver.step(n), solver.net's hold the last iteration's gradient, summed over the
-  batch and its iter_size passes (Caffe's hold its update, the gradient scaled by the rate,
-  regularized and with momentum).
+  After solver.step(n) (and apply_update()), solver.net's hold what Caffe's do: the last
+  update's step, which was subtracted from the weights (the batch's summed gradient scaled
+  by the rate, regularized, with momentum).
 - caffe.Net warns about a `*_param` message a layer does not read, and ignores it, as
   Caffe does (DummyData's transform_param in Caffe's own tests); `cgp train` refuses one.
 - Names that pycaffe has and cgp does not (UNSUPPORTED) raise PycaffeUnsupported, which
@@ -757,12 +757,14 @@ class Solver:
                     t.snapshot()
         if result is not None:
             self._after_step(t.iter - 1, before, result[1])
-            # Caffe's diffs after a step hold its update; cgp's the summed gradient.
+            # As Caffe's diffs after a step: the step taken (the update writes it over the
+            # summed gradient, Solver.apply).
             self.net._grads[0][...] = t.train_step.gradient
 
     def apply_update(self):
         """One update of the weights from solver.net's parameter diffs, at the current
-        iteration's rate (Caffe's ApplyUpdate: the iteration count stays)."""
+        iteration's rate (Caffe's ApplyUpdate: the iteration count stays; the diffs then
+        hold the step taken)."""
         t = self._trainer
         self.net._sync_params()
         t.solver.update(t.net.params, self.net._grads[0].astype(t.net.params.dtype, copy=False),
