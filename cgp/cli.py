@@ -367,28 +367,11 @@ def cmd_export(args, log=print):
 
 
 def add_pycaffe(sub):
+    from cgp.caffe.run import DESCRIPTION, add_arguments, run
     p = sub.add_parser("pycaffe", help="run a pycaffe script unchanged, with `import caffe` as cgp",
-                       description="Runs SCRIPT (or -m MODULE) as `python SCRIPT ARGS` would, "
-                                   "with `import caffe`, caffe.proto.caffe_pb2, caffe.io, "
-                                   "caffe.draw and caffe.coord_map resolving to cgp. Refuses "
-                                   "where a real Caffe is importable, unless --force.")
-    p.add_argument("--force", action="store_true",
-                   help="stand in for caffe even where a real Caffe is importable")
-    p.add_argument("-m", dest="module", default=None, help="run a module (as python -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
-                   help="the script and its arguments (with -m: the module's arguments)")
-    p.set_defaults(run=cmd_pycaffe)
-
-
-def cmd_pycaffe(args, log=print):
-    from cgp.caffe.run import run_module, run_script
-    if args.module is not None:
-        run_module(args.module, args.args, force=args.force)
-    elif not args.args:
-        raise CgpError("cgp pycaffe: give the script to run (or -m MODULE)")
-    else:
-        run_script(args.args[0], args.args[1:], force=args.force)
-    return 0
+                       description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(run=run)
 
 
 def add_draw(sub):

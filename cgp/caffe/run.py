@@ -8,6 +8,7 @@ caffe.draw, ...), so that both are one module object: two copies of caffe_pb2 wo
 protobuf's registry. It is never installed over a real Caffe unless asked (force=True,
 `cgp pycaffe --force`); the wheel ships no top-level `caffe` package.
 """
+import argparse
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -107,10 +108,40 @@ def run_module(name, args=(), force=False):
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
+def add_arguments(parser):
+    """`cgp pycaffe`'s arguments (and python -m cgp.caffe.run's)."""
+    parser.add_argument("--force", action="store_true",
+                        help="stand in for caffe even where a real Caffe is importable")
+    parser.add_argument("-m", dest="module", default=None, help="run a module (as python -m)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
+                        help="the script and its arguments (with -m: the module's arguments)")
+
+
+DESCRIPTION = ("Runs SCRIPT (or -m MODULE) as `python SCRIPT ARGS` would, with `import caffe`, "
+               "caffe.proto.caffe_pb2, caffe.io, caffe.draw and caffe.coord_map resolving to "
+               "cgp. Refuses where a real Caffe is importable, unless --force.")
+
+
+def run(args, log=print):
+    """Runs what add_arguments' args name; a user's mistake is a CgpError."""
+    if args.module is not None:
+        run_module(args.module, args.args, force=args.force)
+    elif not args.args:
+        raise CgpError("cgp pycaffe: give the script to run (or -m MODULE)")
+    else:
+        run_script(args.args[0], args.args[1:], force=args.force)
+    return 0
+
+
 def main(argv=None):
     """python -m cgp.caffe.run [--force] SCRIPT [ARGS] | -m MODULE [ARGS]."""
-    from cgp.cli import main as cli_main
-    return cli_main(["pycaffe", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="python -m cgp.caffe.run", description=DESCRIPTION)
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except CgpError as e:
+        print(f"cgp: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
