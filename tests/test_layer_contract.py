@@ -68,7 +68,7 @@ HANDS_OVER = {
 # Layers that run Python at every call (calls_each_time), and the data layers (is_source).
 EACH_TIME = {"Accuracy", "ContrastiveLoss", "Dropout", "Embed", "EuclideanLoss", "HingeLoss",
              "InfogainLoss", "Reduction", "SigmoidCrossEntropyLoss", "SoftmaxWithLoss"}
-SOURCES = {"Data", "DummyData", "HDF5Data", "ImageData", "Input"}
+SOURCES = {"Data", "DummyData", "HDF5Data", "ImageData", "Input", "MemoryData"}
 # Layers of HANDS_OVER with nothing to do one way: Silence computes no top; ArgMax and
 # Threshold have no gradient (Caffe implements none) and refuse a net that needs one.
 NO_FORWARD = {"Silence"}
@@ -235,6 +235,7 @@ CAFFE_READS = {
     "SigmoidCrossEntropyLoss": ("loss_param",), "Silence": (), "Slice": ("slice_param",),
     "Swish": ("swish_param",), "Threshold": ("threshold_param",), "Tile": ("tile_param",),
     "Python": ("python_param",),
+    "MemoryData": ("memory_data_param", "transform_param"),
 }
 
 

@@ -213,3 +213,34 @@ def test_apply_update_and_the_diffs_after_step(tmp_path, mnist_dir):
     np.testing.assert_allclose(conv.data, -0.01, rtol=1e-6)
     np.testing.assert_allclose(conv.diff, 0.01, rtol=1e-6)
     assert solver.iter == 1
+
+
+def test_set_input_arrays_feeds_a_memory_data_layer_round(tmp_path):
+    path = tmp_path / "memory.prototxt"
+    path.write_text(textwrap.dedent("""\
+        name: "memory"
+        layer { name: "data" type: "MemoryData" top: "data" top: "label"
+          memory_data_param { batch_size: 2 channels: 1 height: 2 width: 3 } }
+        layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+          inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 1 } } }
+        layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+        """))
+    net = caffe.Net(str(path), caffe.TRAIN)
+    with pytest.raises(caffe.errors.CgpError, match="has no data: hand it arrays"):
+        net.forward()
+    data = np.arange(6 * 6, dtype=np.float32).reshape(6, 1, 2, 3)
+    labels = np.array([0, 1, 1, 0, 1, 0], np.float32)
+    net.set_input_arrays(data, labels)
+    for k in (0, 1, 2, 0):   # three batches, then round again
+        net.forward()
+        assert np.array_equal(net.blobs["data"].data, data[2 * k:2 * k + 2])
+        assert np.array_equal(net.blobs["label"].data, labels[2 * k:2 * k + 2])
+    with pytest.raises(caffe.errors.CgpError, match="a multiple of the batch size 2"):
+        net.set_input_arrays(data[:5], labels[:5])
+    with pytest.raises(caffe.errors.CgpError, match="must be float32"):
+        net.set_input_arrays(data.astype(np.float64), labels)
+    text = path.read_text().replace("memory_data_param", "transform_param { scale: 2 } "
+                                    "memory_data_param")
+    path.write_text(text)
+    with pytest.raises(caffe.errors.CgpError, match="transform_param is not applied"):
+        caffe.Net(str(path), caffe.TRAIN)

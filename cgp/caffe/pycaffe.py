@@ -63,8 +63,6 @@ UNSUPPORTED = {
 
 # Methods of pycaffe's Net and Solver that cgp does not provide.
 UNSUPPORTED_NET = {
-    "set_input_arrays": "MemoryData layers are not supported; use an Input layer and "
-                        "net.forward_all(**{input: array}), or write net.blobs[input].data",
     "forward_backward_all": "call net.forward_all(...) and net.backward_all(...)",
     "after_forward": "layer callbacks are not supported",
     "before_forward": "layer callbacks are not supported",
@@ -362,6 +360,17 @@ class Net:
         """{blob name: its loss weight} for every blob, 0 for those that are no loss."""
         weights = {self._names[b]: w for b, w in self._net.loss_weights.items()}
         return OrderedDict((name, float(weights.get(name, 0.0))) for name in self._blobs)
+
+    def set_input_arrays(self, data, labels):
+        """Hands data (n, C, H, W) and labels (n,), float32, n a multiple of the batch size, to
+        the net's first layer, a MemoryData layer; forward() then reads them a batch at a
+        time from the first, going round (Caffe's set_input_arrays)."""
+        first = self._order[0] if self._order else None
+        if first is None or first.layer.type_name != "MemoryData":
+            raise CgpError(f"net.set_input_arrays: the first layer of net '{self._net.name}' "
+                           "must be a MemoryData layer, as in Caffe")
+        first.layer.set_arrays(data, labels)
+        self._cursor = 0
 
     def clear_param_diffs(self):
         """Zeroes every parameter diff (Caffe's ClearParamDiffs)."""

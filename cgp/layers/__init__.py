@@ -5,7 +5,7 @@ from cgp.layers.base import (REGISTRY, SYNC, Chunk, Factors, Layer, aligned_zero
 # Each family module registers its layers on import.
 from cgp.layers import (  # noqa: E402,F401
     activation, batchnorm, conv, data, elementwise, hdf5_data, image_data, inner_product, loss,
-    losses, lrn, pool, python, reduction, scale, shape,
+    losses, lrn, memory_data, pool, python, reduction, scale, shape,
 )
 
 
