@@ -27,6 +27,7 @@ import os
 
 import numpy as np
 
+from cgp.caffe.pylayer import BlobVec, PyBlob
 from cgp.errors import NetError, shorten
 from cgp.layers.base import SYNC, Layer, assign, flat, register
 
@@ -81,13 +82,11 @@ class PythonLayer(Layer):
         if cls is None or not isinstance(cls, type):
             raise self.error(f"python_param layer '{shorten(pp.layer)}': module "
                              f"'{shorten(pp.module)}' has no such class")
-        from cgp.caffe.pylayer import BlobVec, PyBlob
         user = cls(self.lp)   # as Caffe makes it
         user.param_str = pp.param_str
         user.phase = self.phase
         if not isinstance(getattr(user, "blobs", None), BlobVec):
             user.blobs = BlobVec()
-        self._blob = PyBlob
         return user
 
     # -- set up once -------------------------------------------------------------
@@ -95,8 +94,8 @@ class PythonLayer(Layer):
         """The user's setup and reshape on zeroed bottoms of these shapes: the tops' shapes
         and the learnable blobs (their values after setup are their initial weights)."""
         self.user = self._make_user()
-        self.bottom = [self._blob(s) for s in bottom_shapes]
-        self.top = [self._blob() for _ in self.lp.top]
+        self.bottom = [PyBlob(s) for s in bottom_shapes]
+        self.top = [PyBlob() for _ in self.lp.top]
         self.user.setup(self.bottom, self.top)
         self.user.reshape(self.bottom, self.top)
         self.initial = [np.array(b.data, np.float32) for b in self.user.blobs]
@@ -107,7 +106,11 @@ class PythonLayer(Layer):
                 t.data, t.diff = t.data.reshape(s), t.diff.reshape(s)
             self.shapes = shapes
             return shapes
-        n = bottom_shapes[0][0] if bottom_shapes and bottom_shapes[0] else None
+        n = bottom_shapes[0][0] if bottom_shapes[0] else None
+        for name, s in zip(self.lp.bottom, bottom_shapes):
+            if not s or s[0] != n:
+                raise self.error(f"bottom '{shorten(name)}' has shape {s}: a Python layer's "
+                                 f"bottoms need the batch axis first ({n} samples)")
         for name, s in zip(self.lp.top, shapes):
             if not s or s[0] != n:
                 raise self.error(f"top '{shorten(name)}' has shape {s}: cgp runs a Python layer "
@@ -140,29 +143,37 @@ class PythonLayer(Layer):
         return offsets, start
 
     # -- per call: rows into the sums, and back ------------------------------------------
-    def _rows(self, arrays, widths, offsets, chunk, shares, into):
-        """(kernel, args) copying each part's rows of arrays into its row of shares (into),
-        or out of the total shares (not into); the part holding sample 0 zeroes its whole
-        row first (the tree sum leaves the total there)."""
-        for p, (a, b) in enumerate(zip(chunk.starts[:-1], chunk.starts[1:])):
-            first = chunk.first + int(a)
-            if into and first == 0:
-                yield assign, (shares[p], 0.0)
+    def _parts(self, arrays, widths, offsets, chunk):
+        """(part p, array j's rows of part p, where they sit in a sum) for each part of the
+        call and each array given (None: no gradient wanted there)."""
+        for p, (a, b) in enumerate(zip(chunk.part_starts[:-1] or (0,),
+                                       chunk.part_starts[1:] or (chunk.n,))):
+            first = chunk.first + a
             for array, w, off in zip(arrays, widths, offsets):
-                if array is None:
-                    continue
-                rows = flat(array[int(a):int(b)])
-                span = (shares[p] if into else shares)[off + first * w:off + (first + int(b - a)) * w]
-                yield (assign, (span, rows)) if into else (assign, (rows, span))
+                if array is not None:
+                    yield p, flat(array[a:b]), slice(off + first * w, off + (first + b - a) * w)
+
+    def _rows_in(self, arrays, widths, offsets, chunk, shares):
+        """Calls copying each part's rows into its row of the sum's shares; the part that
+        holds sample 0 zeroes its whole row first (the tree sum leaves the total there)."""
+        if chunk.first == 0:
+            yield assign, (shares[0], 0.0)
+        for p, rows, where in self._parts(arrays, widths, offsets, chunk):
+            yield assign, (shares[p][where], rows)
+
+    def _rows_out(self, arrays, widths, offsets, chunk, total):
+        """Calls copying each part's rows out of the sum's total."""
+        for _, rows, where in self._parts(arrays, widths, offsets, chunk):
+            yield assign, (rows, total[where])
 
     def forward_calls(self, bottom, top, params, scratch, chunk):
         _check_run_here(self, self._pid)   # bound in a worker process: refused at once
         shares, total = scratch["sums"][0]
         offs_b, end = self._offsets(self.widths_bottom)
         offs_t, _ = self._offsets(self.widths_top, end)
-        yield from self._rows(bottom, self.widths_bottom, offs_b, chunk, shares, True)
+        yield from self._rows_in(bottom, self.widths_bottom, offs_b, chunk, shares)
         yield SYNC
-        yield from self._rows(top, self.widths_top, offs_t, chunk, total, False)
+        yield from self._rows_out(top, self.widths_top, offs_t, chunk, total)
 
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
@@ -170,9 +181,9 @@ class PythonLayer(Layer):
         shares, total = scratch["sums"][1]
         offs_t, end = self._offsets(self.widths_top)
         offs_b, end = self._offsets(self.widths_bottom, end)
-        yield from self._rows(top_diff, self.widths_top, offs_t, chunk, shares, True)
+        yield from self._rows_in(top_diff, self.widths_top, offs_t, chunk, shares)
         yield SYNC
-        yield from self._rows(bottom_diff, self.widths_bottom, offs_b, chunk, total, False)
+        yield from self._rows_out(bottom_diff, self.widths_bottom, offs_b, chunk, total)
         if chunk.first == 0:
             for pd, a in zip(param_diff, self.initial):
                 yield _add, (pd[0], total[end:end + a.size])
