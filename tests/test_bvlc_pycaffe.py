@@ -19,9 +19,8 @@ from conftest import CAFFE_DIR
 
 TESTS = CAFFE_DIR / "pycaffe_tests"
 RUNNER = Path(__file__).with_name("bvlc_runner.py")
-# Needing a GPU build of Caffe: none of these tests (test_nccl's new_uid asserts only where
-# caffe.has_nccl(), which a CPU build, and cgp, answer False).
-NEEDS_GPU = set()
+# None of them needs a GPU build of Caffe: test_nccl's new_uid asserts only where
+# caffe.has_nccl(), which a CPU build, and cgp, answer False. test_draw needs Graphviz's `dot`.
 
 
 def test_ids():
