@@ -272,8 +272,8 @@ def test_unsupported_pycaffe_names_say_so(caffe_dir):
             getattr(caffe, name)
         assert not hasattr(caffe, name)
     net = caffe.Net(str(caffe_dir / "prototxt/lenet.prototxt"), caffe.TEST)
-    with pytest.raises(caffe.PycaffeUnsupported, match="Net.set_input_arrays"):
-        net.set_input_arrays
+    with pytest.raises(caffe.PycaffeUnsupported, match="Net.forward_backward_all"):
+        net.forward_backward_all
     with pytest.raises(AttributeError, match="no attribute 'frobnicate'"):
         caffe.frobnicate
 
