@@ -153,6 +153,8 @@ def test_mistakes_in_python_param_name_what_to_fix(folder):
         build('module: "no_such_layers" layer: "Centre"')
     with pytest.raises(NetError, match="layer 'Nothing': module 'python_layers' has no such"):
         build('module: "python_layers" layer: "Nothing"')
+    with pytest.raises(NetError, match="'Popen' of module 'subprocess' is not a caffe.Layer"):
+        build('module: "subprocess" layer: "Popen"')
     with pytest.raises(NetError, match="python_param needs module and layer"):
         build('module: "python_layers"')
     with pytest.raises(NetError, match="keeps the batch axis first"):

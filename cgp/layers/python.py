@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-from cgp.caffe.pylayer import BlobVec, PyBlob
+from cgp.caffe.pylayer import BlobVec, Layer as UserLayer, PyBlob
 from cgp.errors import NetError, shorten
 from cgp.layers.base import SYNC, Layer, assign, flat, register
 
@@ -82,6 +82,10 @@ class PythonLayer(Layer):
         if cls is None or not isinstance(cls, type):
             raise self.error(f"python_param layer '{shorten(pp.layer)}': module "
                              f"'{shorten(pp.module)}' has no such class")
+        # Only a caffe.Layer is made: a net file names a class, never any callable.
+        if not issubclass(cls, UserLayer):
+            raise self.error(f"python_param layer '{shorten(pp.layer)}' of module "
+                             f"'{shorten(pp.module)}' is not a caffe.Layer subclass")
         user = cls(self.lp)   # as Caffe makes it
         user.param_str = pp.param_str
         user.phase = self.phase
