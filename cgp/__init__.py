@@ -20,6 +20,9 @@ _MODULES = {"io": "cgp.caffe.io", "net_spec": "cgp.caffe.netspec", "layers": "cg
 
 
 def __getattr__(name):
+    if name == "proto":   # caffe.proto.caffe_pb2 at once, as pycaffe's `import caffe` gives it
+        importlib.import_module("cgp.proto.caffe_pb2")
+        return importlib.import_module("cgp.proto")
     if name in _MODULES:
         return importlib.import_module(_MODULES[name])
     if name in _EXPORTS:

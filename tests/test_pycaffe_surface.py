@@ -53,6 +53,12 @@ def test_an_unmodified_script_runs_with_caffe_as_cgp(tmp_path):
     assert pycaffe(tmp_path, "-m", "mod").stdout == "False\n"
 
 
+def test_caffe_proto_resolves_after_import_cgp_as_caffe():
+    code = "import cgp as caffe; print(caffe.proto.caffe_pb2.BlobProto.__name__)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.stdout == "BlobProto\n", run.stderr
+
+
 def test_a_real_caffe_is_not_shadowed_unless_forced(tmp_path):
     """A `caffe` package on the path (a real Caffe, as far as cgp can tell): cgp pycaffe
     refuses in one line, --force runs; import cgp.caffe.alias warns and leaves it."""
