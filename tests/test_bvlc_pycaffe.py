@@ -23,7 +23,7 @@ RUNNER = Path(__file__).with_name("bvlc_runner.py")
 # caffe.has_nccl(), which a CPU build, and cgp, answer False. test_draw needs Graphviz's `dot`.
 
 
-def test_ids():
+def bvlc_test_ids():
     """'module.Class.method' of every test in the BVLC files, read without importing them."""
     if not TESTS.is_dir():
         return []
@@ -60,12 +60,12 @@ def outcomes(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("test", test_ids())
+@pytest.mark.parametrize("test", bvlc_test_ids())
 def test_bvlc(outcomes, test):
     if test.split(".")[0] == "test_draw" and shutil.which("dot") is None:
         pytest.skip("caffe.draw.draw_net's PNG needs Graphviz's `dot` program (apt-get "
                     "install graphviz); test_draw_dot checks the graph without it")
-    failed = {k: v for k, v in outcomes.items() if k not in test_ids()}
+    failed = {k: v for k, v in outcomes.items() if k not in bvlc_test_ids()}
     assert test in outcomes, f"{test} did not run; errors: {failed}"
     outcome, detail = outcomes[test]
     assert outcome == "ok", f"{test}: {outcome}\n{detail}"
