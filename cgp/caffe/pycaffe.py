@@ -379,6 +379,9 @@ class Net:
     def share_with(self, other):
         """Shares other's weights (Caffe's ShareTrainedLayersWith): both nets then read and
         write one parameter array. The nets' learnable blobs must match, layer by layer."""
+        if self._param is None:
+            raise CgpError(f"net.share_with: net '{self._net.name}' belongs to a solver, "
+                           "whose weights it keeps; call other.share_with(solver.net)")
         mine = [(b.layer, b.shape) for b in self._net.param_blobs]
         theirs = [(b.layer, b.shape) for b in other._net.param_blobs]
         if mine != theirs:
@@ -428,7 +431,10 @@ class Net:
             for name, value in run(part).items():
                 value = np.array(value, copy=True)
                 rows = results.setdefault(name, [])
-                rows.extend(value) if value.ndim else rows.append(value)
+                if value.ndim:
+                    rows.extend(value)
+                else:
+                    rows.append(value)
         per_row = {name for name, blob in self._blobs.items() if blob._data.ndim}
         return {name: np.asarray(rows[:total] if name in per_row else rows)
                 for name, rows in results.items()}
