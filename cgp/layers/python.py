@@ -216,6 +216,7 @@ class PythonLayer(Layer):
             user.reshape(self.bottom, self.top)
             self._same_shapes()
             user.forward(self.bottom, self.top)
+            self._same_shapes()   # forward may reshape its tops too
             for t, off in zip(self.top, offs_t):
                 totals[0][off:off + t.data.size] = t.data.ravel()
             return
