@@ -366,6 +366,36 @@ def cmd_export(args, log=print):
     return run(args, log)
 
 
+def add_pycaffe(sub):
+    from cgp.caffe.run import DESCRIPTION, add_arguments, run
+    p = sub.add_parser("pycaffe", help="run a pycaffe script unchanged, with `import caffe` as cgp",
+                       description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def add_draw(sub):
+    p = sub.add_parser("draw", help="draw a net prototxt as Graphviz dot, PNG or SVG "
+                                    "(Caffe's draw_net.py)")
+    p.add_argument("model", help="net prototxt")
+    p.add_argument("out", help="output file: .dot/.gv/.raw writes Graphviz's text; any other "
+                               "extension (.png, .svg, .pdf) is made by Graphviz's `dot` program")
+    p.add_argument("--rankdir", default="LR", choices=("LR", "TB", "BT", "RL"),
+                   help="direction of the graph's layout (default LR)")
+    p.add_argument("--phase", default="ALL", choices=("TRAIN", "TEST", "ALL"),
+                   help="draw only the layers of this phase (default ALL)")
+    p.add_argument("--display-lrm", action="store_true",
+                   help="show the learning-rate multipliers of the layers' params")
+    p.set_defaults(run=cmd_draw)
+
+
+def cmd_draw(args, log=print):
+    from cgp.caffe.draw import draw_prototxt
+    draw_prototxt(args.model, args.out, args.rankdir, args.phase, args.display_lrm)
+    log(f"wrote {args.out}")
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="cgp", description="Coarse-grain batch-parallel CPU trainer for Caffe networks: "
@@ -380,6 +410,8 @@ def build_parser():
     add_compute_mean(sub)
     add_plot(sub)
     add_export(sub)
+    add_pycaffe(sub)
+    add_draw(sub)
     return parser
 
 

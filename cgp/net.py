@@ -474,7 +474,9 @@ class Net:
         for entry, layer_views in zip(self.entries, views):
             fillers = entry.layer.param_fillers()
             for p, view, fp in zip(entry.params, layer_views, fillers):
-                if p not in done:
+                if p not in done and isinstance(fp, np.ndarray):   # a Python layer's values
+                    view[...] = fp
+                elif p not in done:
                     fill(view, fp, rng, where=f"layer '{entry.layer.name}'")
                     done.add(p)
 

@@ -66,6 +66,8 @@ HANDS_OVER = {
     "Softmax": 'type: "Softmax" bottom: "data" top: "y"',
     "Split": 'type: "Split" bottom: "data" top: "y" top: "z"',
     "TanH": 'type: "TanH" bottom: "data" top: "y"',
+    "Python": 'type: "Python" bottom: "data" top: "y" python_param { module: "cgp.caffe.pylayer" '
+              'layer: "ScaleLayer" param_str: "2" }',
 }
 # From the registry: layers that run Python at every call (calls_each_time), the data
 # layers (is_source), and the rest, which hand their calls over (each needs a net above).
@@ -89,7 +91,9 @@ def test_every_registered_type_is_walked():
 FAMILY_TESTS = {"data": ("test_data_layers.py", "test_net.py"),
                 "hdf5_data": ("test_data_layers.py",),
                 "image_data": ("test_data_layers.py", "test_images.py"),
-                "loss": ("test_loss.py", "test_losses.py")}
+                "loss": ("test_loss.py", "test_losses.py"),
+                "memory_data": ("test_pycaffe_surface.py",),
+                "python": ("test_python_layer.py",)}
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
@@ -321,6 +325,8 @@ CAFFE_READS = {
     "Power": ("power_param",), "Reduction": ("reduction_param",), "Scale": ("scale_param",),
     "SigmoidCrossEntropyLoss": ("loss_param",), "Silence": (), "Slice": ("slice_param",),
     "Swish": ("swish_param",), "Threshold": ("threshold_param",), "Tile": ("tile_param",),
+    "Python": ("python_param",),
+    "MemoryData": ("memory_data_param", "transform_param"),
 }
 
 

@@ -208,9 +208,9 @@ def test_phase_and_stage_rules():
 
 def test_unknown_layer_type_names_supported_ones():
     with pytest.raises(NetError) as e:
-        build('layer { name: "py" type: "Python" bottom: "data" top: "py" }')
+        build('layer { name: "rnn" type: "LSTM" bottom: "data" top: "rnn" }')
     message = str(e.value)
-    assert "'py'" in message and "Python" in message
+    assert "'rnn'" in message and "LSTM" in message
     for name in ("Convolution", "Pooling", "InnerProduct", "SoftmaxWithLoss", "LRN", "Dropout"):
         assert name in message
 

@@ -1,1 +1,3 @@
-"""Caffe compatibility: pycaffe's API, NetSpec, caffe.io and the upgrades of old prototxt."""
+"""Caffe compatibility: pycaffe's API (pycaffe, pylayer: Python layers' caffe.Layer), NetSpec,
+caffe.io, caffe.draw, caffe.coord_map, `import caffe` as cgp (run, alias) and the upgrades of
+old prototxt."""

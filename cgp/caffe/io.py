@@ -1,6 +1,6 @@
 """pycaffe's caffe.io for cgp: the Transformer that turns images into a net's input and back,
-load_image and resize_image (with Pillow, the `images` extra), and the BlobProto
-conversions (a mean .binaryproto as an array). Not here: Datum conversions, oversample.
+load_image and resize_image (with Pillow, the `images` extra), oversample (ten crops), and
+the BlobProto and Datum conversions (a mean .binaryproto as an array, an LMDB record).
 """
 import numpy as np
 
@@ -33,14 +33,22 @@ def resize_image(image, new_dims):
 
 
 def blobproto_to_array(blob, return_diff=False):
-    """A BlobProto's data (or diff) as an array of its shape (legacy num/channels/height/
-    width blobs as 4-d)."""
-    values = blob.diff if return_diff else blob.data
+    """A BlobProto's data (or diff) as an array of its shape: legacy num/channels/height/
+    width blobs as 4-d; a blob of one value and no shape as that value (0-d), as Caffe's
+    scalar blobs. A ValueError where the values do not fit the shape, as pycaffe's."""
+    values = np.array(blob.diff if return_diff else blob.data, np.float32)
     if blob.HasField("shape"):
         shape = tuple(blob.shape.dim)
-    else:
+    elif any(blob.HasField(f) for f in ("num", "channels", "height", "width")):
         shape = (blob.num, blob.channels, blob.height, blob.width)
-    return np.array(values, np.float32).reshape(shape)
+    elif values.size == 1:
+        return values.reshape(())
+    else:
+        shape = (0,)
+    if int(np.prod(shape)) != values.size:
+        raise ValueError(f"a BlobProto of {values.size} values and shape {shape}: they do "
+                         "not fit (give shape.dim, or num, channels, height and width)")
+    return values.reshape(shape)
 
 
 def array_to_blobproto(array, diff=None):
@@ -52,6 +60,60 @@ def array_to_blobproto(array, diff=None):
     if diff is not None:
         blob.diff.extend(np.asarray(diff, np.float32).ravel().tolist())
     return blob
+
+
+def array_to_datum(arr, label=None):
+    """A (C, H, W) array as a Datum: uint8 arrays as its bytes, any other as float_data;
+    label only where given (Caffe's caffe.io.array_to_datum)."""
+    from cgp.proto import caffe_pb2
+    arr = np.asarray(arr)
+    if arr.ndim != 3:
+        raise ValueError(f"array_to_datum: an array of shape {arr.shape}; a Datum holds a "
+                         "(channels, height, width) array")
+    datum = caffe_pb2.Datum()
+    datum.channels, datum.height, datum.width = arr.shape
+    if arr.dtype == np.uint8:
+        datum.data = arr.tobytes()
+    else:
+        datum.float_data.extend(arr.astype(np.float32).ravel().tolist())
+    if label is not None:
+        datum.label = int(label)
+    return datum
+
+
+def datum_to_array(datum):
+    """A Datum's values as a (C, H, W) array: uint8 from its bytes, else float32 from
+    float_data (Caffe's caffe.io.datum_to_array; an encoded image: cgp.data.images)."""
+    shape = (datum.channels, datum.height, datum.width)
+    if datum.encoded:
+        raise ValueError("datum_to_array: the Datum holds an encoded image (JPEG or PNG); "
+                         "decode it with Pillow first")
+    if datum.data:
+        return np.frombuffer(datum.data, np.uint8).reshape(shape).copy()
+    return np.array(datum.float_data, np.float32).reshape(shape)
+
+
+def oversample(images, crop_dims):
+    """Ten crops of each (H, W, K) image: the four corners and the centre, and their mirror
+    images, as (10 * len(images), crop_h, crop_w, K) float32 (Caffe's oversample)."""
+    images = [np.asarray(im, np.float32) for im in images]
+    if not images:
+        return np.zeros((0, *crop_dims, 0), np.float32)
+    height, width = images[0].shape[:2]
+    crop_h, crop_w = (int(d) for d in crop_dims)
+    if crop_h > height or crop_w > width:
+        raise ValueError(f"oversample: crops of {crop_h}x{crop_w} from {height}x{width} images")
+    corners = [(0, 0), (0, width - crop_w), (height - crop_h, 0),
+               (height - crop_h, width - crop_w),
+               ((height - crop_h) // 2, (width - crop_w) // 2)]
+    crops = []
+    for im in images:
+        if im.shape[:2] != (height, width):
+            raise ValueError(f"oversample: images of different sizes, {im.shape[:2]} and "
+                             f"{(height, width)}")
+        five = [im[y:y + crop_h, x:x + crop_w] for y, x in corners]
+        crops += five + [c[:, ::-1] for c in five]
+    return np.stack(crops).astype(np.float32)
 
 
 class Transformer:

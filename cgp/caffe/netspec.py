@@ -11,9 +11,11 @@ L.<Type>(*bottoms, **fields) makes a layer of that Caffe type: a field that Laye
 has (name, param, include, loss_weight, transform_param, ...) is set there, any other in
 the type's own *_param message (kernel_size -> convolution_param.kernel_size). A dict fills
 a message, a list a repeated field; enums may be given by name ("MAX") or as
-P.Pooling.MAX. ntop=k gives k tops, in_place=True names the top as the bottom. Layers and
-tops are named after the NetSpec attribute they are assigned to, else <Type><k>. Nothing is
-checked here: cgp checks the net when it builds it.
+P.Pooling.MAX. ntop=k gives k tops (ntop=0: none, and L.<Type> returns the layer itself,
+which a NetSpec attribute may name), in_place=True names the top as the bottom. Layers and
+tops are named after the NetSpec attribute they are assigned to, else <Type><k>. A bottom
+that is not a top raises TypeError, as Caffe's; nothing else is checked here: cgp checks the
+net when it builds it.
 """
 from collections import OrderedDict
 
@@ -76,6 +78,11 @@ def _scalar(field, value, where):
     return value
 
 
+class BottomTypeError(CgpError, TypeError):
+    """A bottom given to L.<Type>(...) that is not a Top: a TypeError, as in Caffe's NetSpec,
+    and a user's mistake that the command line reports in one line."""
+
+
 class Top:
     """One top of a layer made by L.<Type>(...): what later layers take as a bottom."""
 
@@ -94,8 +101,9 @@ class Function:
         self.type_name = type_name
         for i, top in enumerate(inputs):
             if not isinstance(top, Top):
-                raise CgpError(f"L.{type_name}: bottom {i} is {top!r}, not a top made by "
-                               "another layer (n.data, ...)")
+                # Caffe's very words: scripts match them.
+                raise BottomTypeError(f"{type_name} input {i} is not a Top (type is "
+                                      f"{type(top)})")
         self.inputs = list(inputs)
         self.params = dict(params)
         self.ntop = int(self.params.pop("ntop", 1))
@@ -146,23 +154,30 @@ class Function:
         layers[self] = lp
 
 
+def _function(item):
+    """The layer that makes `item`: a Top's, or a top-less layer (ntop=0) itself."""
+    return item if isinstance(item, Function) else item.fn
+
+
 def to_proto(*tops):
-    """A NetParameter holding the layers that make `tops`, each after its bottoms."""
+    """A NetParameter holding the layers that make `tops` (or top-less layers), each after
+    its bottoms."""
     layers, names, counts = OrderedDict(), {}, {}
     for top in tops:
-        top.fn._to_proto(layers, names, counts)
+        _function(top)._to_proto(layers, names, counts)
     return caffe_pb2.NetParameter(layer=list(layers.values()))
 
 
 class NetSpec:
-    """Tops assigned as attributes (n.conv1 = L.Convolution(...)) name their layers;
-    to_proto() writes every assigned top and what it depends on, in assignment order."""
+    """Tops assigned as attributes (n.conv1 = L.Convolution(...)) name their layers, as do
+    top-less layers (n.silence = L.Silence(n.x, ntop=0)); to_proto() writes every assigned
+    top and what it depends on, in assignment order."""
 
     def __init__(self):
         super().__setattr__("tops", OrderedDict())
 
     def __setattr__(self, name, value):
-        if not isinstance(value, Top):
+        if not isinstance(value, (Top, Function)):
             raise CgpError(f"n.{name} = {value!r}: a NetSpec holds tops made by L.<Type>(...)")
         self.tops[name] = value
 
@@ -191,7 +206,7 @@ class NetSpec:
         names = {top: name for name, top in self.tops.items()}
         layers, counts = OrderedDict(), {}
         for top in self.tops.values():
-            top.fn._to_proto(layers, names, counts)
+            _function(top)._to_proto(layers, names, counts)
         return caffe_pb2.NetParameter(layer=list(layers.values()))
 
 

@@ -13,7 +13,12 @@ What differs from pycaffe, and why (each said again where it applies):
 - solver.step(n) trains, displays and snapshots as Caffe's Step; the periodic tests that
   Caffe's Step runs are left to solver.solve() (run solver.test_nets[i].forward() to test).
 - Parameter diffs hold the gradient of the latest backward(): backward() clears them first
-  (Caffe adds until its solver clears them). solver.net's are not the solver's update.
+  (Caffe adds until its solver clears them; clear_param_diffs() clears them as Caffe's).
+  After solver.step(n) (and apply_update()), solver.net's hold what Caffe's do: the last
+  update's step, which was subtracted from the weights (the batch's summed gradient scaled
+  by the rate, regularized, with momentum).
+- caffe.Net warns about a `*_param` message a layer does not read, and ignores it, as
+  Caffe does (DummyData's transform_param in Caffe's own tests); `cgp train` refuses one.
 - Names that pycaffe has and cgp does not (UNSUPPORTED) raise PycaffeUnsupported, which
   says so and what to use instead, never a bare AttributeError.
 """
@@ -43,15 +48,12 @@ UNSUPPORTED = {
                        "(cgp keeps no global random state)",
     "Classifier": "use caffe.Net with caffe.io.Transformer and net.forward()",
     "Detector": "use caffe.Net with caffe.io.Transformer and net.forward()",
-    "Layer": "Python layers (type: \"Python\") are not supported",
-    "draw": "drawing nets (caffe.draw, pydot) is not supported",
     "NCCL": "multi-GPU training is not supported; give threads= to the solver instead",
     "set_solver_count": "multi-GPU training is not supported; give threads= to the solver",
     "set_solver_rank": "multi-GPU training is not supported; give threads= to the solver",
     "set_multiprocess": "multi-GPU training is not supported; give threads= to the solver",
     "solver_count": "multi-GPU training is not supported; give threads= to the solver",
     "solver_rank": "multi-GPU training is not supported; give threads= to the solver",
-    "has_nccl": "multi-GPU training is not supported; give threads= to the solver",
     "Timer": "use time.perf_counter(), or `cgp time` for per-layer timings",
     "init_log": "glog is not used: give log=print to the solver, or run `cgp train --log`",
     "log": "glog is not used: give log=print to the solver, or run `cgp train --log`",
@@ -61,20 +63,14 @@ UNSUPPORTED = {
 
 # Methods of pycaffe's Net and Solver that cgp does not provide.
 UNSUPPORTED_NET = {
-    "set_input_arrays": "MemoryData layers are not supported; pass arrays to "
-                        "net.forward(**{input: array}) or write net.blobs[input].data",
-    "share_with": "share weights by copying: dst.params[name][i].data[...] = "
-                  "src.params[name][i].data",
-    "forward_backward_all": "call net.forward(...) and net.backward(...) per batch",
+    "forward_backward_all": "call net.forward_all(...) and net.backward_all(...)",
     "after_forward": "layer callbacks are not supported",
     "before_forward": "layer callbacks are not supported",
     "after_backward": "layer callbacks are not supported",
     "before_backward": "layer callbacks are not supported",
-    "clear_param_diffs": "backward() clears the parameter diffs itself",
 }
 UNSUPPORTED_SOLVER = {
     "add_callback": "solver callbacks are not supported",
-    "apply_update": "the update runs inside step(); call step(1)",
     "share_weights": "test nets share the train net's weights already",
     "param": "read the solver prototxt with cgp.prototxt.read_solver(path)",
 }
@@ -114,6 +110,11 @@ def set_mode_gpu():
 def set_device(device_id=0):
     """The GPU that solvers made from now on use, by CUDA index (default: the local rank's)."""
     _MODE["device_id"] = int(device_id)
+
+
+def has_nccl():
+    """False: cgp has no NCCL (multi-GPU) build, as a CPU build of Caffe."""
+    return False
 
 
 def layer_type_list():
@@ -176,6 +177,23 @@ class _LayerView:
 
 
 # -- nets ------------------------------------------------------------------------------
+def lenient(param, where):
+    """param less the `*_param` messages its layers do not read, each named in a warning:
+    Caffe ignores them (its tests give DummyData a transform_param); cgp train refuses them."""
+    import warnings
+    from cgp.layers import REGISTRY
+    from cgp.layers.base import PARAM_MESSAGES
+
+    for lp in param.layer:
+        cls = REGISTRY.get(lp.type)
+        for name in PARAM_MESSAGES if cls is not None else ():
+            if name not in cls.params_read and lp.HasField(name):
+                warnings.warn(f"{where}: layer '{lp.name}' (type {lp.type}) does not read "
+                              f"{name}; ignored, as Caffe does", stacklevel=3)
+                lp.ClearField(name)
+    return param
+
+
 def _phase(value, where):
     if value in (TRAIN, TEST) and not isinstance(value, bool):
         return int(value)
@@ -209,7 +227,7 @@ class Net:
         self._stages, self._level = tuple(stages or ()), level
         self._options = RunOptions(data_dir, download)
         self.seed = seed
-        self._param = read_model(model)
+        self._param = lenient(read_model(model), self._model)
         net = build_net(self._param, self._model, self._phase, self._options,
                         stages=self._stages, level=level)
         net.init_params(seed)
@@ -336,6 +354,90 @@ class Net:
     @property
     def layer_dict(self):
         return OrderedDict(zip(self._layer_names, self.layers))
+
+    @property
+    def blob_loss_weights(self):
+        """{blob name: its loss weight} for every blob, 0 for those that are no loss."""
+        weights = {self._names[b]: w for b, w in self._net.loss_weights.items()}
+        return OrderedDict((name, float(weights.get(name, 0.0))) for name in self._blobs)
+
+    def set_input_arrays(self, data, labels):
+        """Hands data (n, C, H, W) and labels (n,), float32, n a multiple of the batch size, to
+        the net's first layer, a MemoryData layer; forward() then reads them a batch at a
+        time from the first, going round (Caffe's set_input_arrays)."""
+        first = self._order[0] if self._order else None
+        if first is None or first.layer.type_name != "MemoryData":
+            raise CgpError(f"net.set_input_arrays: the first layer of net '{self._net.name}' "
+                           "must be a MemoryData layer, as in Caffe")
+        first.layer.set_arrays(data, labels)
+        self._cursor = 0
+
+    def clear_param_diffs(self):
+        """Zeroes every parameter diff (Caffe's ClearParamDiffs)."""
+        self._grads[...] = 0
+
+    def share_with(self, other):
+        """Shares other's weights (Caffe's ShareTrainedLayersWith): both nets then read and
+        write one parameter array. The nets' learnable blobs must match, layer by layer."""
+        if self._param is None:
+            raise CgpError(f"net.share_with: net '{self._net.name}' belongs to a solver, "
+                           "whose weights it keeps; call other.share_with(solver.net)")
+        mine = [(b.layer, b.shape) for b in self._net.param_blobs]
+        theirs = [(b.layer, b.shape) for b in other._net.param_blobs]
+        if mine != theirs:
+            raise CgpError(f"net.share_with: nets '{self._net.name}' and '{other._net.name}' "
+                           "differ in their learnable blobs (layers or shapes); cgp shares "
+                           "the weights of nets whose blobs match")
+        other._sync_params()
+        self._net.params = other._net.params
+        self._param_views = self._net.param_views(self._net.params)
+        self._layout()
+
+    def _batches(self, arrays, batch):
+        """Dicts of `batch` rows of each array in turn, the last padded with zeros."""
+        counts = {len(a) for a in arrays.values()}
+        if len(counts) != 1:
+            raise CgpError(f"net.forward_all: the arrays have different lengths {sorted(counts)}")
+        total = counts.pop()
+        for lo in range(0, total, batch):
+            part = {}
+            for name, array in arrays.items():
+                rows = np.asarray(array[lo:lo + batch], np.float32)
+                if len(rows) < batch:
+                    rows = np.concatenate([rows, np.zeros((batch - len(rows),) + rows.shape[1:],
+                                                          np.float32)])
+                part[name] = rows
+            yield part
+
+    def forward_all(self, blobs=None, **kwargs):
+        """forward() over arrays of any length, a batch at a time (the last padded): returns
+        {output (and each of `blobs`): the rows for every input row}, as pycaffe's."""
+        return self._all(lambda part: self.forward(blobs=blobs, **part), kwargs,
+                         list(self.outputs) + list(blobs or ()))
+
+    def backward_all(self, diffs=None, **kwargs):
+        """backward() over output diffs of any length, a batch at a time: returns {input (and
+        each of `diffs`): its diff for every row}, as pycaffe's."""
+        return self._all(lambda part: self.backward(diffs=diffs, **part), kwargs,
+                         list(self.inputs) + list(diffs or ()))
+
+    def _all(self, run, arrays, names):
+        """run(part) for each batch of `arrays` (once where none are given), the rows of
+        each result gathered, the padding left out; a batch value (a loss) once per batch."""
+        results = {name: [] for name in names}
+        total = len(next(iter(arrays.values()))) if arrays else None
+        batch = self._blobs[next(iter(arrays))]._data.shape[0] if arrays else None
+        for part in self._batches(arrays, batch) if arrays else [{}]:
+            for name, value in run(part).items():
+                value = np.array(value, copy=True)
+                rows = results.setdefault(name, [])
+                if value.ndim:
+                    rows.extend(value)
+                else:
+                    rows.append(value)
+        per_row = {name for name, blob in self._blobs.items() if blob._data.ndim}
+        return {name: np.asarray(rows[:total] if name in per_row else rows)
+                for name, rows in results.items()}
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -670,6 +772,19 @@ class Solver:
                     t.snapshot()
         if result is not None:
             self._after_step(t.iter - 1, before, result[1])
+            # As Caffe's diffs after a step: the step taken (the update writes it over the
+            # summed gradient, Solver.apply).
+            self.net._grads[0][...] = t.train_step.gradient
+
+    def apply_update(self):
+        """One update of the weights from solver.net's parameter diffs, at the current
+        iteration's rate (Caffe's ApplyUpdate: the iteration count stays; the diffs then
+        hold the step taken)."""
+        t = self._trainer
+        self.net._sync_params()
+        t.solver.update(t.net.params, self.net._grads[0].astype(t.net.params.dtype, copy=False),
+                        t.iter)
+        self.net._stale, self.net._exact = None, set()
 
     def _display(self, it, loss, outputs, rate):
         sp = self._sp

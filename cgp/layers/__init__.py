@@ -6,7 +6,7 @@ from cgp.layers.base import (REGISTRY, SYNC, Chunk, DeviceOp, Factors, Layer, al
 # Each family module registers its layers on import.
 from cgp.layers import (  # noqa: E402,F401
     activation, batchnorm, conv, data, elementwise, hdf5_data, image_data, inner_product, loss,
-    losses, lrn, pool, reduction, scale, shape,
+    losses, lrn, memory_data, pool, python, reduction, scale, shape,
 )
 
 
