@@ -252,7 +252,7 @@ def test_register_derives_the_flags_from_the_methods():
         assert cls.takes_parts == hasattr(cls, "forward_parts"), kind
     assert {k for k, c in REGISTRY.items() if c.can_factor_param_diff} == {"InnerProduct"}
     assert {k for k, c in REGISTRY.items() if c.takes_parts} == {"SoftmaxWithLoss"}
-    assert SOURCES == {"Data", "DummyData", "HDF5Data", "ImageData", "Input"}
+    assert SOURCES == {"Data", "DummyData", "HDF5Data", "ImageData", "Input", "MemoryData"}
 
 
 def test_register_refuses_a_layer_with_no_calls(monkeypatch):

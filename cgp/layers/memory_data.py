@@ -16,7 +16,6 @@ class MemoryDataLayer(Layer):
     bottoms = (0, 0)
     tops = (2, 2)
     params_read = ("memory_data_param", "transform_param")
-    is_source = True
     options = None
     arrays = None     # (data, labels) from set_arrays
 

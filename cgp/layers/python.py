@@ -55,8 +55,11 @@ class PythonLayer(Layer):
 
     def __init__(self, lp, index=0, phase=0):
         super().__init__(lp, index, phase)
-        # Without bottoms, a data layer (Net reads is_source from the layer).
+        # Without bottoms, a data layer (Net reads is_source and load from the layer): the
+        # class itself hands its calls over, as register() sees it.
         self.is_source = not lp.bottom
+        if self.is_source:
+            self.load = self._load
         self._pid = os.getpid()
         self._propagate = [True] * len(lp.bottom)
 
@@ -239,7 +242,7 @@ class PythonLayer(Layer):
     def __len__(self):
         return self.shapes[0][0]
 
-    def load(self, start, iteration, seed, rows=None):
+    def _load(self, start, iteration, seed, rows=None):
         """The user's forward (after its reshape) on no bottoms: the whole batch's tops, or
         their samples `rows`."""
         user = self.user
