@@ -143,7 +143,7 @@ def train(args, sp, path, config, log, sink):
     try:
         net, engine, comm = trainer.net, trainer.engine, trainer.comm
         ranks = len(engine.parts)
-        workers = f"{args.threads} {worker_noun(config.workers, args.threads)}"
+        workers = f"{args.threads} {worker_noun(trainer.workers, args.threads)}"
         if trainer.backend is not None:
             workers = f"{trainer.backend.description} (one worker)"
         where = (workers if ranks == 1 else f"{ranks} ranks x {workers}")

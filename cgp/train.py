@@ -26,7 +26,7 @@ from cgp.snapshot import layers_without, load_weights
 from cgp.solver import Solver, check_values
 from cgp.step import DataParallelStep, Diverged
 from cgp.training import divergence, memory
-from cgp.training.config import DEFAULT_SEED, RunConfig
+from cgp.training.config import DEFAULT_SEED, RunConfig, worker_kind
 from cgp.training.memory import WORKER_PROCESS_BYTES, check_memory   # noqa: F401  (*)
 from cgp.training.progress import Progress, fmt, loss_note            # noqa: F401  (*)
 from cgp.training.signals import REQUESTS, Signals                   # noqa: F401  (*)
@@ -58,7 +58,7 @@ class Trainer:
         self.net.init_params(self.seed)
         # The device first: a GPU is taken before any worker exists.
         self.backend = select_backend(config.device, config.device_id)
-        workers = config.workers if self.backend is None else "threads"
+        self.workers = workers = worker_kind(config, self.backend, [self.net, *self.test_nets], log)
         self.pool = make_pool(workers, config.threads, [self.net] + self.test_nets,
                               config.affinity, config.denormals == "flush")
         # Histories in shared memory where workers write them (processes).

@@ -95,12 +95,16 @@ def test_python_layers_on_mpi_ranks_give_the_bits_of_one_process(folder):
     assert one.read_bytes() == two.read_bytes()
 
 
-def test_worker_processes_are_refused_with_one_message(folder):
-    run = cgp(folder, "train", "--solver", "solver.prototxt", "--threads", "2", "--workers",
-              "processes", "--snapshot-prefix", "p/t")
-    assert run.returncode == 2
-    assert "layer 'centre' (type Python)" in run.stderr and "--workers threads" in run.stderr
-    assert "Traceback" not in run.stderr
+def test_worker_processes_become_threads_with_a_note(folder):
+    """A Python layer runs in the process that built the net: asked for worker processes,
+    the run says so, runs threads, and its weights are the threads' bits."""
+    run = cgp(folder, "train", "--solver", "solver.prototxt", "--snapshot-prefix", "p/t",
+              "--threads", "2", "--workers", "processes")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Python layer 'centre' runs in the process that built the net" in run.stdout
+    assert "on 2 thread(s)" in run.stdout
+    threads = trained(folder, "t/t", "--threads", "2", "--workers", "threads")
+    assert (folder / "p/t_iter_6.caffemodel").read_bytes() == threads.read_bytes()
 
 
 def test_export_and_device_refuse_a_python_layer_naming_it(folder):

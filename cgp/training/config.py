@@ -65,3 +65,15 @@ class RunConfig:
                            "its own, set by timing: give one or the other")
 
 
+def worker_kind(config, backend, nets, log):
+    """How this run's workers run: config.workers, but threads on a device (one worker
+    drives it) and where a Python layer must run in the process that built the net (it
+    holds the user's objects). The same bits either way."""
+    if backend is not None:
+        return "threads"
+    python = [e.layer.name for net in nets for e in net.entries if e.layer.type_name == "Python"]
+    if config.workers == "processes" and python:
+        log(f"Note: Python layer '{python[0]}' runs in the process that built the net: the "
+            "workers run as threads")
+        return "threads"
+    return config.workers
