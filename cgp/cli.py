@@ -15,6 +15,7 @@ from cgp.errors import CgpError, shorten  # noqa: E402
 from cgp.options import (EPILOG, EQUIVALENCE_THREADS, add_device_option,  # noqa: E402
                          add_run_options, check_threads, solver_file, thread_list,
                          worker_kind, worker_list)
+from cgp.commands.launch import add_launch  # noqa: E402
 from cgp.commands.plot import add_plot  # noqa: E402
 from cgp.commands.timing import add_time, compile_notice  # noqa: E402
 from cgp.tools.speedup import add_bench  # noqa: E402
@@ -36,6 +37,14 @@ def add_train(sub):
     p.add_argument("--snapshot", help="resume from a .solverstate")
     p.add_argument("--snapshot-prefix", default=None,
                    help="where snapshots go (overrides the solver's snapshot_prefix)")
+    p.add_argument("--snapshot-every", type=int, default=None, metavar="N",
+                   help="snapshot every N iterations (overrides the solver's snapshot; 0: "
+                        "none but the last)")
+    p.add_argument("--snapshot-seconds", type=float, default=None, metavar="T",
+                   help="also snapshot once T seconds have passed since the last snapshot")
+    p.add_argument("--heartbeat", default=None, metavar="FILE",
+                   help="rank 0 rewrites FILE as training progresses (what `cgp launch` "
+                        "watches for hangs)")
     for name, default in (("sigint", "stop"), ("sighup", "snapshot"), ("sigterm", "stop")):
         p.add_argument(f"--{name}-effect", default=default, choices=("stop", "snapshot", "none"),
                        help=f"what {name.upper()} does, after the current iteration (default "
@@ -103,7 +112,6 @@ def train_log(args, sp, solver_path, log):
 
 def cmd_train(args, log=print):
     from cgp.prototxt import read_solver
-    from cgp.train import RunConfig
 
     path = solver_file(args)
     sp = read_solver(path)
@@ -113,14 +121,11 @@ def cmd_train(args, log=print):
         sp.ClearField("weights")
     if args.weights:
         sp.weights.append(args.weights)
-    config = RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
-                       staleness=args.staleness, sharing=args.sharing, groups=args.groups,
-                       data_dir=args.data_dir, download=not args.no_download,
-                       max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
-                       affinity=args.affinity, sigint_effect=args.sigint_effect,
-                       sighup_effect=args.sighup_effect, sigterm_effect=args.sigterm_effect,
-                       denormals=args.denormals, device=args.device,
-                       workers=worker_kind(args.workers))
+    if args.snapshot_every is not None:
+        if args.snapshot_every < 0:
+            raise CgpError(f"--snapshot-every must be at least 0, got {args.snapshot_every}")
+        sp.snapshot = args.snapshot_every
+    config = run_config(args)
     sink = train_log(args, sp, path, log)
     try:
         return train(args, sp, path, config, sink or log, sink)
@@ -129,6 +134,21 @@ def cmd_train(args, log=print):
             sink.close()
             if sink.started is not None and sink.path.exists():
                 log(f"cgp: training log written to {sink.path} and {sink.csv_path}")
+
+
+def run_config(args):
+    """The RunConfig of `cgp train`'s options."""
+    from cgp.train import RunConfig
+
+    return RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
+                     staleness=args.staleness, sharing=args.sharing, groups=args.groups,
+                     data_dir=args.data_dir, download=not args.no_download,
+                     max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
+                     affinity=args.affinity, sigint_effect=args.sigint_effect,
+                     sighup_effect=args.sighup_effect, sigterm_effect=args.sigterm_effect,
+                     denormals=args.denormals, device=args.device,
+                     workers=worker_kind(args.workers), snapshot_seconds=args.snapshot_seconds,
+                     heartbeat=args.heartbeat)
 
 
 def train(args, sp, path, config, log, sink):
@@ -372,6 +392,7 @@ def build_parser():
         "results are bitwise identical for any thread count.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train(sub)
+    add_launch(sub)
     add_equivalence(sub)
     add_bench(sub)
     add_time(sub)

@@ -26,6 +26,7 @@ from cgp.data.hdf5 import require_h5py
 from cgp.layers import Chunk, scratch_specs
 from cgp.net import RunOptions, Workspace, build_net
 from cgp.comm import make_communicator
+from cgp.comm.elastic import Heartbeat
 from cgp.step import DataParallelStep, Diverged
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
@@ -68,6 +69,11 @@ class RunConfig:
     # Where the chunks compute: "cpu", "gpu" (CuPy) or "numpy" (the GPU path on the host).
     device: str = "cpu"
     device_id: int = None     # the GPU's CUDA index (default: the local rank's)
+    # Also snapshot once this many seconds have passed since the last one (rank 0's clock,
+    # agreed as a signal's request is), and rank 0's progress file (cgp.comm.elastic): what
+    # `cgp launch` supervises.
+    snapshot_seconds: float = None
+    heartbeat: str = None
 
     def __post_init__(self):
         # Refused before anything runs: a seed out of range would otherwise fail only when
@@ -86,6 +92,8 @@ class RunConfig:
             raise CgpError("--sharing hybrid needs --groups G: the ranks are cut into G groups, "
                            "synchronous within, asynchronous between them")
         check_device(self.device, self.threads)
+        if self.snapshot_seconds is not None and not self.snapshot_seconds > 0:
+            raise CgpError(f"--snapshot-seconds must be more than 0, got {self.snapshot_seconds}")
         if self.staleness and self.sharing != "sync":
             raise CgpError(f"--staleness {self.staleness} delays the updates of synchronous "
                            f"training by a fixed count; --sharing {self.sharing} has delays of "
@@ -313,6 +321,9 @@ class Trainer:
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory,
                              [(b.offset, b.size) for b in self.net.param_blobs])
         self.comm = comm = make_communicator(self.pool, config.sharing, config.groups)
+        self.heartbeat = (Heartbeat(config.heartbeat) if config.heartbeat and comm.leader
+                          else None)
+        self._snapshot_clock = time.monotonic()   # when the last snapshot was written
         self._check_memory(config.chunks)
         self.engine = make_engine(self.backend, self.net, config.chunks, self.pool, comm)
         self.test_engines = [make_engine(self.backend, n, config.chunks, self.pool, comm,
@@ -502,6 +513,8 @@ class Trainer:
                 return None
             batch = self._batch(engine, (first + k) * net.batch_size, first + k)
             outputs, batch_loss, _ = engine.run(batch, first + k, self.seed)
+            if self.heartbeat is not None:
+                self.heartbeat.beat(self.iter)
             loss += batch_loss
             for name, value in outputs.items():
                 sums[name] = sums.get(name, 0.0) + value
@@ -545,6 +558,7 @@ class Trainer:
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         # Where groups share weights (cgp.comm.sharing): the buffer starts from these weights.
         self.iter = self._from = self.comm.begin(self.iter, self.net.params)
+        self._snapshot_clock = time.monotonic()   # --snapshot-seconds count from here
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
             last = self.clock()
             last_iter = self.iter
@@ -565,6 +579,10 @@ class Trainer:
                                  f"{loss_note(self.net, name, value)}")
                     self.log(f"Iteration {it}, lr = {fmt(rate)}")
                     last, last_iter = now, self.iter
+                if self.heartbeat is not None:
+                    self.heartbeat.beat(self.iter)
+                if self._snapshot_time_due():   # --snapshot-seconds: as a signal's request
+                    self._request = max(self._request, "snapshot", key=REQUESTS.index)
                 return self._agree() is not None   # a signal's request: acted on now
 
             while self.iter < self.max_iter and not self._stop:
@@ -622,6 +640,13 @@ class Trainer:
             self.log(self._heard.pop(0))
         self._request = REQUESTS[self.comm.request(REQUESTS.index(self._request))]
         return self._request
+
+    def _snapshot_time_due(self):
+        """Whether --snapshot-seconds have passed since the last snapshot, by the leader's
+        clock alone: _agree then makes every rank snapshot at the same iteration."""
+        seconds = self.config.snapshot_seconds
+        return (seconds is not None and self.comm.leader
+                and time.monotonic() - self._snapshot_clock >= seconds)
 
     def _reached(self, interval):
         """Whether the iteration count is at a multiple of interval (> 0), or, where it grows
@@ -734,8 +759,12 @@ class Trainer:
         model, state = snapshot_paths(self.snapshot_prefix(), self.iter, h5)
         if self.comm.leader:
             self.hold_prefix()
+            started = time.monotonic()
             model = write_snapshot(self.snapshot_prefix(), self.iter, self.net, self.solver,
                                    resume=self.resume_state(), h5=h5)
+            self._snapshot_clock = time.monotonic()
+            if self.heartbeat is not None:
+                self.heartbeat.snapshot(self.iter, self._snapshot_clock - started)
         kind = "HDF5" if h5 else "binary proto"
         self.log(f"Snapshotting to {kind} file {model}")
         self.log(f"Snapshotting solver state to {kind} file {state}")
