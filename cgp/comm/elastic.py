@@ -30,8 +30,10 @@ BEAT_SECONDS = 0.2
 # floor (--hang-floor).
 HANG_FACTOR = 10
 
-# How often the supervisor looks at the heartbeat and at mpirun.
+# How often the supervisor looks at the heartbeat and at mpirun, and lists the job's
+# processes.
 POLL_SECONDS = 0.05
+LIST_SECONDS = 1.0
 
 # Relaunches in a row that end before any new snapshot before the supervisor gives up: a
 # fault that every launch meets (a broken node left in the host file, a full disk).
@@ -141,7 +143,7 @@ class Settings:
     resume: str = None          # the --snapshot of the command line, for the first launch
     weights: str = None         # its --weights, for a first launch from scratch
     hostfile: str = None
-    hang_floor: float = 10.0
+    hang_floor: float = 30.0
     start_timeout: float = 300.0
 
 
@@ -168,6 +170,8 @@ class Watch:
     snapshot_at: float = None
     grow_after: int = None       # grow at the first snapshot past this iteration
     stderr: deque = field(default_factory=lambda: deque(maxlen=200))
+    procs: dict = field(default_factory=dict)   # pid -> psutil.Process under mpirun, seen
+    listed: float = 0.0          # when procs was last refreshed
 
 
 class Supervisor:
@@ -241,9 +245,12 @@ class Supervisor:
         while True:
             now = time.monotonic()
             self._look(w, now)
+            if now - w.listed > LIST_SECONDS:
+                self._list(w, now)
             code = self.job.poll()
             if code is not None:
                 self._look(w, time.monotonic())
+                self._end_leftovers(w)
                 return self._ended(w, code)
             if self.stopping is not None:
                 self.job.send_signal(signal.SIGTERM)   # mpirun passes it on: a last snapshot
@@ -257,6 +264,7 @@ class Supervisor:
                 self._regrow(w)
             if w.grow_after is not None and w.snapshot > w.grow_after:
                 self._kill()
+                self._end_leftovers(w)
                 return Outcome("grow", w.snapshot)
             time.sleep(POLL_SECONDS)
 
@@ -269,6 +277,35 @@ class Supervisor:
         w.beat, w.progress = beat, now
         if beat.snapshot > w.snapshot:
             w.snapshot, w.snapshot_at = beat.snapshot, now
+
+    def _list(self, w, now):
+        """Notes the processes under mpirun on this machine: the ranks and their workers."""
+        import psutil
+        w.listed = now
+        try:
+            for proc in psutil.Process(self.job.pid).children(recursive=True):
+                w.procs.setdefault(proc.pid, proc)
+        except psutil.Error:
+            pass
+
+    def _end_leftovers(self, w):
+        """SIGKILL to what is left of the job's processes once mpirun has ended (its ranks
+        are ended by it, but not always before it exits), so that none still holds the
+        snapshot prefix's lock, or the CPU, when the next launch starts."""
+        import psutil
+        alive = []
+        for proc in w.procs.values():
+            try:
+                if proc.is_running():   # the same process (its start time), not a new one
+                    proc.kill()
+                    alive.append(proc)
+            except psutil.Error:
+                pass
+        # Gone, or zombies that only their parent's reaping removes (not ours to wait for).
+        deadline = time.monotonic() + 10
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if _running(p)]
+            time.sleep(POLL_SECONDS)
 
     def _iteration(self, w):
         return w.beat.iteration if w.beat is not None else None
@@ -292,6 +329,7 @@ class Supervisor:
 
     def _hung(self, w, quiet):
         stopped = self._kill()
+        self._end_leftovers(w)
         rank, host = stopped[0] if stopped else (None, None)
         what = (f"no heartbeat for {quiet:.1f} s (limit {self.timeout():.1f} s)"
                 if w.progress is not None else
@@ -357,6 +395,7 @@ class Supervisor:
                 w = self.start(resume)
                 outcome = self.watch(w)
                 if outcome.kind == "done":
+                    self.heartbeat.unlink(missing_ok=True)
                     self.log(f"cgp launch: done at iteration {outcome.iteration} on "
                              f"{self.ranks} ranks in {time.monotonic() - began:.1f} s; "
                              f"{self.changes} change(s) of size, {self.lost:.1f} s of work lost")
@@ -371,18 +410,7 @@ class Supervisor:
                 since = w.snapshot_at if w.snapshot >= 0 else w.started
                 lost = time.monotonic() - since
                 old_ranks = self.ranks
-                if outcome.kind == "grow":
-                    self.ranks = self._capacity()
-                    why = "ranks came back"
-                else:
-                    if self.hosts is not None and outcome.host is not None:
-                        self.excluded.add(outcome.host)
-                        self.ranks = min(self._capacity(), self.ranks - 1)
-                    else:
-                        self.ranks -= 1
-                    who = f"rank {outcome.rank}" if outcome.rank is not None else "a rank"
-                    where = f" on {outcome.host}" if outcome.host and self.hosts else ""
-                    why = f"{who}{where} {outcome.kind} ({outcome.detail})"
+                why = self._resize(outcome, w)
                 self.lost += lost
                 self.changes += 1
                 start_at = resume_iteration(resume)
@@ -404,6 +432,24 @@ class Supervisor:
             if self.job is not None and self.job.poll() is None:
                 self._kill()
 
+    def _resize(self, outcome, w):
+        """Sets the rank count of the next launch after `outcome`; returns why, in words.
+        A rank that died or was found stopped costs one rank, or with a host file its
+        host; a failure that names no rank (a hang with every rank running, a launch that
+        failed before its first heartbeat) changes nothing: the next launch is the same."""
+        if outcome.kind == "grow":
+            self.ranks = self._capacity()
+            return "ranks came back"
+        if outcome.rank is None:
+            what = "the job hung" if outcome.kind == "hung" else "the launch failed"
+            return f"{what} ({outcome.detail}), naming no rank"
+        if self.hosts is not None and outcome.host in {h.name for h in self.hosts}:
+            self.excluded.add(outcome.host)
+            self.ranks = self._capacity()
+            return f"rank {outcome.rank} on {outcome.host} {outcome.kind} ({outcome.detail})"
+        self.ranks = min(self.ranks - 1, self._capacity())   # a host named otherwise
+        return f"rank {outcome.rank} {outcome.kind} ({outcome.detail})"
+
     def _signal(self, signum, frame):
         if signum == signal.SIGUSR1:
             self.woken = True
@@ -417,6 +463,14 @@ def _relay(stream, tail):
         sys.stderr.write(line)
         sys.stderr.flush()
         tail.append(line)
+
+
+def _running(proc):
+    import psutil
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _local_host():

@@ -39,10 +39,10 @@ def add_launch(sub):
     p.add_argument("--mtbf", type=float, default=DEFAULT_MTBF_HOURS, metavar="HOURS",
                    help="the mean time between failures that the chosen snapshot interval "
                         f"assumes (default {DEFAULT_MTBF_HOURS:g})")
-    p.add_argument("--hang-floor", type=float, default=10.0, metavar="S",
+    p.add_argument("--hang-floor", type=float, default=30.0, metavar="S",
                    help="a rank hangs when rank 0's heartbeat stands still this long, or 10 "
                         "times the longest pause between heartbeats if that is longer "
-                        "(default 10)")
+                        "(default 30)")
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
                    help="a launch hangs when no heartbeat comes this long after it starts "
                         "(default 300: the ranks start, load the data and the kernels)")
