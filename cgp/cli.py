@@ -15,7 +15,6 @@ from cgp.errors import CgpError, shorten  # noqa: E402
 from cgp.options import (EPILOG, EQUIVALENCE_THREADS, add_device_option,  # noqa: E402
                          add_run_options, check_threads, solver_file, thread_list,
                          worker_kind, worker_list)
-from cgp.commands.launch import add_launch  # noqa: E402
 from cgp.commands.plot import add_plot  # noqa: E402
 from cgp.commands.timing import add_time, compile_notice  # noqa: E402
 from cgp.tools.speedup import add_bench  # noqa: E402
@@ -221,6 +220,62 @@ def train(args, sp, path, config, log, sink):
     if getattr(trainer, "weights_path", None):
         log(f"cgp: weights written to {trainer.weights_path}")
     return 0
+
+
+def add_launch(sub):
+    from cgp.commands import launch
+
+    p = sub.add_parser(
+        "launch", help="run `cgp train` on MPI ranks that survive lost ranks, bit for bit",
+        description="Runs the cgp command after `--` (a train command line) as mpirun ranks. "
+                    "When a rank dies or hangs, the job is ended and started again on one "
+                    "rank fewer (with --hostfile: without the host that failed), down to "
+                    "--min-ranks, from its last snapshot; SIGUSR1 to this process, or a "
+                    "change of the host file, grows it back at the next snapshot. The "
+                    "final weights, every loss and the test results are those of an "
+                    "uninterrupted run.")
+    p.add_argument("-np", "--np", dest="ranks", type=int, required=True, metavar="R",
+                   help="ranks to run on (the most)")
+    p.add_argument("--min-ranks", type=int, default=1, metavar="M",
+                   help="stop rather than run on fewer ranks than this (default 1)")
+    p.add_argument("--hostfile", default=None, metavar="F",
+                   help="Open MPI host file ('host slots=N' lines); re-read on SIGUSR1 or "
+                        "when it changes. Without it, the ranks run on this machine")
+    p.add_argument("--snapshot-every", type=int, default=None, metavar="N",
+                   help="snapshot every N iterations")
+    p.add_argument("--snapshot-seconds", type=float, default=None, metavar="T",
+                   help="snapshot every T seconds (default, where the train command sets "
+                        "neither: chosen from a step and a snapshot timed at start-up)")
+    p.add_argument("--mtbf", type=float, default=launch.DEFAULT_MTBF_HOURS, metavar="HOURS",
+                   help="the mean time between failures that the chosen snapshot interval "
+                        f"assumes (default {launch.DEFAULT_MTBF_HOURS:g})")
+    p.add_argument("--hang-floor", type=float, default=30.0, metavar="S",
+                   help="a rank hangs when rank 0's heartbeat stands still this long, or 10 "
+                        "times the longest pause between heartbeats if that is longer "
+                        "(default 30)")
+    p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
+                   help="a launch hangs when no heartbeat comes this long after it starts "
+                        "(default 300: the ranks start, load the data and the kernels)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- train --solver S ...: the cgp command line to run")
+    p.set_defaults(run=cmd_launch)
+
+
+def cmd_launch(args, log=print):
+    from cgp.commands import launch
+
+    train = list(args.command)
+    if train[:1] == ["--"]:
+        train = train[1:]
+    if train[:1] != ["train"]:
+        raise CgpError("cgp launch runs a train command: cgp launch -np R -- train --solver "
+                       "S ... (got " + (" ".join(train) or "nothing") + " after the options)")
+    try:
+        options = build_parser().parse_args(train)
+    except SystemExit:   # argparse has said what is wrong
+        raise CgpError("the train command after `--` is not one that cgp train takes "
+                       "(see above)") from None
+    return launch.run(args, train, options, run_config(options), log)
 
 
 def add_equivalence(sub):

@@ -12,6 +12,7 @@ import numpy as np
 import psutil
 import pytest
 
+from cgp.cli import build_parser, run_config
 from cgp.comm.elastic import Heartbeat, Host, read_beat, read_hostfile, young_interval
 from cgp.commands.launch import choose_interval, without
 from cgp.errors import CgpError
@@ -225,8 +226,9 @@ def test_the_interval_chosen_from_a_step_and_a_snapshot_timed(solver_file, mnist
     """Without an interval, a step and a snapshot are timed on one process (a real Trainer)
     and the interval is Young's, stated with the work a failure loses."""
     lines = []
-    seconds = choose_interval(["train", "--solver", str(solver_file), "--data-dir",
-                               str(mnist_dir)], 24.0, 10.0, lines.append)
+    options = build_parser().parse_args(["train", "--solver", str(solver_file), "--data-dir",
+                                         str(mnist_dir)])
+    seconds = choose_interval(options, run_config(options), 24.0, 10.0, lines.append)
     said = re.search(r"snapshots every (\S+) s \(a step (\S+) s, a snapshot (\S+) s on one "
                      r"process; .*\): a failure loses (\S+) s of training on average", lines[-1])
     assert said, lines
