@@ -35,6 +35,9 @@ HANG_FACTOR = 10
 POLL_SECONDS = 0.05
 LIST_SECONDS = 1.0
 
+# How long the ranks have to stop with a snapshot once the supervisor is told to stop.
+STOP_SECONDS = 60
+
 # Relaunches in a row that end before any new snapshot before the supervisor gives up: a
 # fault that every launch meets (a broken node left in the host file, a full disk).
 MAX_FRUITLESS = 3
@@ -184,6 +187,10 @@ class Supervisor:
         self.excluded = set()        # hosts whose rank failed, until the host file changes
         self.ranks = self._capacity()
         folder = Path(f"{settings.prefix}_iter_0.caffemodel").parent
+        try:   # the heartbeat and the host file of a launch go beside the snapshots
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CgpError(f"snapshot folder {folder}: {e.strerror or e}") from None
         self.folder = folder
         self.heartbeat = folder / f".{Path(settings.prefix).name or 'snapshots'}.heartbeat"
         self.longest_gap = 0.0       # the longest pause between heartbeats seen
@@ -253,8 +260,7 @@ class Supervisor:
                 self._end_leftovers(w)
                 return self._ended(w, code)
             if self.stopping is not None:
-                self.job.send_signal(signal.SIGTERM)   # mpirun passes it on: a last snapshot
-                return Outcome("stopped", self._iteration(w), code=self.job.wait())
+                return self._stop(w)
             quiet = now - (w.progress if w.progress is not None else w.started)
             limit = self.timeout() if w.progress is not None else self.s.start_timeout
             if quiet > limit:
@@ -287,6 +293,30 @@ class Supervisor:
                 w.procs.setdefault(proc.pid, proc)
         except psutil.Error:
             pass
+
+    def _stop(self, w):
+        """Ctrl-C or SIGTERM to the supervisor: SIGTERM to the ranks on this machine, which
+        stop after one same iteration with a snapshot (cgp train's --sigterm-effect); with a
+        host file, to mpirun, which ends the job (Open MPI aborts it: the last snapshot
+        stays). Waits for the job to end, or kills it after STOP_SECONDS."""
+        import psutil
+        self._list(w, time.monotonic())
+        if self.hosts is not None:
+            self.job.send_signal(signal.SIGTERM)
+        for proc in w.procs.values():
+            try:
+                if "OMPI_COMM_WORLD_RANK" in proc.environ():
+                    proc.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        try:
+            code = self.job.wait(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self._kill()
+            code = self.job.wait()
+        self._end_leftovers(w)
+        self._look(w, time.monotonic())
+        return Outcome("stopped", self._iteration(w), code=code)
 
     def _end_leftovers(self, w):
         """SIGKILL to what is left of the job's processes once mpirun has ended (its ranks
@@ -400,7 +430,13 @@ class Supervisor:
                              f"{self.ranks} ranks in {time.monotonic() - began:.1f} s; "
                              f"{self.changes} change(s) of size, {self.lost:.1f} s of work lost")
                     return 0
-                if outcome.kind in ("error", "stopped"):
+                if outcome.kind == "stopped":
+                    self.log(f"cgp launch: stopped by {signal.Signals(self.stopping).name} at "
+                             f"iteration {outcome.iteration}"
+                             + (f"; the last snapshot is {_state_path(self.s.prefix, w.snapshot)}"
+                                if w.snapshot >= 0 else ""))
+                    return outcome.code
+                if outcome.kind == "error":
                     return outcome.code or 1
                 if w.snapshot >= 0:
                     resume = _state_path(self.s.prefix, w.snapshot)
