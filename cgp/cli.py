@@ -199,6 +199,8 @@ def train(args, sp, path, config, log, sink):
             if sink is not None:
                 sink.start(net.name)
             results = trainer.solve()
+            if trainer.heartbeat is not None:   # cgp launch: what is left is the exit
+                trainer.heartbeat.finish(trainer.iter)
     finally:
         trainer.close()
     elapsed = time.perf_counter() - started
@@ -250,7 +252,7 @@ def add_launch(sub):
                    help="the mean time between failures that the chosen snapshot interval "
                         f"assumes (default {launch.DEFAULT_MTBF_HOURS:g})")
     p.add_argument("--hang-floor", type=float, default=30.0, metavar="S",
-                   help="a rank hangs when rank 0's heartbeat stands still this long, or 10 "
+                   help="a rank hangs when rank 0's heartbeat stands still this long, or 3 "
                         "times the longest pause between heartbeats if that is longer "
                         "(default 30)")
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",

@@ -28,7 +28,7 @@ BEAT_SECONDS = 0.2
 # A rank hangs when the heartbeat stands still for HANG_FACTOR times the longest pause
 # between two of its rewrites seen so far (a step, a test batch, a snapshot), at least the
 # floor (--hang-floor).
-HANG_FACTOR = 10
+HANG_FACTOR = 3
 
 # How often the supervisor looks at the heartbeat and at mpirun, and lists the job's
 # processes.
@@ -55,6 +55,7 @@ class Beat:
     snapshot: int = -1
     step_seconds: float = 0.0
     snapshot_seconds: float = 0.0
+    finished: bool = False      # trained to the end: what is left is the processes' exit
 
 
 class Heartbeat:
@@ -80,6 +81,11 @@ class Heartbeat:
         self.temp.write_text(json.dumps(self.state.__dict__))
         os.replace(self.temp, self.path)
         self.written = (now, iteration)
+
+    def finish(self, iteration):
+        """Training is over (done or stopped): the ranks now close and exit."""
+        self.state.finished = True
+        self.beat(iteration, force=True)
 
     def snapshot(self, iteration, seconds):
         """A snapshot of `iteration` is committed; it took `seconds` to write."""
@@ -175,6 +181,8 @@ class Watch:
     stderr: deque = field(default_factory=lambda: deque(maxlen=200))
     procs: dict = field(default_factory=dict)   # pid -> psutil.Process under mpirun, seen
     listed: float = 0.0          # when procs was last refreshed
+    relay: threading.Thread = None   # passes mpirun's stderr on, into `stderr`
+    origin: int = 0              # the iteration the launch starts from
 
 
 class Supervisor:
@@ -240,11 +248,12 @@ class Supervisor:
     def start(self, resume):
         self.heartbeat.unlink(missing_ok=True)
         argv, env = self.command(resume)
-        watch = Watch(started=time.monotonic())
+        watch = Watch(started=time.monotonic(), origin=resume_iteration(resume) or 0)
         self.job = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True,
                                     errors="replace")
-        threading.Thread(target=_relay, args=(self.job.stderr, watch.stderr),
-                         daemon=True).start()
+        watch.relay = threading.Thread(target=_relay, args=(self.job.stderr, watch.stderr),
+                                       daemon=True)
+        watch.relay.start()
         return watch
 
     def watch(self, w):
@@ -258,11 +267,14 @@ class Supervisor:
             if code is not None:
                 self._look(w, time.monotonic())
                 self._end_leftovers(w)
+                w.relay.join(timeout=5)   # mpirun's last words, which name the failed rank
                 return self._ended(w, code)
             if self.stopping is not None:
                 return self._stop(w)
             quiet = now - (w.progress if w.progress is not None else w.started)
-            limit = self.timeout() if w.progress is not None else self.s.start_timeout
+            # Before the first heartbeat the ranks start; after the last, they exit.
+            starting = w.progress is None or w.beat.finished
+            limit = self.s.start_timeout if starting else self.timeout()
             if quiet > limit:
                 return self._hung(w, quiet)
             if self.woken or self._hostfile_mtime() != self.hosts_mtime:
@@ -338,7 +350,8 @@ class Supervisor:
             time.sleep(POLL_SECONDS)
 
     def _iteration(self, w):
-        return w.beat.iteration if w.beat is not None else None
+        """The iteration the heartbeat last showed; without one, that of the launch's start."""
+        return w.beat.iteration if w.beat is not None else w.origin
 
     def _ended(self, w, code):
         if code == 0:
@@ -362,8 +375,9 @@ class Supervisor:
         self._end_leftovers(w)
         rank, host = stopped[0] if stopped else (None, None)
         what = (f"no heartbeat for {quiet:.1f} s (limit {self.timeout():.1f} s)"
-                if w.progress is not None else
-                f"no first heartbeat {quiet:.1f} s after the launch")
+                if w.progress is not None and not w.beat.finished else
+                f"no {'first' if w.progress is None else 'exit'} {quiet:.1f} s after the "
+                f"{'launch' if w.progress is None else 'last heartbeat'}")
         if rank is not None:
             what += f"; rank {rank} was stopped"
         return Outcome("hung", self._iteration(w), rank, host, what)
