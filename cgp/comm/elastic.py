@@ -424,6 +424,17 @@ class Supervisor:
 
     # -- the whole run ------------------------------------------------------------------
     def run(self):
+        from cgp.snapshot import lock_prefix
+        # One supervisor per prefix: a second would take over the first one's heartbeat
+        # (its own job is refused by the trainer's lock on the prefix itself).
+        lock = lock_prefix(f"{self.s.prefix}.launch")
+        try:
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self):
         resume = self.s.resume
         fruitless = 0
         old = {s: signal.signal(s, self._signal) for s in (signal.SIGUSR1, signal.SIGINT,
