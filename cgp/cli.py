@@ -36,6 +36,14 @@ def add_train(sub):
     p.add_argument("--snapshot", help="resume from a .solverstate")
     p.add_argument("--snapshot-prefix", default=None,
                    help="where snapshots go (overrides the solver's snapshot_prefix)")
+    p.add_argument("--snapshot-every", type=int, default=None, metavar="N",
+                   help="snapshot every N iterations (overrides the solver's snapshot; 0: "
+                        "none but the last)")
+    p.add_argument("--snapshot-seconds", type=float, default=None, metavar="T",
+                   help="also snapshot once T seconds have passed since the last snapshot")
+    p.add_argument("--heartbeat", default=None, metavar="FILE",
+                   help="rank 0 rewrites FILE as training progresses (what `cgp launch` "
+                        "watches for hangs)")
     for name, default in (("sigint", "stop"), ("sighup", "snapshot"), ("sigterm", "stop")):
         p.add_argument(f"--{name}-effect", default=default, choices=("stop", "snapshot", "none"),
                        help=f"what {name.upper()} does, after the current iteration (default "
@@ -103,7 +111,6 @@ def train_log(args, sp, solver_path, log):
 
 def cmd_train(args, log=print):
     from cgp.prototxt import read_solver
-    from cgp.train import RunConfig
 
     path = solver_file(args)
     sp = read_solver(path)
@@ -113,14 +120,11 @@ def cmd_train(args, log=print):
         sp.ClearField("weights")
     if args.weights:
         sp.weights.append(args.weights)
-    config = RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
-                       staleness=args.staleness, sharing=args.sharing, groups=args.groups,
-                       data_dir=args.data_dir, download=not args.no_download,
-                       max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
-                       affinity=args.affinity, sigint_effect=args.sigint_effect,
-                       sighup_effect=args.sighup_effect, sigterm_effect=args.sigterm_effect,
-                       denormals=args.denormals, device=args.device,
-                       workers=worker_kind(args.workers))
+    if args.snapshot_every is not None:
+        if args.snapshot_every < 0:
+            raise CgpError(f"--snapshot-every must be at least 0, got {args.snapshot_every}")
+        sp.snapshot = args.snapshot_every
+    config = run_config(args)
     sink = train_log(args, sp, path, log)
     try:
         return train(args, sp, path, config, sink or log, sink)
@@ -129,6 +133,21 @@ def cmd_train(args, log=print):
             sink.close()
             if sink.started is not None and sink.path.exists():
                 log(f"cgp: training log written to {sink.path} and {sink.csv_path}")
+
+
+def run_config(args):
+    """The RunConfig of `cgp train`'s options."""
+    from cgp.train import RunConfig
+
+    return RunConfig(threads=args.threads, chunks=args.chunks, seed=args.seed,
+                     staleness=args.staleness, sharing=args.sharing, groups=args.groups,
+                     data_dir=args.data_dir, download=not args.no_download,
+                     max_iter=args.iters, snapshot_prefix=args.snapshot_prefix,
+                     affinity=args.affinity, sigint_effect=args.sigint_effect,
+                     sighup_effect=args.sighup_effect, sigterm_effect=args.sigterm_effect,
+                     denormals=args.denormals, device=args.device,
+                     workers=worker_kind(args.workers), snapshot_seconds=args.snapshot_seconds,
+                     heartbeat=args.heartbeat)
 
 
 def train(args, sp, path, config, log, sink):
@@ -180,6 +199,8 @@ def train(args, sp, path, config, log, sink):
             if sink is not None:
                 sink.start(net.name)
             results = trainer.solve()
+            if trainer.heartbeat is not None:   # cgp launch: what is left is the exit
+                trainer.heartbeat.finish(trainer.iter)
     finally:
         trainer.close()
     elapsed = time.perf_counter() - started
@@ -201,6 +222,62 @@ def train(args, sp, path, config, log, sink):
     if getattr(trainer, "weights_path", None):
         log(f"cgp: weights written to {trainer.weights_path}")
     return 0
+
+
+def add_launch(sub):
+    from cgp.commands import launch
+
+    p = sub.add_parser(
+        "launch", help="run `cgp train` on MPI ranks that survive lost ranks, bit for bit",
+        description="Runs the cgp command after `--` (a train command line) as mpirun ranks. "
+                    "When a rank dies or hangs, the job is ended and started again on one "
+                    "rank fewer (with --hostfile: without the host that failed), down to "
+                    "--min-ranks, from its last snapshot; SIGUSR1 to this process, or a "
+                    "change of the host file, grows it back at the next snapshot. The "
+                    "final weights, every loss and the test results are those of an "
+                    "uninterrupted run.")
+    p.add_argument("-np", "--np", dest="ranks", type=int, required=True, metavar="R",
+                   help="ranks to run on (the most)")
+    p.add_argument("--min-ranks", type=int, default=1, metavar="M",
+                   help="stop rather than run on fewer ranks than this (default 1)")
+    p.add_argument("--hostfile", default=None, metavar="F",
+                   help="Open MPI host file ('host slots=N' lines); re-read on SIGUSR1 or "
+                        "when it changes. Without it, the ranks run on this machine")
+    p.add_argument("--snapshot-every", type=int, default=None, metavar="N",
+                   help="snapshot every N iterations")
+    p.add_argument("--snapshot-seconds", type=float, default=None, metavar="T",
+                   help="snapshot every T seconds (default, where the train command sets "
+                        "neither: chosen from a step and a snapshot timed at start-up)")
+    p.add_argument("--mtbf", type=float, default=launch.DEFAULT_MTBF_HOURS, metavar="HOURS",
+                   help="the mean time between failures that the chosen snapshot interval "
+                        f"assumes (default {launch.DEFAULT_MTBF_HOURS:g})")
+    p.add_argument("--hang-floor", type=float, default=30.0, metavar="S",
+                   help="a rank hangs when rank 0's heartbeat stands still this long, or 3 "
+                        "times the longest pause between heartbeats if that is longer "
+                        "(default 30)")
+    p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
+                   help="a launch hangs when no heartbeat comes this long after it starts "
+                        "(default 300: the ranks start, load the data and the kernels)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- train --solver S ...: the cgp command line to run")
+    p.set_defaults(run=cmd_launch)
+
+
+def cmd_launch(args, log=print):
+    from cgp.commands import launch
+
+    train = list(args.command)
+    if train[:1] == ["--"]:
+        train = train[1:]
+    if train[:1] != ["train"]:
+        raise CgpError("cgp launch runs a train command: cgp launch -np R -- train --solver "
+                       "S ... (got " + (" ".join(train) or "nothing") + " after the options)")
+    try:
+        options = build_parser().parse_args(train)
+    except SystemExit:   # argparse has said what is wrong
+        raise CgpError("the train command after `--` is not one that cgp train takes "
+                       "(see above)") from None
+    return launch.run(args, train, options, run_config(options), log)
 
 
 def add_equivalence(sub):
@@ -402,6 +479,7 @@ def build_parser():
         "results are bitwise identical for any thread count.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train(sub)
+    add_launch(sub)
     add_equivalence(sub)
     add_bench(sub)
     add_time(sub)

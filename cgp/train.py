@@ -12,26 +12,27 @@ lacks for that (seed, data position, chunks; see cgp/proto/cgp.proto); a .solver
 that Caffe wrote resumes as Caffe resumes, with the data back at the first record.
 """
 import time
-from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
 from cgp.comm import make_communicator
+from cgp.comm.elastic import Heartbeat
 from cgp.device import make_engine, select_backend
 from cgp.errors import CgpError
 from cgp.net import RunOptions
 from cgp.proto import cgp_pb2
 from cgp.runtime.procs import make_pool
 from cgp.snapshot import layers_without, load_weights
-from cgp.solver import Solver, check_values
+from cgp.solver import Solver
 from cgp.step import DataParallelStep, Diverged
 from cgp.training import divergence, memory
-from cgp.training.config import DEFAULT_SEED, RunConfig, worker_kind
+from cgp.training.config import RunConfig, worker_kind
 from cgp.training.memory import WORKER_PROCESS_BYTES, check_memory   # noqa: F401  (*)
 from cgp.training.progress import Progress, fmt, loss_note            # noqa: F401  (*)
 from cgp.training.signals import REQUESTS, Signals                   # noqa: F401  (*)
 from cgp.training.snapshots import Snapshots, restore
-from cgp.training.solver_files import build_nets, check_solver_fields, resolve
+from cgp.training.solver_files import (build_nets, check_solver,   # noqa: F401  (*)
+                                      resolve, weights_files)
 from cgp.training.testing import PeriodicTests, copy_shared          # noqa: F401  (*)
 from cgp.training.triggers import Count
 # (*) Names that other modules import from cgp.train, where they were defined before.
@@ -46,13 +47,7 @@ class Trainer:
     def __init__(self, sp, solver_path=None, config=RunConfig(), log=print):
         self.sp, self.config, self.log = sp, config, log
         self.solver_path = solver_path
-        check_solver_fields(sp, solver_path, log)
-        check_values(sp, solver_path, log)
-        if config.max_iter is None and sp.max_iter < 0:   # Caffe would train to iteration 0
-            raise CgpError(f"solver {solver_path}: max_iter must be at least 0, got "
-                           f"{sp.max_iter}")
-        self.seed = config.seed if config.seed is not None else (
-            sp.random_seed if sp.random_seed >= 0 else DEFAULT_SEED)
+        self.seed = check_solver(sp, solver_path, config, log)
         self.net, self.test_nets = build_nets(sp, solver_path,
                                               RunOptions(config.data_dir, config.download))
         self.net.init_params(self.seed)
@@ -75,7 +70,8 @@ class Trainer:
         self.pool.start()   # workers forked once everything they run exists
         # The loop's units.
         self.tests = PeriodicTests(sp, self.test_nets, self.test_engines)
-        self.snapshots = Snapshots(sp, config, solver_path)
+        self.heartbeat = Heartbeat(config.heartbeat) if config.heartbeat and comm.leader else None
+        self.snapshots = Snapshots(sp, config, solver_path, self.heartbeat)
         self.signals = Signals(config.sigint_effect, config.sighup_effect, config.sigterm_effect)
         self.progress = Progress(self)
         self.iter = 0
@@ -91,11 +87,8 @@ class Trainer:
         self.drained = False      # every iteration to max_iter is claimed (cgp.comm.sharing)
         self._from = 0            # the iteration count where the latest steps() began
         self.clock = time.perf_counter   # the display's speed; cgp train's leaves out compiling
-        # Caffe's solver field `weights` (the command line's --weights replaces it).
-        base = Path(solver_path).parent if solver_path else None
-        for names in sp.weights:
-            for name in names.split(","):
-                self.load_weights(resolve(name, base, "weights file (solver field weights)"))
+        for path in weights_files(sp, solver_path):
+            self.load_weights(path)
 
     # -- data ----------------------------------------------------------------------
     def _pass(self, it, k):
@@ -197,6 +190,7 @@ class Trainer:
             self.snapshots.check_folder(self.iter)
         # Where groups share weights (cgp.comm.sharing): the buffer starts from these weights.
         self.iter = self._from = self.comm.begin(self.iter, self.net.params)
+        self.snapshots.clock = time.monotonic()   # --snapshot-seconds count from here
         with threadpool_limits(limits=1), self.signals, self.progress:
             while self.iter < self.max_iter and not self.stopped:
                 if self.tests.due(self.count()):
@@ -234,6 +228,10 @@ class Trainer:
         """solve()'s call after each iteration: the display, then the signals' request,
         agreed by every process: one ends the steps() call, to be acted on at once."""
         self.progress.after_step(it, loss, outputs, rate)
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self.iter)
+        if self.snapshots.time_due(self.comm.leader):   # --snapshot-seconds: as a request
+            self.signals.request = max(self.signals.request, "snapshot", key=REQUESTS.index)
         return self.signals.agree(self.comm, self.log) is not None
 
     def act_on_request(self, snapshot_due=False):

@@ -38,6 +38,11 @@ class RunConfig:
     # Where the chunks compute: "cpu", "gpu" (CuPy) or "numpy" (the GPU path on the host).
     device: str = "cpu"
     device_id: int = None     # the GPU's CUDA index (default: the local rank's)
+    # Also snapshot once this many seconds have passed since the last one (rank 0's clock,
+    # agreed as a signal's request is), and rank 0's progress file (cgp.comm.elastic): what
+    # `cgp launch` supervises.
+    snapshot_seconds: float = None
+    heartbeat: str = None
 
     def __post_init__(self):
         # Refused before anything runs: a seed out of range would otherwise fail only when
@@ -56,6 +61,8 @@ class RunConfig:
             raise CgpError("--sharing hybrid needs --groups G: the ranks are cut into G groups, "
                            "synchronous within, asynchronous between them")
         check_device(self.device, self.threads)
+        if self.snapshot_seconds is not None and not self.snapshot_seconds > 0:
+            raise CgpError(f"--snapshot-seconds must be more than 0, got {self.snapshot_seconds}")
         if self.workers not in WORKERS:
             raise CgpError(f"--workers {self.workers}: expected one of {', '.join(WORKERS)}")
         check_effects(self.sigint_effect, self.sighup_effect, self.sigterm_effect)

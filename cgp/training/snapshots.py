@@ -2,6 +2,7 @@
 snapshot_after_train), where they go (one run per prefix, which it holds locked), and the
 writing of a pair. The files' format is cgp.snapshot's; what a pair holds comes from the
 trainer (Trainer.resume_state), and restore() puts it back."""
+import time
 from pathlib import Path
 
 from cgp.errors import CgpError
@@ -13,11 +14,14 @@ from cgp.training.triggers import until
 
 
 class Snapshots:
-    """The snapshots of one trainer. A trigger by time as well as by iteration would extend
-    due() (it is given the time) and until()."""
+    """The snapshots of one trainer: every `snapshot` iterations, and with --snapshot-seconds
+    also once that long has passed since the last (time_due)."""
 
-    def __init__(self, sp, config, solver_path):
+    def __init__(self, sp, config, solver_path, heartbeat=None):
         self.interval = sp.snapshot
+        self.seconds = config.snapshot_seconds
+        self.heartbeat = heartbeat   # cgp.comm.elastic.Heartbeat: told of each snapshot
+        self.clock = time.monotonic()   # when the last snapshot was written
         self.after_train = sp.snapshot_after_train
         self.h5 = sp.snapshot_format == caffe_pb2.SolverParameter.HDF5
         prefix = config.snapshot_prefix or sp.snapshot_prefix
@@ -35,6 +39,13 @@ class Snapshots:
 
     def until(self, it):
         return until(it, self.interval)
+
+    def time_due(self, leader):
+        """Whether --snapshot-seconds have passed since the last snapshot, by the leader's
+        clock alone: raised as a signal's request, so every rank snapshots at the same
+        iteration (Signals.agree)."""
+        return (self.seconds is not None and leader
+                and time.monotonic() - self.clock >= self.seconds)
 
     def due_after_train(self, it):
         """snapshot_after_train's, unless one was written at this very iteration."""
@@ -70,8 +81,12 @@ class Snapshots:
         model, state = snapshot_paths(self.prefix, it, self.h5)
         if comm.leader:
             self.hold(trainer.log)
+            started = time.monotonic()
             model = write_snapshot(self.prefix, it, trainer.net, trainer.solver,
                                    resume=trainer.resume_state(), h5=self.h5)
+            self.clock = time.monotonic()
+            if self.heartbeat is not None:
+                self.heartbeat.snapshot(it, self.clock - started)
         kind = "HDF5" if self.h5 else "binary proto"
         trainer.log(f"Snapshotting to {kind} file {model}")
         trainer.log(f"Snapshotting solver state to {kind} file {state}")

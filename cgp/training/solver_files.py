@@ -8,6 +8,8 @@ from cgp.errors import CgpError
 from cgp.net import build_net
 from cgp.proto import caffe_pb2
 from cgp.prototxt import read_net
+from cgp.solver import check_values
+from cgp.training.config import DEFAULT_SEED
 
 
 def resolve(name, base_dir, what):
@@ -90,3 +92,23 @@ def build_nets(sp, solver_path, options):
         test_nets.append(build_net(*param, caffe_pb2.TEST, options,
                                    stages=state.stage, level=state.level))
     return net, test_nets
+
+
+def check_solver(sp, solver_path, config, log):
+    """The solver's fields checked before anything is built; returns the run's seed (the
+    command line's, else the solver's random_seed, else DEFAULT_SEED)."""
+    check_solver_fields(sp, solver_path, log)
+    check_values(sp, solver_path, log)
+    if config.max_iter is None and sp.max_iter < 0:   # Caffe would train to iteration 0
+        raise CgpError(f"solver {solver_path}: max_iter must be at least 0, got {sp.max_iter}")
+    if config.seed is not None:
+        return config.seed
+    return sp.random_seed if sp.random_seed >= 0 else DEFAULT_SEED
+
+
+def weights_files(sp, solver_path):
+    """The files of Caffe's solver field `weights` (the command line's --weights replaces
+    it), in order."""
+    base = Path(solver_path).parent if solver_path else None
+    return [resolve(name, base, "weights file (solver field weights)")
+            for names in sp.weights for name in names.split(",")]

@@ -63,6 +63,8 @@ class PeriodicTests:
                 return None
             batch = trainer._batch(engine, (first + k) * net.batch_size, first + k)
             outputs, batch_loss, _ = engine.run(batch, first + k, trainer.seed)
+            if trainer.heartbeat is not None:   # a long test is progress too (cgp launch)
+                trainer.heartbeat.beat(trainer.iter)
             loss += batch_loss
             for name, value in outputs.items():
                 sums[name] = sums.get(name, 0.0) + value
