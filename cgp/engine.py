@@ -3,9 +3,10 @@ batch that this process owns, on a pool of workers, with the chunks' parameter g
 summed in the fixed order of the communicator (cgp.comm.local) as soon as they are written.
 
 One run, in one place (Engine.run): the batch is cut into K chunks by batch size and chunk
-count alone (chunk_bounds); the communicator says which of them this process computes
-(chunks lo..hi of K: all of them on one machine). The run is a list of typed tasks, built
-once per net and handed out in order to whichever worker asks next:
+count alone (chunk_bounds); this process computes chunks lo..hi of K, its range of
+cgp.comm.local.partition by the communicator's rank and size (all of them on one machine).
+The run is a list of typed tasks, built once per net and handed out in order to whichever
+worker asks next:
 
   Call(group)  forward and backward of a group of consecutive chunks in the worker's own
                buffers, each chunk's parameter gradient kept apart (see Chunk and Layer);
@@ -32,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cgp.comm.local import FactoredGrad, sum_over_chunks
+from cgp.comm.local import FactoredGrad, partition, sum_over_chunks
 from cgp.errors import CgpError
 from cgp.layers import Chunk, Factors
 from cgp.net import Workspace, work_scratch
@@ -132,8 +133,8 @@ class Engine:
         shared = pool.shared_memory
         self.bounds = chunk_bounds(net.batch_size, chunks)
         # The chunks each process computes, lo..hi of K, and their samples; this one's.
-        self.parts = comm.partition(len(self.bounds))
-        self.owned = comm.owned(len(self.bounds))
+        self.parts = partition(len(self.bounds), comm.size)
+        self.owned = self.parts[comm.rank]
         self.sample_parts = [self._samples_of(part) for part in self.parts]
         self.rows = self.sample_parts[self.parts.index(self.owned)]
         own = self.bounds[self.owned.start:self.owned.stop]
@@ -309,7 +310,10 @@ class Engine:
         self._slot = slot
         if sums_arg is not None and self._done is None:
             raise ValueError("Engine.run: a sums_arg needs on_sums first")
-        self.comm.start(self)   # it resets the run's counters (reset) when it may
+        # The counters restart once no exchange of an earlier run reads them any more.
+        self.comm.settle()
+        self.reset()
+        self.comm.start(self)
         if self.tasks:
             self.pool.run(self._tasks, len(self.tasks), iteration, seed, slot, sums_arg,
                           first=first)

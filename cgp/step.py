@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from cgp.comm.local import update_blocks
 from cgp.errors import CgpError
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.update import all_finite, claim
@@ -64,7 +65,7 @@ class DataParallelStep:
         self.slots = [aligned_zeros(net.n_params, net.params.dtype, pool.shared_memory)
                       for _ in range(staleness + 1)] if staleness else []
         # The fixed blocks the update runs in, and over which the clipping norm is added up.
-        self.blocks = comm.update_blocks(net.n_params)
+        self.blocks = update_blocks(net.n_params, comm.rank, comm.size)
         # The sum over iter_size passes (written by the reduction's tasks or the workers).
         self.accum = (aligned_zeros(net.n_params, net.params.dtype, pool.shared_memory)
                       if iter_size > 1 else None)

@@ -25,7 +25,7 @@ from cgp.errors import CgpError
 from cgp.data.hdf5 import require_h5py
 from cgp.layers import Chunk, scratch_specs
 from cgp.net import RunOptions, Workspace, build_net
-from cgp.comm import make_communicator
+from cgp.comm import make_communicator, make_schedule
 from cgp.step import DataParallelStep, Diverged
 from cgp.proto import caffe_pb2, cgp_pb2
 from cgp.prototxt import read_net
@@ -313,6 +313,7 @@ class Trainer:
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory,
                              [(b.offset, b.size) for b in self.net.param_blobs])
         self.comm = comm = make_communicator(self.pool, config.sharing, config.groups)
+        self.schedule = make_schedule(comm)   # which iterations this process computes
         self._check_memory(config.chunks)
         self.engine = make_engine(self.backend, self.net, config.chunks, self.pool, comm)
         self.test_engines = [make_engine(self.backend, n, config.chunks, self.pool, comm,
@@ -425,17 +426,17 @@ class Trainer:
         result, end = None, self.iter + n
         self._from = self.iter
         while self.iter < end:
-            it = self.comm.claim(self.iter, self.max_iter)
+            it = self.schedule.claim(self.iter, self.max_iter)
             if it is None:
                 self.drained = True
                 break
             try:
                 result = self.train_step(
                     it, lambda k: self._pass_batch(it, k), self.seed,
-                    first=lambda: self._work_ahead(self.comm.claim_ahead(it + 1, self.max_iter)))
+                    first=lambda: self._work_ahead(self.schedule.claim_ahead(it + 1, self.max_iter)))
             except Diverged as d:
                 raise CgpError(self._divergence(d)) from None
-            before, self.iter = self.iter, self.comm.after(it)
+            before, self.iter = self.iter, self.schedule.after(it)
             if each is not None and each(before, *result):
                 break
         return result
@@ -544,7 +545,7 @@ class Trainer:
         if (sp.snapshot or sp.snapshot_after_train) and self.comm.leader:   # found out now
             writable_folder(f"{self.snapshot_prefix()}_iter_{self.iter}.caffemodel")
         # Where groups share weights (cgp.comm.sharing): the buffer starts from these weights.
-        self.iter = self._from = self.comm.begin(self.iter, self.net.params)
+        self.iter = self._from = self.schedule.begin(self.iter, self.net.params)
         with threadpool_limits(limits=1), self._sigint(), self._progress() as bar:
             last = self.clock()
             last_iter = self.iter
@@ -580,9 +581,9 @@ class Trainer:
                         n = min(n, interval - self.iter % interval)
                 self.steps(n, done)
                 if self.drained:   # cgp.comm.sharing: the count once every group's updates are in
-                    self.iter = self.comm.end(self.iter, self.net.params)
+                    self.iter = self.schedule.end(self.iter, self.net.params)
                 self._act_on_request(snapshot_due=self._reached(sp.snapshot))
-            self.iter = self.comm.end(self.iter, self.net.params)   # after a stop, likewise
+            self.iter = self.schedule.end(self.iter, self.net.params)   # after a stop, likewise
             if (sp.snapshot_after_train and (not sp.snapshot or self.iter % sp.snapshot != 0)
                     and self.snapshot_iter != self.iter):
                 self.snapshot()   # a stop asked meanwhile changes nothing
@@ -620,7 +621,7 @@ class Trainer:
         all stop, or snapshot, at the same iteration."""
         while self._heard:
             self.log(self._heard.pop(0))
-        self._request = REQUESTS[self.comm.request(REQUESTS.index(self._request))]
+        self._request = REQUESTS[self.schedule.request(REQUESTS.index(self._request))]
         return self._request
 
     def _reached(self, interval):
