@@ -12,8 +12,10 @@ group's updates so far; no group ever waits for another. The iterations are tick
 shared counter: a group computes the batch, learning rate and random numbers of the
 iteration it drew, so every iteration's batch is computed once, in the order of a
 synchronous run; the trainer's count is the number of updates the buffer held at the
-group's last pull. Which weights a gradient was computed on, and in what order the updates
-land, depend on timing: the weights are not reproducible, even with the same settings.
+group's last pull (Tickets: the trainer's schedule, cgp.comm.make_schedule, where lockstep
+runs have cgp.comm.Lockstep). Which weights a gradient was computed on, and in what order
+the updates land, depend on timing: the weights are not reproducible, even with the same
+settings.
 
 Only rank 0's group tests and writes snapshots: the weights it last pulled and its solver
 history (each group keeps its own; a resumed run starts every group from it). Without
