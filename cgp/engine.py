@@ -30,7 +30,7 @@ over less often and let kernels run on more samples at once, until a call's buff
 longer fit in the caches: see group_size.
 """
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -89,6 +89,17 @@ def group_size(net, chunks, threads):
     fit = max(1, CALL_BYTES // (bounds[0][1] * net.sample_bytes))
     calls = max(-(-len(bounds) // fit), threads)
     return -(-len(bounds) // calls)
+
+
+class SumsUpdater(Protocol):
+    """What a Sum task hands its columns lo:hi to where their sum is the batch's, with the
+    run's pass plan, which the engine only hands on (Engine.hand_sums_to; cgp.step.Updater)."""
+
+    def prefetch(self, lo, hi, pass_plan):
+        """Before the sum: the update's cache lines asked for while the sum runs."""
+
+    def columns(self, lo, hi, pass_plan):
+        """After the sum: what the plan says to do with the columns."""
 
 
 class Call(NamedTuple):
@@ -236,7 +247,7 @@ class Engine:
         self.updater = None   # what Sum tasks hand their columns to (hand_sums_to)
         self._tasks = pool.program(self._task)
 
-    def hand_sums_to(self, updater):
+    def hand_sums_to(self, updater: SumsUpdater):
         """Where the communicator says that each Sum task's sum is the batch's (final_sums),
         lets run() hand its columns lo:hi to the updater in that task, right after the sum:
         updater.prefetch(lo, hi, pass_plan) before the sum (the update's cache lines asked
