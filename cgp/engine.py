@@ -3,9 +3,10 @@ batch that this process owns, on a pool of workers, with the chunks' parameter g
 summed in the fixed order of the communicator (cgp.comm.local) as soon as they are written.
 
 One run, in one place (Engine.run): the batch is cut into K chunks by batch size and chunk
-count alone (chunk_bounds); the communicator says which of them this process computes
-(chunks lo..hi of K: all of them on one machine). The run is a list of typed tasks, built
-once per net and handed out in order to whichever worker asks next:
+count alone (chunk_bounds); this process computes chunks lo..hi of K, its range of
+cgp.comm.local.partition by the communicator's rank and size (all of them on one machine).
+The run is a list of typed tasks, built once per net and handed out in order to whichever
+worker asks next:
 
   Call(group)  forward and backward of a group of consecutive chunks in the worker's own
                buffers, each chunk's parameter gradient kept apart (see Chunk and Layer);
@@ -14,8 +15,9 @@ once per net and handed out in order to whichever worker asks next:
                backward, the first layer that writes them (backward runs the layers last to
                first, so the last layers' sums start while calls still run the first ones);
                then, where the communicator says that sum is the batch's (one process), the
-               columns go to the caller's hook at once (on_sums: the solver's update, see
-               cgp.step.DataParallelStep) while they are still in this core's cache.
+               columns go at once, with the run's pass plan, to the updater that the step
+               handed the engine (hand_sums_to: cgp.step.Updater, which makes the solver's
+               update) while they are still in this core's cache.
 
 Which worker runs which task never matters: each task writes buffers of its own, and the sum
 of a column never depends on when it is made, so results are bitwise the same for any
@@ -28,11 +30,11 @@ over less often and let kernels run on more samples at once, until a call's buff
 longer fit in the caches: see group_size.
 """
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from cgp.comm.local import FactoredGrad, sum_over_chunks
+from cgp.comm.local import FactoredGrad, partition, sum_over_chunks
 from cgp.errors import CgpError
 from cgp.layers import Chunk, Factors
 from cgp.net import Workspace, work_scratch
@@ -89,6 +91,17 @@ def group_size(net, chunks, threads):
     return -(-len(bounds) // calls)
 
 
+class SumsUpdater(Protocol):
+    """What a Sum task hands its columns lo:hi to where their sum is the batch's, with the
+    run's pass plan, which the engine only hands on (Engine.hand_sums_to; cgp.step.Updater)."""
+
+    def prefetch(self, lo, hi, pass_plan):
+        """Before the sum: the update's cache lines asked for while the sum runs."""
+
+    def columns(self, lo, hi, pass_plan):
+        """After the sum: what the plan says to do with the columns."""
+
+
 class Call(NamedTuple):
     """Forward and backward of the chunks of Engine.groups[group] on one worker; where the
     net sums over the batch, segment `segment` of them (see Sync)."""
@@ -132,8 +145,8 @@ class Engine:
         shared = pool.shared_memory
         self.bounds = chunk_bounds(net.batch_size, chunks)
         # The chunks each process computes, lo..hi of K, and their samples; this one's.
-        self.parts = comm.partition(len(self.bounds))
-        self.owned = comm.owned(len(self.bounds))
+        self.parts = partition(len(self.bounds), comm.size)
+        self.owned = self.parts[comm.rank]
         self.sample_parts = [self._samples_of(part) for part in self.parts]
         self.rows = self.sample_parts[self.parts.index(self.owned)]
         own = self.bounds[self.owned.start:self.owned.stop]
@@ -231,23 +244,23 @@ class Engine:
         # Per worker, the layer calls of each (group, set of inputs), bound at its first call
         # there (Net.bind): a worker's calls repeat on the same arrays at every step.
         self._bound = [{} for _ in range(pool.threads)]
-        self._done = self._claim = None   # the hooks of on_sums
+        self.updater = None   # what Sum tasks hand their columns to (hand_sums_to)
         self._tasks = pool.program(self._task)
 
-    def on_sums(self, done, claim=None):
-        """Lets run() hand the columns of each Sum task to done(worker, lo, hi, arg) in that
-        task, right after their sum, where the communicator says that sum is the batch's
-        (comm.final_in_task); `arg` is run()'s sums_arg, and nothing is called in a run
-        without one. claim(lo, hi, arg), if given, runs first in such a task, before the sum
-        (the update's cache lines asked for while the sum runs: cgp.step). The same
-        values as done() called after the run: no call reads a layer's parameters after its
-        backward, which every call has passed before the task starts. Before the pool starts
-        (worker processes must inherit the hooks)."""
-        self._done, self._claim = done, claim
+    def hand_sums_to(self, updater: SumsUpdater):
+        """Where the communicator says that each Sum task's sum is the batch's (final_sums),
+        lets run() hand its columns lo:hi to the updater in that task, right after the sum:
+        updater.prefetch(lo, hi, pass_plan) before the sum (the update's cache lines asked
+        for while the sum runs), updater.columns(lo, hi, pass_plan) after it, for a run given
+        a pass_plan (cgp.step.PassPlan, which the engine only hands on). The same values as
+        the update made after the run: no call reads a layer's parameters after its backward,
+        which every call has passed before the task starts. Before the pool starts: worker
+        processes must inherit the updater."""
+        self.updater = updater
 
     @property
     def final_sums(self):
-        """Whether run()'s Sum tasks leave the batch's sum (and so call on_sums' hook)."""
+        """Whether run()'s Sum tasks leave the batch's sum (and so hand it to the updater)."""
         return self.backward and self.comm.final_in_task
 
     def new_workspace(self, group=None, shared=False):
@@ -292,14 +305,14 @@ class Engine:
         return FactoredGrad(blob.offset, J, L, a, b, starts)
 
     # -- a run ---------------------------------------------------------------------------
-    def run(self, batch, iteration, seed, first=None, sums_arg=None):
+    def run(self, batch, iteration, seed, first=None, pass_plan=None):
         """One forward (and backward) of the batch: source blob id -> array of this process's
         samples of the batch (self.rows: the whole batch on one machine). Returns ({output name: value}, loss,
         gradient or None): values and loss summed over every chunk of the batch in chunk
         order; the gradient is the reduction's result (the batch's sum where final_sums, else
         this process's part of it, which the communicator's exchange completes).
-        first: the caller's own work during the run (Pool.run's). sums_arg: handed with each
-        Sum task's columns to on_sums' hooks (in the form a worker process can be sent).
+        first: the caller's own work during the run (Pool.run's). pass_plan: handed with each
+        Sum task's columns to the updater (hand_sums_to), where final_sums; None: nothing is.
         A batch given to stage() during the run before is read where stage() copied it."""
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] is batch:
@@ -307,11 +320,14 @@ class Engine:
         else:
             slot = self._copy_in(batch)
         self._slot = slot
-        if sums_arg is not None and self._done is None:
-            raise ValueError("Engine.run: a sums_arg needs on_sums first")
-        self.comm.start(self)   # it resets the run's counters (reset) when it may
+        if pass_plan is not None and self.updater is None:
+            raise ValueError("Engine.run: a pass_plan needs hand_sums_to first")
+        # The counters restart once no exchange of an earlier run reads them any more.
+        self.comm.settle()
+        self.reset()
+        self.comm.start(self)
         if self.tasks:
-            self.pool.run(self._tasks, len(self.tasks), iteration, seed, slot, sums_arg,
+            self.pool.run(self._tasks, len(self.tasks), iteration, seed, slot, pass_plan,
                           first=first)
         elif first is not None:
             first()
@@ -362,14 +378,14 @@ class Engine:
             self.net.batch_size
         return range(first, first + sum(n for _, n in self.bounds[chunks.start:chunks.stop]))
 
-    def _task(self, worker, i, iteration, seed, slot, sums_arg):
+    def _task(self, worker, i, iteration, seed, slot, pass_plan):
         """Task i of a run, as the list says; slot: the set of inputs the calls read."""
         task = self.tasks[i]
         kind = type(task)
         if kind is Call:
             self._call(worker, task, iteration, seed, slot)
         elif kind is Sum:
-            self._sum(worker, task, sums_arg)
+            self._sum(worker, task, pass_plan)
         else:
             self._sync(task.index)
 
@@ -421,20 +437,20 @@ class Engine:
         self.net.entries[i].layer.sync(k, [t for _, t in self.sums[i]], self.params[i])
         spin.fetch_add(self.synced, s, 1)
 
-    def _sum(self, worker, task, sums_arg):
+    def _sum(self, worker, task, pass_plan):
         """A Sum task: waits until every call is past the first entry that writes its columns
         (each call runs on a worker that waits for nothing, unless the run has failed: then
-        check_run raises), sums them, and hands them on where the sum is final."""
+        check_run raises), sums them, and hands them to the updater where the sum is final."""
         self._wait(self.progress, task.after, task.after + 1, len(self.groups))
         lo, hi = self.reduction.spans[task.task]
-        hand_on = sums_arg is not None and self.comm.final_in_task
-        if hand_on and self._claim is not None:
+        hand_on = pass_plan is not None and self.comm.final_in_task
+        if hand_on:
             # Only now: a call still reading these parameters would lose its lines to it.
-            self._claim(lo, hi, sums_arg)
+            self.updater.prefetch(lo, hi, pass_plan)
         self.reduction.task(worker, task.task)
         spin.fetch_add(self.reduction.done, task.task, 1)   # for a communicator that watches
         if hand_on:
-            self._done(worker, lo, hi, sums_arg)
+            self.updater.columns(lo, hi, pass_plan)
 
     def _wait(self, counters, lo, hi, target):
         """Waits, within a run, until counters[lo:hi] have each reached target, other tasks'

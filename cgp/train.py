@@ -15,7 +15,7 @@ import time
 
 from threadpoolctl import threadpool_limits
 
-from cgp.comm import make_communicator
+from cgp.comm import make_communicator, make_schedule
 from cgp.comm.elastic import Heartbeat
 from cgp.device import make_engine, select_backend
 from cgp.errors import CgpError
@@ -60,6 +60,7 @@ class Trainer:
         self.solver = Solver(sp, self.net.lr_mult, self.net.decay_mult, self.pool.shared_memory,
                              [(b.offset, b.size) for b in self.net.param_blobs])
         self.comm = comm = make_communicator(self.pool, config.sharing, config.groups)
+        self.schedule = make_schedule(comm)   # which iterations this process computes
         self.memory_line = memory.measure(self.net, config.chunks, self.pool,
                                           len(self.solver.histories), self.test_nets)
         self.engine = make_engine(self.backend, self.net, config.chunks, self.pool, comm)
@@ -151,18 +152,19 @@ class Trainer:
         result, end = None, self.iter + n
         self._from = self.iter
         while self.iter < end:
-            it = self.comm.claim(self.iter, self.max_iter)
+            it = self.schedule.claim(self.iter, self.max_iter)
             if it is None:
                 self.drained = True
                 break
             try:
                 result = self.train_step(
                     it, lambda k: self._pass_batch(it, k), self.seed,
-                    first=lambda: self._work_ahead(self.comm.claim_ahead(it + 1, self.max_iter)))
+                    first=lambda: self._work_ahead(self.schedule.claim_ahead(it + 1,
+                                                                             self.max_iter)))
             except Diverged as d:
                 raise CgpError(divergence.explain(d, self.net, self.seed,
                                                   *self._pass(d.iteration, d.index))) from None
-            before, self.iter = self.iter, self.comm.after(it)
+            before, self.iter = self.iter, self.schedule.after(it)
             if each is not None and each(before, *result):
                 break
         return result
@@ -189,7 +191,7 @@ class Trainer:
             self.hold_prefix()
             self.snapshots.check_folder(self.iter)
         # Where groups share weights (cgp.comm.sharing): the buffer starts from these weights.
-        self.iter = self._from = self.comm.begin(self.iter, self.net.params)
+        self.iter = self._from = self.schedule.begin(self.iter, self.net.params)
         self.snapshots.clock = time.monotonic()   # --snapshot-seconds count from here
         with threadpool_limits(limits=1), self.signals, self.progress:
             while self.iter < self.max_iter and not self.stopped:
@@ -201,10 +203,10 @@ class Trainer:
                 self.steps(min(self.max_iter - self.iter, self.tests.until(self.iter),
                                self.snapshots.until(self.iter)), self._after_step)
                 if self.drained:   # cgp.comm.sharing: the count once every group's updates are in
-                    self.iter = self.comm.end(self.iter, self.net.params)
+                    self.iter = self.schedule.end(self.iter, self.net.params)
                 self.act_on_request(
                     snapshot_due=self.snapshots.due(self.count(), time.monotonic()))
-            self.iter = self.comm.end(self.iter, self.net.params)   # after a stop, likewise
+            self.iter = self.schedule.end(self.iter, self.net.params)   # after a stop, likewise
             if self.snapshots.due_after_train(self.iter):
                 self.snapshot()   # a stop asked meanwhile changes nothing
         if self.stopped:
@@ -232,12 +234,12 @@ class Trainer:
             self.heartbeat.beat(self.iter)
         if self.snapshots.time_due(self.comm.leader):   # --snapshot-seconds: as a request
             self.signals.request = max(self.signals.request, "snapshot", key=REQUESTS.index)
-        return self.signals.agree(self.comm, self.log) is not None
+        return self.signals.agree(self.schedule, self.log) is not None
 
     def act_on_request(self, snapshot_due=False):
         """Takes what a signal asked for since the last call (Signals.agree): a snapshot is
         written (once, also when one is due anyway), a stop sets `stopped`."""
-        request, self.signals.request = self.signals.agree(self.comm, self.log), None
+        request, self.signals.request = self.signals.agree(self.schedule, self.log), None
         if snapshot_due or request == "snapshot":
             self.snapshot()
         if request == "stop":

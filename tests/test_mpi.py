@@ -257,6 +257,18 @@ def test_staleness_gives_one_hash_across_ranks(staleness, ranks, threads, mnist_
     assert status == 0, "\n".join(lines)
 
 
+def test_iter_size_with_clipping_gives_one_hash_across_ranks(mnist_dir):
+    """iter_size 2 with clip_gradients across ranks: each pass's sum is completed by the
+    exchange and added to the passes before in a run of the step's own (PassPlan's
+    accumulate; one process adds it in the reduction's tasks), and the clipping norm is
+    added up over every rank's blocks: one hash for 1 and 3 ranks."""
+    sp = solver("mnist", test_iter=[1], iter_size=2, clip_gradients=1.0)
+    lines = []
+    status = run(sp, None, RunConfig(data_dir=str(mnist_dir)), [1], 3, log=lines.append,
+                 ranks=[1, 3])
+    assert status == 0, "\n".join(lines)
+
+
 def test_lars_and_warmup_give_one_hash_across_ranks(mnist_dir):
     """Intel Caffe's LARS and warm-up, read from the solver as Intel's files name them: the
     layer-wise norms add up over blocks in a fixed order, so 1 and 3 ranks x 1 and 2 workers

@@ -162,7 +162,7 @@ def test_staleness_applies_the_gradient_of_s_iterations_before(mnist_dir):
             before = trainers[0].net.params.copy()
             for t in trainers:
                 t.step()
-            made.append(trainers[0].train_step.slots[it % 3].copy())
+            made.append(trainers[0].train_step.updater.slots[it % 3].copy())
             after = trainers[0].net.params
             if it < 2:
                 assert np.array_equal(after, start)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
+from cgp.comm import make_schedule
 from cgp.comm.local import LocalCommunicator
 from cgp.proto import caffe_pb2
 from cgp.runtime.procs import make_pool
@@ -107,7 +108,7 @@ def test_signals_record_requests_and_restore_the_handlers():
 def test_agree_says_what_was_heard_then_takes_the_agreed_request():
     pool = make_pool("threads", 1)
     try:
-        comm, lines = LocalCommunicator(pool), []
+        comm, lines = make_schedule(LocalCommunicator(pool)), []
         signals = Signals("stop", "snapshot", "stop")
         signals.heard = ["SIGHUP: snapshotting after this iteration"]
         signals.request = "snapshot"

@@ -1,8 +1,10 @@
-"""Communication: the fixed-order sum over chunk rows and the collectives a run needs.
+"""Communication: the fixed-order sum over chunk rows and the collectives a run needs, and
+which iterations a process computes.
 
 local: the tree over chunk index, the Communicator protocol and the one-machine communicator;
 mpi: the same tree completed across MPI ranks; sharing: groups of ranks that share weights
-asynchronously. make_communicator below is the one place that picks among them.
+asynchronously, and their Tickets. make_communicator and make_schedule below are the one
+place that picks among them.
 """
 from cgp.errors import CgpError
 
@@ -33,3 +35,53 @@ def make_communicator(pool, sharing="sync", groups=0):
         raise CgpError(f"--sharing hybrid --groups {groups}: from 2 to the {size} ranks of the "
                        "job (one group is --sharing sync; one rank a group is --sharing async)")
     return shared.SharedCommunicator(pool, world, sharing, groups)
+
+
+def make_schedule(comm):
+    """Which iterations this process computes, for the trainer: the tickets of the groups'
+    shared buffer where groups share weights asynchronously (cgp.comm.sharing.Tickets, which
+    that communicator's share() feeds), else every iteration, with every process (Lockstep)."""
+    from cgp.comm.sharing import SharedCommunicator
+
+    if isinstance(comm, SharedCommunicator):
+        return comm.tickets
+    return Lockstep(comm)
+
+
+class Lockstep:
+    """The iterations where every process computes every one together: the trainer's count
+    is the iteration, and a request (cgp.train.REQUESTS) is agreed with the communicator's
+    max(). The protocol that cgp.comm.sharing.Tickets follows too."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def begin(self, it, params):
+        """Training starts, or resumes, at iteration `it` with these params (every process
+        at once): returns the iteration count."""
+        return it
+
+    def claim(self, it, end):
+        """The iteration whose batch this process computes next, its count being `it`; None
+        where none is left before `end`."""
+        return it
+
+    def claim_ahead(self, it, end):
+        """As claim(), asked during the step before (its batch is read meanwhile): the
+        iteration that the next claim() returns."""
+        return it
+
+    def after(self, it):
+        """The iteration count once this process's step of iteration `it` is shared."""
+        return it + 1
+
+    def request(self, value):
+        """What every process acts on now of the signals' requests (cgp.train.REQUESTS: 0
+        none, 1 snapshot, 2 stop; each process asks once an iteration): the strongest any
+        has made."""
+        return self.comm.max(value)
+
+    def end(self, it, params):
+        """This process has no iteration left, or stops: returns the final iteration count,
+        params then the final weights (every process at once)."""
+        return it

@@ -10,12 +10,14 @@ A chunk's gradient comes either as a row of a (chunks, parameters) buffer or, fo
 whose gradient is a product A^T @ B (InnerProduct), as its factors: the product is then
 formed inside the reduction, with the same bits, and never stored once per chunk.
 
-The protocol that cgp.engine, cgp.step and cgp.train rely on is Communicator below;
-cgp.comm.make_communicator() picks the implementation: LocalCommunicator (the threads or
-worker processes of one machine) or, under mpirun, cgp.comm.mpi.MPICommunicator, both in
-lockstep (Lockstep: every process computes every iteration); or, with --sharing async or hybrid,
-cgp.comm.sharing.SharedCommunicator, whose groups of ranks compute iterations of their own. The
-naive twin that tests compare with is ReferenceCommunicator.
+The protocol that cgp.engine, cgp.step and cgp.train rely on is Communicator below: the
+collectives over chunk rows alone; who computes which chunks and updates which columns is
+planned by the free functions partition() and update_blocks(). cgp.comm.make_communicator()
+picks the implementation: LocalCommunicator (the threads or worker processes of one machine)
+or, under mpirun, cgp.comm.mpi.MPICommunicator; or, with --sharing async or hybrid,
+cgp.comm.sharing.SharedCommunicator, whose groups of ranks compute iterations of their own
+(their schedule is cgp.comm.sharing.Tickets, not a communicator's). The naive twin that tests
+compare with is ReferenceCommunicator.
 """
 from typing import NamedTuple, Protocol
 
@@ -114,45 +116,64 @@ def merge_pairs(nodes, chunks):
     return pairs
 
 
-class Communicator(Protocol):
-    """What the engine and the data-parallel step ask of a communicator. Processes (ranks)
-    compute contiguous ranges of the K chunks, in order. A run of the engine computes the
-    chunks owned(K) and runs plan()'s tasks, each once its columns are written; the step then
-    calls exchange(), updates update_blocks() with the solver, and share()s the result."""
+def partition(chunks, size):
+    """Every process's range of the `chunks` chunks of a batch, lo..hi, in process order: `size`
+    contiguous, near-equal ranges (one process: all of them)."""
+    return [range(r * chunks // size, (r + 1) * chunks // size) for r in range(size)]
 
+
+def update_ranges(n, size):
+    """Every process's blocks of n parameters, the fixed blocks(n) cut into `size` contiguous
+    runs: the columns each process updates (and, across ranks, owns in the exchange)."""
+    every = blocks(n)
+    return [every[r * len(every) // size:(r + 1) * len(every) // size] for r in range(size)]
+
+
+def update_blocks(n, rank, size):
+    """The fixed blocks (lo, hi) of n parameters that process `rank` of `size` updates."""
+    return update_ranges(n, size)[rank]
+
+
+class Communicator(Protocol):
+    """The collectives that the engine and the data-parallel step need, over the rows of
+    chunk gradients. Processes (ranks) `0..size - 1` compute contiguous ranges of the K chunks,
+    in order (partition(K, size)), and update contiguous runs of the parameters' blocks
+    (update_blocks(n, rank, size)): the planning is those free functions, the same for every
+    communicator. A run of the engine computes its chunks and runs plan()'s tasks, each once
+    its columns are written; the step then calls exchange(), updates its blocks with the
+    solver and share()s the result. Which iterations a process computes is not the
+    communicator's business: cgp.comm.make_schedule."""
+
+    rank: int             # this process's index among the `size` that share each batch
+    size: int
     takes_factors: bool   # whether plan() takes FactoredGrad blocks
     final_in_task: bool   # whether a task's columns hold the batch's sum once it has run
     leader: bool          # whether this process writes snapshots and prints progress
     leader_group: bool    # whether this process takes part in the tests and snapshots
     reproducible: bool    # whether the weights are a function of the run's settings alone
 
-    def partition(self, chunks):
-        """Every process's range of chunks, lo..hi of `chunks`, in process order."""
-
-    def owned(self, chunks):
-        """This process's range of chunks: its entry of partition()."""
-
     def plan(self, bufs, chunks, factored=(), cuts=()):
         """A Reduction: the fixed-order sum of bufs' rows (one per owned chunk of `chunks`)
         and of the factored blocks, cut into tasks once, each ending at the columns `cuts`
         too."""
 
+    def settle(self):
+        """Returns once nothing of an earlier run is in flight: the engine may then reset the
+        counters that run's exchange was reading (Engine.run)."""
+
     def start(self, engine):
-        """A run of the engine begins: once nothing of an earlier run is in flight, reset the
-        engine's counters (Engine.reset); a communicator across processes then starts
-        exchanging what the run makes as soon as it is made (the other processes' shares of
-        each sum over the batch, which the engine's Sync tasks await; each reduction task's
-        columns, which exchange() then completes)."""
+        """A run of the engine begins, its counters reset: a communicator across processes
+        starts exchanging what the run makes as soon as it is made (the other processes'
+        shares of each sum over the batch, which the engine's Sync tasks await; each
+        reduction task's columns, which exchange() then completes)."""
 
     def exchange(self, reduction):
         """The step between "local sums done" and "update": makes the reduction's result
-        hold the batch's sum of every column of update_blocks(), in the same tree."""
-
-    def update_blocks(self, n):
-        """The fixed blocks (lo, hi) of n parameters that this process updates."""
+        hold the batch's sum of every column of this process's update blocks, in the same
+        tree."""
 
     def share(self, params):
-        """After the update of update_blocks(): every process holds all the new params."""
+        """After the update of each process's blocks: every process holds all the new params."""
 
     def gather(self, array, parts):
         """array's rows parts[i] (ranges, in process order) were written by process i: fills
@@ -160,66 +181,15 @@ class Communicator(Protocol):
 
     def gather_values(self, values):
         """This process's list of floats -> every process's lists, concatenated in process
-        order (per-block values of update_blocks(), which are contiguous runs of blocks)."""
+        order (per-block values of its update blocks, which are contiguous runs of blocks)."""
 
     def collect(self, array):
-        """Gives the leader every process's update_blocks() columns of a (n,) array (the
+        """Gives the leader every process's update-block columns of a (n,) array (the
         solver's histories, before the leader snapshots them)."""
 
     def max(self, value):
         """The largest of every process's int value (every process must ask, at the same
         point): how processes agree, e.g. on a column that went infinite."""
-
-    # -- the iterations (the trainer's; Lockstep's where every process computes each) ----
-    def begin(self, it, params):
-        """Training starts, or resumes, at iteration `it` with these params (every process
-        at once): returns the iteration count."""
-
-    def claim(self, it, end):
-        """The iteration whose batch this process computes next, its count being `it`; None
-        where none is left before `end`."""
-
-    def claim_ahead(self, it, end):
-        """As claim(), asked during the step before (its batch is read meanwhile): the
-        iteration that the next claim() returns."""
-
-    def after(self, it):
-        """The iteration count once this process's step of iteration `it` is shared."""
-
-    def request(self, value):
-        """What every process acts on now of the signals' requests (cgp.train.REQUESTS: 0
-        none, 1 snapshot, 2 stop; each process asks once an iteration): the strongest any
-        has made."""
-
-    def end(self, it, params):
-        """This process has no iteration left, or stops: returns the final iteration count,
-        params then the final weights (every process at once)."""
-
-
-class Lockstep:
-    """The iterations of communicators whose processes compute every iteration together:
-    the trainer's count is the iteration, a request is agreed with max()."""
-
-    leader_group = True
-    reproducible = True
-
-    def begin(self, it, params):
-        return it
-
-    def claim(self, it, end):
-        return it
-
-    def claim_ahead(self, it, end):
-        return it
-
-    def after(self, it):
-        return it + 1
-
-    def request(self, value):
-        return self.max(value)
-
-    def end(self, it, params):
-        return it
 
 
 class Reduction:
@@ -246,24 +216,21 @@ class Reduction:
         return self.result
 
 
-class LocalCommunicator(Lockstep):
+class LocalCommunicator:
     """One process owns every chunk: tree-sums chunk buffers in parallel over column blocks on
     a pool (cgp.runtime.pool.Pool's threads, or cgp.runtime.procs.ProcessPool's processes,
-    the buffers then in shared memory); each task's sum is the batch's."""
+    the buffers then in shared memory); each task's sum is the batch's, and every collective
+    is nothing or the identity."""
 
+    rank, size = 0, 1
     takes_factors = True
     final_in_task = True
-    leader = True
+    leader = leader_group = True
+    reproducible = True
 
     def __init__(self, pool):
         self.pool = pool
         self._scratch = {}
-
-    def partition(self, chunks):
-        return [range(chunks)]
-
-    def owned(self, chunks):
-        return range(chunks)
 
     def _worker_scratch(self, k, dtype):
         """Per worker: the tree's tile of partial sums, and a factored gradient's stack of
@@ -302,15 +269,14 @@ class LocalCommunicator(Lockstep):
         over chunk index for every element."""
         return self.plan(bufs, len(bufs), factored)()
 
+    def settle(self):
+        """Nothing in flight: every chunk is here."""
+
     def start(self, engine):
         """Nothing to exchange: every chunk is here."""
-        engine.reset()
 
     def exchange(self, reduction):
         """Nothing to exchange: every chunk is here."""
-
-    def update_blocks(self, n):
-        return blocks(n)
 
     def share(self, params):
         """Nothing to share: every worker reads these parameters."""

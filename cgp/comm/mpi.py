@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cgp.comm.local import (BLOCK, ROW_GRAIN, Lockstep, Reduction, blocks, merge_pairs, split,
-                      subtrees, sum_block, uncovered)
+from cgp.comm.local import (BLOCK, ROW_GRAIN, Reduction, blocks, merge_pairs, partition, split,
+                            subtrees, sum_block, uncovered, update_ranges)
 from cgp.errors import CgpError
 from cgp.runtime import fpenv
 from cgp.runtime.memory import aligned_zeros
@@ -141,7 +141,7 @@ class Exchange:
     def __init__(self, bufs, chunks, comm, columns, flush, spans):
         self.rank = rank = comm.rank
         self.bufs, self.columns, self.flush = bufs, columns, flush
-        parts = comm.partition(chunks)
+        parts = partition(chunks, comm.size)
         self.nodes = [subtrees(p.start, p.stop, chunks) for p in parts]
         self.rows = [c0 - parts[rank].start for c0, _ in self.nodes[rank]]   # in bufs
         everyone = [n for nodes in self.nodes for n in nodes]
@@ -174,11 +174,13 @@ class Exchange:
         result[mine.start:mine.stop] = bucket.recv[0]
 
 
-class MPICommunicator(Lockstep):
+class MPICommunicator:
     """The communicator of one rank of an MPI job (see the module)."""
 
     takes_factors = True
     final_in_task = False
+    leader_group = True
+    reproducible = True
 
     def __init__(self, pool, comm):
         self.pool, self.comm = pool, comm
@@ -206,33 +208,17 @@ class MPICommunicator(Lockstep):
         # (exchange() after the calls' run, and the gather).
         self.clock = {"busy": 0.0, "exposed": 0.0, "steps": 0}
 
-    # -- who computes what ---------------------------------------------------------------
-    def partition(self, chunks):
-        return [range(r * chunks // self.size, (r + 1) * chunks // self.size)
-                for r in range(self.size)]
-
-    def owned(self, chunks):
-        return self.partition(chunks)[self.rank]
-
-    def _blocks_of(self, n):
-        """Every rank's update blocks of n parameters: contiguous runs of blocks(n)."""
-        every = blocks(n)
-        return [every[r * len(every) // self.size:(r + 1) * len(every) // self.size]
-                for r in range(self.size)]
-
+    # -- who owns what ---------------------------------------------------------------------
     def columns(self, n):
-        """Every rank's columns of n parameters, as ranges: those of its update blocks (an
-        empty range where the rank has none)."""
+        """Every rank's columns of n parameters, as ranges: those of its update blocks
+        (cgp.comm.local.update_ranges; an empty range where the rank has none)."""
         if n not in self._columns:
             ranges, at = [], 0
-            for b in self._blocks_of(n):
+            for b in update_ranges(n, self.size):
                 ranges.append(range(b[0][0], b[-1][1]) if b else range(at, at))
                 at = ranges[-1].stop
             self._columns[n] = ranges
         return self._columns[n]
-
-    def update_blocks(self, n):
-        return self._blocks_of(n)[self.rank]
 
     # -- the sum -----------------------------------------------------------------------
     def _worker_scratch(self, k, dtype):
@@ -247,7 +233,7 @@ class MPICommunicator(Lockstep):
         """Tasks that sum each of this rank's subtrees alone, into the subtree's first row of
         bufs (factored blocks likewise, into those rows' unused columns); the Reduction's
         result is the gradient whose columns of this rank exchange() completes."""
-        owned = self.owned(chunks)
+        owned = partition(chunks, self.size)[self.rank]
         nodes = [(c0 - owned.start, c1 - owned.start)
                  for c0, c1 in subtrees(owned.start, owned.stop, chunks)]
         sums, stacks = self._worker_scratch(bufs.shape[0], bufs.dtype)
@@ -276,10 +262,8 @@ class MPICommunicator(Lockstep):
         return reduction
 
     def start(self, engine):
-        """Once the runs before are exchanged, the engine's counters reset; then the thread
-        takes this run's sums over the batch and buckets as the run makes them."""
-        self._settle()
-        engine.reset()
+        """The thread takes this run's sums over the batch and buckets as the run makes them
+        (after settle(), the engine's counters reset)."""
         if engine.syncs or engine.backward:
             self._idle.clear()
             self._runs.put(engine)
@@ -287,11 +271,12 @@ class MPICommunicator(Lockstep):
     def exchange(self, reduction):
         """Waits until the thread has exchanged and finished every bucket of the run."""
         started = time.perf_counter()
-        self._settle()
+        self.settle()
         self.clock["exposed"] += time.perf_counter() - started
         self.clock["steps"] += 1
 
-    def _settle(self):
+    def settle(self):
+        """Waits until the thread has exchanged every run started; raises its error."""
         self._idle.wait()
         if self._error is not None:
             error, self._error = self._error, None

@@ -12,8 +12,10 @@ group's updates so far; no group ever waits for another. The iterations are tick
 shared counter: a group computes the batch, learning rate and random numbers of the
 iteration it drew, so every iteration's batch is computed once, in the order of a
 synchronous run; the trainer's count is the number of updates the buffer held at the
-group's last pull. Which weights a gradient was computed on, and in what order the updates
-land, depend on timing: the weights are not reproducible, even with the same settings.
+group's last pull (Tickets: the trainer's schedule, cgp.comm.make_schedule, where lockstep
+runs have cgp.comm.Lockstep). Which weights a gradient was computed on, and in what order
+the updates land, depend on timing: the weights are not reproducible, even with the same
+settings.
 
 Only rank 0's group tests and writes snapshots: the weights it last pulled and its solver
 history (each group keeps its own; a resumed run starts every group from it). Without
@@ -128,56 +130,52 @@ def groups_of(size, groups):
 class SharedCommunicator:
     """One rank of a job whose groups of ranks share weights asynchronously (see the module):
     within its group, the group's communicator (cgp.comm.mpi.MPICommunicator on the group's
-    ranks, or cgp.comm.local.LocalCommunicator for a group of one), which every method of the
-    engine's and the step's protocol is handed to; between groups, the ParameterBuffer,
-    after each update (share) and for the iterations (claim, after, request, begin, end)."""
+    ranks, or cgp.comm.local.LocalCommunicator for a group of one), which every collective of
+    the engine and the step is handed to; between groups, the ParameterBuffer, after each
+    update (share). rank and size are the group's: a group computes whole batches alone.
+    Which iterations the group computes is its Tickets' (tickets; cgp.comm.make_schedule)."""
 
     reproducible = False
 
     def __init__(self, pool, world, mode, groups):
-        size, rank = world.Get_size(), world.Get_rank()
-        self.mode, self.world, self.rank, self.size = mode, world, rank, size
-        self.ranks = groups_of(size, groups)
-        self.group_index = next(g for g, ranks in enumerate(self.ranks) if rank in ranks)
-        self.group = world.Split(self.group_index, rank)
-        self.inner = (LocalCommunicator(pool) if self.group.Get_size() == 1
-                      else MPICommunicator(pool, self.group))
+        world_size, world_rank = world.Get_size(), world.Get_rank()
+        self.mode, self.world_size = mode, world_size
+        self.ranks = groups_of(world_size, groups)
+        group_index = next(g for g, ranks in enumerate(self.ranks) if world_rank in ranks)
+        group = world.Split(group_index, world_rank)
+        self.inner = (LocalCommunicator(pool) if group.Get_size() == 1
+                      else MPICommunicator(pool, group))
+        self.rank, self.size = self.inner.rank, self.inner.size
         self.takes_factors = self.inner.takes_factors
         self.final_in_task = self.inner.final_in_task
-        self.leader = rank == 0
-        self.leader_group = self.group_index == 0
-        self.group_leader = self.group.Get_rank() == 0
-        self.buffer = None      # from begin() to end()
-        self._ahead = None      # a ticket drawn by claim_ahead()
-        self.count = None       # updates in the buffer at the latest pull
-        self.computed = 0       # iterations this group computed
-        self.computed_by_group = None   # after end(): every group's
+        self.leader = world_rank == 0
+        self.leader_group = group_index == 0
+        self.tickets = Tickets(world, group, self.leader_group, mode, self.inner)
 
     def describe(self):
         """The start-up line's words for the ranks."""
         sizes = sorted({len(r) for r in self.ranks})
         each = " or ".join(map(str, sizes))
-        return (f"{self.size} ranks in {len(self.ranks)} group(s) of {each} rank(s), "
+        return (f"{self.world_size} ranks in {len(self.ranks)} group(s) of {each} rank(s), "
                 f"--sharing {self.mode}")
 
-    # -- the engine's and the step's protocol: the group's own ---------------------------
-    def partition(self, chunks):
-        return self.inner.partition(chunks)
+    @property
+    def computed_by_group(self):
+        """Every group's count of iterations computed, once training has ended (Tickets.end)."""
+        return self.tickets.computed_by_group
 
-    def owned(self, chunks):
-        return self.inner.owned(chunks)
-
+    # -- the collectives: the group's own -------------------------------------------------
     def plan(self, bufs, chunks, factored=(), cuts=()):
         return self.inner.plan(bufs, chunks, factored, cuts)
+
+    def settle(self):
+        self.inner.settle()
 
     def start(self, engine):
         self.inner.start(engine)
 
     def exchange(self, reduction):
         self.inner.exchange(reduction)
-
-    def update_blocks(self, n):
-        return self.inner.update_blocks(n)
 
     def gather(self, array, parts):
         self.inner.gather(array, parts)
@@ -196,9 +194,34 @@ class SharedCommunicator:
         return self.inner.bytes_per_step()
 
     def share(self, params):
-        """After the group's update: the group's leader adds it into the buffer and pulls
-        the buffer, which the group's ranks then all take."""
+        """After the group's update: the group's ranks all hold it, and then, through the
+        buffer, every group's updates so far (Tickets.push)."""
         self.inner.share(params)
+        self.tickets.push(params)
+
+
+class Tickets:
+    """The iterations of a group that shares weights asynchronously (see the module), as the
+    trainer asks for them (the protocol of cgp.comm.Lockstep): tickets of the ParameterBuffer's
+    counter, which lives from begin() to end(); the count is the number of updates the buffer
+    held at the group's last pull, which push() makes after each of the group's updates."""
+
+    def __init__(self, world, group, leader_group, mode, inner):
+        """group: this rank's group's MPI communicator, inner the group's Communicator;
+        leader_group: whether it is rank 0's group, which takes the snapshots."""
+        self.world, self.group, self.mode, self.inner = world, group, mode, inner
+        self.leader = world.Get_rank() == 0
+        self.leader_group = leader_group
+        self.group_leader = group.Get_rank() == 0
+        self.buffer = None      # from begin() to end()
+        self._ahead = None      # a ticket drawn by claim_ahead()
+        self.count = None       # updates in the buffer at the latest pull
+        self.computed = 0       # iterations this group computed
+        self.computed_by_group = None   # after end(): every group's
+
+    def push(self, params):
+        """After the group's update, which its ranks all hold: the group's leader adds it
+        into the buffer and pulls the buffer, which the group's ranks then all take."""
         if self.buffer is None:
             raise CgpError(f"--sharing {self.mode} trains through `cgp train` (Trainer.solve) "
                            "alone")
@@ -219,7 +242,6 @@ class SharedCommunicator:
             return value
         return self.group.bcast(value, root=0)
 
-    # -- the iterations ------------------------------------------------------------------
     def begin(self, it, params):
         """Every rank: rank 0's buffer starts from its params and count `it` (every rank
         built or restored the same weights), which every rank then pulls."""

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp.comm.local import LocalCommunicator
-from cgp.engine import Engine
+from cgp.comm import make_communicator
+from cgp.device import make_engine, select_backend
 from cgp.errors import CgpError
 from cgp.prototxt import format_solver, solver_extras
 from cgp.runtime.pool import Pool
@@ -125,7 +125,8 @@ def step_against_float64(sp, solver_path, config):
         with threadpool_limits(limits=1):
             batch = trainer._batch(trainer.engine, 0, 0)
             pool = Pool(1, flush_denormals=config.denormals == "flush")
-            engine64 = Engine(net, config.chunks, pool, LocalCommunicator(pool), params=params64)
+            engine64 = make_engine(None, net, config.chunks, pool, make_communicator(pool),
+                                   params=params64)
             _, loss64, grad64 = engine64.run(batch, 0, trainer.seed)
             loss32, _, _ = trainer.step()
         # The first step of Caffe's SGD from zero history: w -= lr*lr_mult*(g + wd*decay_mult*w),
@@ -157,8 +158,6 @@ def device_against_cpu(sp, solver_path, config, prepare=None):
     """The first batch's gradient of the device engine (config.device) in float64 against
     the CPU engine's in float64 (gradient_error), and the two losses. prepare(trainer), if
     given, runs first (cgp.commands.timing.fill_inputs for a deploy net's Input layers)."""
-    from cgp.device import select_backend
-    from cgp.device.engine import DeviceEngine
     trainer = Trainer(sp, solver_path, replace(config, max_iter=1, progress=False))
     try:
         net = trainer.net
@@ -167,11 +166,9 @@ def device_against_cpu(sp, solver_path, config, prepare=None):
         batch = trainer._batch(trainer.engine, 0, 0)
         pool = Pool(1, flush_denormals=config.denormals == "flush")
         runs = []
-        for engine in (Engine(net, config.chunks, pool, LocalCommunicator(pool),
-                              params=net.params.astype(np.float64)),
-                       DeviceEngine(net, config.chunks, pool, LocalCommunicator(pool),
-                                    select_backend(config.device),
-                                    params=net.params.astype(np.float64))):
+        for backend in (None, select_backend(config.device)):
+            engine = make_engine(backend, net, config.chunks, pool, make_communicator(pool),
+                                 params=net.params.astype(np.float64))
             _, loss, grad = engine.run(batch, 0, trainer.seed)
             runs.append((loss, grad.copy()))
     finally:

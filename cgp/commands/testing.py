@@ -8,7 +8,7 @@ loss, then each output's mean (with its loss weight for losses). Not here: train
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from cgp.comm.local import LocalCommunicator
+from cgp.comm import make_communicator
 from cgp.device import check_device, make_engine, select_backend
 from cgp.errors import CgpError, shorten
 from cgp.net import RunOptions, build_net
@@ -60,7 +60,7 @@ def run_test(model, weights, iterations, threads=1, chunks=16, data_dir=None, do
     workers = "threads" if backend is not None else workers or default_workers()
     pool = make_pool(workers, threads, [net], affinity, flush_denormals)
     try:
-        engine = make_engine(backend, net, chunks, pool, LocalCommunicator(pool), backward=False)
+        engine = make_engine(backend, net, chunks, pool, make_communicator(pool), backward=False)
         pool.start()
         if not engine.tracked:
             raise CgpError(f"model {model}: the TEST net has no scalar outputs (loss, accuracy) "

@@ -255,14 +255,14 @@ def engine_time(net, threads, chunks, iterations, seed, flush_denormals=True,
     """Wall-clock milliseconds per forward-backward of the real engine on `threads` workers,
     run as `workers` ("threads" or "processes", as cgp train's; gradient reduction
     included). With processes, net.params moves into shared memory."""
-    from cgp.comm.local import LocalCommunicator
-    from cgp.engine import Engine
+    from cgp.comm import make_communicator
+    from cgp.device import make_engine
     from cgp.runtime.procs import make_pool
 
     pool = make_pool(workers, threads, [net], flush_denormals=flush_denormals)
     try:
-        engine = Engine(net, chunks, pool, LocalCommunicator(pool),
-                        backward=bool(net.loss_weights))
+        engine = make_engine(None, net, chunks, pool, make_communicator(pool),
+                             backward=bool(net.loss_weights))
         pool.start()
         engine.run(load_batch(net, 0, seed), 0, seed)  # warm-up
         total = 0.0

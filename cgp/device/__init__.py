@@ -83,9 +83,10 @@ def select_backend(device, device_id=None):
     return ArrayBackend("gpu", cupy, cupy.asnumpy, f"GPU {index} of {count} ({name})")
 
 
-def make_engine(backend, net, chunks, pool, comm, backward=True):
-    """The engine of one net on `backend` (select_backend's)."""
+def make_engine(backend, net, chunks, pool, comm, backward=True, params=None):
+    """The engine of one net on `backend` (select_backend's); params: a copy of the net's
+    parameters to run on instead of net.params (a float64 one runs in float64)."""
     if backend is None:
-        return Engine(net, chunks, pool, comm, backward=backward)
+        return Engine(net, chunks, pool, comm, backward=backward, params=params)
     from cgp.device.engine import DeviceEngine
-    return DeviceEngine(net, chunks, pool, comm, backend, backward=backward)
+    return DeviceEngine(net, chunks, pool, comm, backend, backward=backward, params=params)

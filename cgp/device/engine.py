@@ -85,10 +85,10 @@ class DeviceEngine(Engine):
     def new_workspace(self, group=None, shared=False):
         return DeviceWorkspace(self, max(n for _, n in self.own))
 
-    def run(self, batch, iteration, seed, first=None, sums_arg=None):
+    def run(self, batch, iteration, seed, first=None, pass_plan=None):
         # The weights the host's solver left, for this run's calls.
         self.backend.copy_in(self.device_params, self.host_params)
-        return super().run(batch, iteration, seed, first, sums_arg)
+        return super().run(batch, iteration, seed, first, pass_plan)
 
     def _call(self, worker, task, iteration, seed, slot):
         """Segment `task.segment` of the forward and backward of one chunk on the device,

@@ -65,12 +65,13 @@ class Signals:
             f"{name}: {'stopping' if effect == 'stop' else 'snapshotting'} after "
             "this iteration" + (f" ({again} again to abort)" if effect == "stop" else ""))
 
-    def agree(self, comm, log):
+    def agree(self, schedule, log):
         """The request that every process acts on now, kept as this one's: the strongest any
         of them has (under MPI a signal may reach one rank only, or the ranks at different
         iterations), so that all stop, or snapshot, at the same iteration. Says first what
-        the handler heard. A collective call: every process makes it as often."""
+        the handler heard. A collective call (schedule: cgp.comm.make_schedule's): every
+        process makes it as often."""
         while self.heard:
             log(self.heard.pop(0))
-        self.request = REQUESTS[comm.request(REQUESTS.index(self.request))]
+        self.request = REQUESTS[schedule.request(REQUESTS.index(self.request))]
         return self.request
