@@ -241,3 +241,16 @@ def test_the_inline_checks_see_the_commands():
     assert any(c.startswith("cgp plot") for c in commands)
     assert any(c.startswith("python bench/") for c in commands)
     assert not parses(["plot", "a.log"])   # the parser does refuse a plot without --out
+
+
+def test_the_design_map_matches_the_tree():
+    """DESIGN.md's section 0 names every package and top-level module of cgp/ (and names
+    nothing that is not there)."""
+    design = (ROOT / "DESIGN.md").read_text()
+    table = design[design.index("## 0. The map"):design.index("## 1. ")]
+    named = set(re.findall(r"`(cgp/[\w/.]+?)/?`", table))
+    tree = {f"cgp/{p.name}" for p in (ROOT / "cgp").iterdir()
+            if (p.is_dir() and (p / "__init__.py").exists())
+            or (p.suffix == ".py" and not p.name.startswith("__"))}
+    assert tree - named == set(), f"DESIGN.md's map misses {sorted(tree - named)}"
+    assert named - tree == set(), f"DESIGN.md's map names {sorted(named - tree)}, not in cgp/"
