@@ -72,6 +72,10 @@ def add_bench(sub):
                         "iterations to regain its speed, which training never pays")
     s.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same network in PyTorch (needs torch installed)")
+    s.add_argument("--torch-denormals", choices=("keep", "flush"), default="keep",
+                   help="with --compare torch: subnormal floats in PyTorch's arithmetic kept "
+                        "(PyTorch's default) or flushed to zero (torch.set_flush_denormal, "
+                        "as cgp's default --denormals flush); default keep")
     s.add_argument("--torch-layout", choices=("channels_last", "contiguous"), default=None,
                    help="with --compare torch: time PyTorch in this memory format only "
                         "(default: both; one copy of a large net at a large batch may be "
@@ -368,36 +372,48 @@ def _serve_copy(pipe, config):
                 pipe.send((False, f"{type(error).__name__}: {error}"))
 
 
-# What --denormals does to subnormals, for the line that says how PyTorch runs.
+# What --torch-denormals does to subnormals, for the line that says how PyTorch runs.
 DENORMALS_DONE = {"flush": "flushed", "keep": "kept"}
 
 
-def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush, device="cpu",
-                 deterministic=False):
-    """Trains the PyTorch copy on the batches that cgp's data layers make, with `threads`
-    PyTorch threads; as in cgp's step, making the batch is part of the timed iteration.
-    flush: PyTorch's subnormals as cgp's (--denormals), set with its own switch
-    (torch.set_flush_denormal) for each timing: kept, as PyTorch's default, its training
-    slowed to a sixth once subnormals appeared (cifar10_quick on generated data, after 35
-    steps: bench/torch_subnormals.py, at git tag bench-experiments-2026-11), which cgp's
-    default arithmetic never pays. device: PyTorch's ("cuda" for a GPU); deterministic:
-    time it with torch.use_deterministic_algorithms(True)."""
+def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush=False, device="cpu",
+                 deterministic=False, span=0):
+    """Trains the PyTorch copy as a PyTorch user's loop does: zero_grad, forward, backward and
+    torch.optim.SGD's step, with `threads` set by torch.set_num_threads and nothing else of
+    cgp's: no BLAS or OpenMP limit (cgp's threadpool_limits covers only its own timings), no
+    affinity, no environment variable, and subnormals as PyTorch keeps them unless `flush`
+    (--torch-denormals flush: its own switch, torch.set_flush_denormal). The caller's
+    floating-point mode is given back after each timing.
+    Its batches are those of cgp's data layers, made into tensors (in the memory format) by
+    save() for the `span` iterations that every timing runs from the saved state, as a
+    PyTorch DataLoader hands the loop batches made elsewhere; cgp's own step reads its batch
+    inside the timing, so this leans, if anything, towards PyTorch.
+    device: PyTorch's ("cuda" for a GPU); deterministic: time it with
+    torch.use_deterministic_algorithms(True)."""
     from contextlib import contextmanager
 
     from cgp.runtime import fpenv
 
-    state = {"iter": 0}
+    state = {"iter": 0, "made": {}}
     net = data_trainer.net
+
+    def batch(it):
+        made = state["made"].get(it)
+        if made is None:
+            made = data_trainer._batch(data_trainer.engine, it * net.batch_size, it)
+        return made
 
     def run(iterations):
         for _ in range(iterations):
-            it = state["iter"]
-            trainer.step(data_trainer._batch(data_trainer.engine, it * net.batch_size, it))
+            trainer.step(batch(state["iter"]))
             state["iter"] += 1
         torch_ref.synchronize(device)
 
     def save():
-        state["saved"] = (state["iter"], trainer.save())
+        first = state["iter"]
+        state["saved"] = (first, trainer.save())
+        state["made"] = {}   # then made now, outside the timings
+        state["made"] = {it: trainer.model.inputs(batch(it)) for it in range(first, first + span)}
 
     def restore():
         state["iter"], weights = state["saved"]
@@ -586,12 +602,13 @@ def cmd_speedup(args, log=print):
             for layout in [args.torch_layout] if args.torch_layout else torch_ref.LAYOUTS:
                 configs += [torch_config(torch_ref, t, layout,
                                          torch_ref.TorchTrainer(net, sp, layout, device), first,
-                                         args.denormals == "flush", device, mode)
+                                         args.torch_denormals == "flush", device, mode,
+                                         span=args.lead_in + args.iters)
                             for t in threads for mode in modes]
         from cgp.snapshot import writable_folder
         writable_folder(Path(args.out) / "results.json")   # found out now, not after the timing
-        torch_note = (f"; PyTorch {torch_ref.version()} (subnormals "
-                      f"{DENORMALS_DONE[args.denormals]} as in cgp)" if torch_ref else "")
+        torch_note = (f"; PyTorch {torch_ref.version()} (its own loop and settings, "
+                      f"subnormals {DENORMALS_DONE[args.torch_denormals]})" if torch_ref else "")
         on = (f" on {first.backend.description}" if first.backend is not None else "")
         log(f"cgp bench speedup: {path or args.net_file}, net '{net.name}', batch {images} in "
             f"{len(first.engine.bounds)} chunks{on}; threads {','.join(map(str, threads))}"
@@ -667,6 +684,7 @@ def cmd_speedup(args, log=print):
     report = {"model": model, "solver": path and str(path), "net_file": args.net_file,
               "net": net.name, "batch": images,
               "chunks": len(first.engine.bounds), "denormals": args.denormals,
+              "torch_denormals": args.torch_denormals if torch_ref else None,
               "device": args.device,
               "device_description": first.backend.description if first.backend else "CPU",
               "workers": workers,
