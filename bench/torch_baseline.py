@@ -111,7 +111,7 @@ def main():
     for layout in args.layouts.split(","):
         configs.append(torch_config(torch_ref, args.threads, layout,
                                     torch_ref.TorchTrainer(data.net, sp, layout), data,
-                                    span=args.lead_in + args.iters))
+                                    lead_in=args.lead_in))
         configs[-1].impl = "comparison"
         minimal = Minimal(layout, batch, seed=1701)
         configs.append(Config("minimal", args.threads, layout, run=minimal.run,

@@ -219,6 +219,31 @@ def test_each_timing_starts_after_its_lead_in():
     assert all(10 < rate < 101 for c in configs for rate in c.rates)
 
 
+def test_short_timings_run_more_iterations():
+    """--min-seconds: a configuration whose last warm-up iteration says --iters would take
+    less runs as many iterations as that length needs in every timing, and its rate counts
+    them; one that is slow enough runs --iters."""
+    from cgp.tools import speedup
+    runs, lines = [], []
+    configs = [Config("cgp", 1), Config("cgp", 2)]
+    for c, seconds in zip(configs, (0.01, 0.2)):
+        def run(n, c=c, seconds=seconds):
+            runs.append((c.threads, n))
+            time.sleep(seconds * n)
+        c.run = run
+        c.context = lambda: threadpool_limits(limits=None)
+        c.save = c.restore = lambda: None
+    speedup.interleaved(configs, iters=2, repeats=2, warmup=3, images_per_iter=1,
+                        log=lines.append, lead_in=1, min_seconds=0.1)
+    assert 2 < configs[0].iters <= 10 and configs[1].iters == 2
+    assert runs[:3] == [(1, 2), (1, 1), (2, 2)]   # the warm-up, its last iteration timed
+    assert runs.count((1, configs[0].iters)) == 2 and runs.count((2, 2)) == 3
+    assert lines[0] == f"  timings of at least 0.1 s (--min-seconds): cgp x1 {configs[0].iters} iterations"
+    # One image per iteration: 100 images/s for the first, 5 for the second, less when busy.
+    assert all(50 < rate < 101 for rate in configs[0].rates)
+    assert all(2.5 < rate < 5.1 for rate in configs[1].rates)
+
+
 def test_paired_speedup_is_the_median_of_ratios_within_rounds():
     """A slow spell that hits one round halves every rate in it: the ratio of medians moves,
     the median of the per-round ratios does not."""
@@ -531,7 +556,8 @@ def test_torch_comparison_does_the_work_of_a_minimal_loop(mnist_dir, layout):
     threads = torch.get_num_threads()
     try:
         copy = torch_ref.TorchTrainer(trainer.net, trainer.sp, layout)
-        config = torch_config(torch_ref, 1, layout, copy, trainer, span=3)
+        config = torch_config(torch_ref, 1, layout, copy, trainer, lead_in=1)
+        config.iters = 2   # batches made into tensors by save(), for 1 + 2 iterations
         model, optimizer = baseline.minimal_lenet(layout)
         with torch.no_grad():
             for mine, theirs in zip(model.parameters(), copy.model.blobs):

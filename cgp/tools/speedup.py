@@ -7,6 +7,7 @@ each figure is the median over the repetitions (the statistics: cgp.tools.stats)
 to JSON, CSV and (with matplotlib) a PNG, named by model and UTC time, with a description of
 the machine (cgp.tools.machine), into ./cgp-results/ or --out. Not here: the kernels.
 """
+import math
 import os
 import subprocess
 import tempfile
@@ -64,6 +65,12 @@ def add_bench(sub):
     s.add_argument("--iters", type=int, default=20, help="iterations per timing (default 20)")
     s.add_argument("--repeats", type=int, default=5,
                    help="timings per configuration; the median counts (default 5)")
+    s.add_argument("--min-seconds", type=float, default=0.5,
+                   help="each timing runs at least this long (default 0.5): where --iters "
+                        "would take less by the last warm-up iteration, a configuration's "
+                        "timings run more iterations (said, and in the results' iters); a "
+                        "timing of a tenth of a second measures the scheduler and the other "
+                        "programs as much as the training. 0: --iters alone")
     s.add_argument("--warmup", type=int, default=3,
                    help="untimed iterations per configuration first (default 3)")
     s.add_argument("--lead-in", type=int, default=3,
@@ -152,6 +159,7 @@ class Config:
     restore: object = None             # restore(): ... and go back to it, untimed
     pause: object = lambda: None       # pause(): after a timing, untimed: its workers sleep
                                        # (they must not spin while the next one is timed)
+    iters: int = 0                     # iterations per timing (interleaved sets it)
     rates: list = field(default_factory=list)   # images/s of each repetition
     steals: list = field(default_factory=list)  # the share of the CPUs' time the hypervisor
                                                 # withheld during each repetition (steal)
@@ -161,7 +169,7 @@ class Config:
         return self.impl + (f"/{self.layout}" if self.layout else "") + f" x{self.threads}"
 
 def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None,
-                lead_in=0):
+                lead_in=0, min_seconds=0.0):
     """Warm every configuration up, then time `repeats` rounds; round r runs the
     configurations in order, rotated by r, then each_round() if given. Every timing trains
     the same iterations from the same state (the one after the warm-up): the work is
@@ -171,24 +179,40 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
     while other configurations run, and a CPU back from idling runs slower for several
     iterations (bench/idle_ramp.py, at git tag bench-experiments-2026-11), which training,
     its CPUs never idle, does not pay.
+    A configuration's timings run `iters` iterations, or more where its last warm-up
+    iteration says that `iters` would take less than `min_seconds` (c.iters: how many):
+    a timing of a tenth of a second measures the scheduler's time slices and other programs
+    as much as training (with --warmup 0 nothing is known, and `iters` it is).
     Each timing also records the steal time over it, as a share of all CPUs' time."""
     cpus = os.cpu_count() or 1
     for c in configs:
         with c.context():
-            c.run(warmup)
+            c.run(max(warmup - 1, 0))
+            c.iters = iters
+            if warmup:   # the last warm-up iteration, timed for c.iters
+                started = time.perf_counter()
+                c.run(1)
+                took = max(time.perf_counter() - started, 1e-9)
+                c.iters = max(iters, math.ceil(min_seconds / took))
         c.pause()
         c.save()
+    longer = [c for c in configs if c.iters > iters]
+    if longer:
+        log(f"  timings of at least {min_seconds:g} s (--min-seconds): " + ", ".join(
+            f"{c.label} {c.iters} iterations" for c in longer))
     for r in range(repeats):
         k = r % len(configs)
         for c in configs[k:] + configs[:k]:
             c.restore()
             with c.context():
                 c.run(lead_in)
-                started, stolen = time.perf_counter(), steal_seconds()
-                c.run(iters)
+                stolen = steal_seconds()   # read before the clock starts: it costs a little
+                started = time.perf_counter()
+                c.run(c.iters)
                 wall = time.perf_counter() - started
-                c.rates.append(c.copies * iters * images_per_iter / wall)
-                c.steals.append((steal_seconds() - stolen) / (wall * cpus))
+                steal = steal_seconds() - stolen
+                c.rates.append(c.copies * c.iters * images_per_iter / wall)
+                c.steals.append(steal / (wall * cpus))
             c.pause()
         if each_round is not None:
             each_round()
@@ -377,7 +401,7 @@ DENORMALS_DONE = {"flush": "flushed", "keep": "kept"}
 
 
 def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush=False, device="cpu",
-                 deterministic=False, span=0):
+                 deterministic=False, lead_in=0):
     """Trains the PyTorch copy as a PyTorch user's loop does: zero_grad, forward, backward and
     torch.optim.SGD's step, with `threads` set by torch.set_num_threads and nothing else of
     cgp's: no BLAS or OpenMP limit (cgp's threadpool_limits covers only its own timings), no
@@ -385,7 +409,8 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush=False,
     (--torch-denormals flush: its own switch, torch.set_flush_denormal). The caller's
     floating-point mode is given back after each timing.
     Its batches are those of cgp's data layers, made into tensors (in the memory format) by
-    save() for the `span` iterations that every timing runs from the saved state, as a
+    save() for the iterations that every timing runs from the saved state (`lead_in` and the
+    Config's iters), as a
     PyTorch DataLoader hands the loop batches made elsewhere; cgp's own step reads its batch
     inside the timing, so this leans, if anything, towards PyTorch.
     device: PyTorch's ("cuda" for a GPU); deterministic: time it with
@@ -413,7 +438,8 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush=False,
         first = state["iter"]
         state["saved"] = (first, trainer.save())
         state["made"] = {}   # then made now, outside the timings
-        state["made"] = {it: trainer.model.inputs(batch(it)) for it in range(first, first + span)}
+        state["made"] = {it: trainer.model.inputs(batch(it))
+                         for it in range(first, first + lead_in + config.iters)}
 
     def restore():
         state["iter"], weights = state["saved"]
@@ -432,7 +458,9 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush=False,
             fpenv.restore(caller)
     label = layout + (f" {device}" if device != "cpu" else "") + (
         " deterministic" if deterministic else "")
-    return Config("torch", threads, label, run=run, context=context, save=save, restore=restore)
+    config = Config("torch", threads, label, run=run, context=context, save=save,
+                    restore=restore)
+    return config
 
 # -- output ------------------------------------------------------------------------
 def write_results(out, stem, report, rows, log):
@@ -446,7 +474,7 @@ def write_results(out, stem, report, rows, log):
                "paired_speedup", "paired_speedup_ci", "cgp_over_torch", "paired_cgp_over_torch",
                "paired_cgp_over_torch_ci", "cgp_over_this", "paired_cgp_over_this",
                "paired_cgp_over_this_ci", "share_of_ceiling", "paired_share_of_ceiling",
-               "paired_share_of_ceiling_ci", "quiet_rounds", "quiet_paired_speedup",
+               "paired_share_of_ceiling_ci", "iters", "quiet_rounds", "quiet_paired_speedup",
                "quiet_paired_speedup_ci", "images_per_s", "steal", "ranks",
                "comm_ms_per_step", "comm_exposed_ms_per_step", "comm_hidden_share",
                "bytes_sent_per_step", "bytes_received_per_step"]
@@ -603,7 +631,7 @@ def cmd_speedup(args, log=print):
                 configs += [torch_config(torch_ref, t, layout,
                                          torch_ref.TorchTrainer(net, sp, layout, device), first,
                                          args.torch_denormals == "flush", device, mode,
-                                         span=args.lead_in + args.iters)
+                                         lead_in=args.lead_in)
                             for t in threads for mode in modes]
         from cgp.snapshot import writable_folder
         writable_folder(Path(args.out) / "results.json")   # found out now, not after the timing
@@ -616,12 +644,12 @@ def cmd_speedup(args, log=print):
             f"{torch_note}"
             f"{'; the machine ceiling' if ceilings else ''}; {args.warmup} warm-up "
             f"+ {args.repeats} x ({args.lead_in} untimed + {args.iters}) iterations each, "
-            "interleaved")
+            f"each timing at least {args.min_seconds:g} s, interleaved")
         matmul = []  # NumPy's matmul rate, timed in every round like the configurations
         with ForeignLoad() as foreign:
             interleaved(configs, args.iters, args.repeats, args.warmup, images, log,
                         each_round=lambda: matmul.append(matmul_gflops()),
-                        lead_in=args.lead_in)
+                        lead_in=args.lead_in, min_seconds=args.min_seconds)
         # Every configuration ended on the same iterations from the same state: the copies
         # too, or they did not time the training that cgp runs.
         for copies in ceilings:
@@ -641,6 +669,7 @@ def cmd_speedup(args, log=print):
             t.close()
     rows, best = summarise(configs)
     for row, c in zip(rows, configs):
+        row["iters"] = c.iters   # per timing: --iters, or more for --min-seconds
         if c.impl == "mpi":
             clock = clocks[id(c)]
             steps = max(clock["steps"], 1)
@@ -688,7 +717,7 @@ def cmd_speedup(args, log=print):
               "device": args.device,
               "device_description": first.backend.description if first.backend else "CPU",
               "workers": workers,
-              "iters": args.iters,
+              "iters": args.iters, "min_seconds": args.min_seconds,
               "repeats": args.repeats, "warmup": args.warmup, "lead_in": args.lead_in,
               "seed": first.seed,
               "threads": threads, "ranks": [1] + ranks, "compare": args.compare,
