@@ -10,11 +10,15 @@ over minimal: 1.00 is fair; below 0.95 the comparison handicaps PyTorch).
 tests/test_bench.py checks that both loops do the same work: the same parameters, bit for bit,
 after the same steps from the same weights and data (minimal_lenet and minimal_step below).
 
-    python bench/torch_baseline.py --threads 1 --iters 50 --rounds 11
+    python bench/torch_baseline.py --threads 1 --iters 50 --rounds 11 [--clock cpu]
+
+On a loaded machine the wall-clock rounds swing by 2x; --clock cpu times one thread by its
+CPU time instead, which the neighbours hardly change.
 """
 import argparse
 import copy
 import statistics
+import time
 from contextlib import contextmanager
 
 import torch
@@ -83,6 +87,24 @@ def plain_threads(threads):
     return context
 
 
+def cpu_rounds(configs, iters, rounds, warmup, batch, lead_in):
+    """As cgp.tools.speedup.interleaved, timed by the thread's CPU time (time.thread_time)."""
+    for c in configs:
+        with c.context():
+            c.run(warmup)
+        c.iters = iters
+        c.save()
+    for r in range(rounds):
+        k = r % len(configs)
+        for c in configs[k:] + configs[:k]:
+            c.restore()
+            with c.context():
+                c.run(lead_in)
+                started = time.thread_time()
+                c.run(iters)
+                c.rates.append(iters * batch / (time.thread_time() - started))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
@@ -94,7 +116,14 @@ def main():
     parser.add_argument("--layouts", default="channels_last,contiguous",
                         help="memory formats (default channels_last,contiguous)")
     parser.add_argument("--data-dir", default=None, help="MNIST folder (default: the bundled)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: speedup's own interleaved timing; cpu (one thread only): "
+                             "the calling thread's CPU time, which PyTorch's one-thread ops "
+                             "run in, and which other programs on a loaded machine hardly "
+                             "change (the rates are then images per CPU second)")
     args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu times one thread: give --threads 1")
 
     from cgp.models import solver_path
     from cgp.prototxt import read_solver
@@ -120,8 +149,11 @@ def main():
     print(f"PyTorch {torch.__version__}, {args.threads} thread(s), LeNet batch {batch}, "
           f"{args.rounds} rounds of {args.lead_in} untimed + {args.iters} steps, interleaved")
     try:
-        interleaved(configs, args.iters, args.rounds, args.warmup, batch, print,
-                    lead_in=args.lead_in)
+        if args.clock == "cpu":
+            cpu_rounds(configs, args.iters, args.rounds, args.warmup, batch, args.lead_in)
+        else:
+            interleaved(configs, args.iters, args.rounds, args.warmup, batch, print,
+                        lead_in=args.lead_in)
     finally:
         data.close()
     for c in configs:
