@@ -69,10 +69,11 @@ def precompile(sp, solver_path, config, log):
 
 
 def cache_folder():
-    """Where Numba caches cgp's kernels (the folder of one of them), or None."""
-    from cgp.runtime import fpenv
+    """Where Numba caches the layers' kernels (the folder of one of them), or None: the
+    marker goes where their cache goes, and is cleared with it."""
+    from cgp.kernels import elementwise
     try:
-        return Path(fpenv._set_flush._cache._cache_path)
+        return Path(elementwise.copy._cache._cache_path)
     except AttributeError:
         return None
 
