@@ -238,7 +238,8 @@ def test_short_timings_run_more_iterations():
     assert 2 < configs[0].iters <= 10 and configs[1].iters == 2
     assert runs[:3] == [(1, 2), (1, 1), (2, 2)]   # the warm-up, its last iteration timed
     assert runs.count((1, configs[0].iters)) == 2 and runs.count((2, 2)) == 3
-    assert lines[0] == f"  timings of at least 0.1 s (--min-seconds): cgp x1 {configs[0].iters} iterations"
+    assert lines[0] == ("  timings of at least 0.1 s (--min-seconds): "
+                        f"cgp x1 {configs[0].iters} iterations")
     # One image per iteration: 100 images/s for the first, 5 for the second, less when busy.
     assert all(50 < rate < 101 for rate in configs[0].rates)
     assert all(2.5 < rate < 5.1 for rate in configs[1].rates)

@@ -56,8 +56,8 @@ def compile_notice(log, prefix="cgp.", every=10):
     kernels from modules whose name starts with `prefix`: COMPILING at the first, the count
     and the seconds so far at every `every`-th, and at the end how many took how long. How
     many will compile is known only once they have (a kernel compiles the kernels it calls,
-    each counted), so no total is given while they do. Numba announces exactly those compilations with its
-    "numba:compile" event; cache hits raise no event. Yields the listener, whose `seconds`
+    each counted), so no total is given while they do. Numba announces exactly those
+    compilations with its "numba:compile" event; cache hits raise no event. Yields the listener, whose `seconds`
     is the compile time so far, for a speed that leaves it out (Trainer.clock)."""
     from numba.core import event
 
