@@ -153,11 +153,13 @@ def run_config(args):
 def train(args, sp, path, config, log, sink):
     """cmd_train's run once its options are read: log receives every line, sink (a TrainLog
     or None) is told when the training starts."""
+    from cgp.runtime.compile import precompile
     from cgp.runtime.procs import worker_noun
     from cgp.train import Trainer
 
     check_threads(args.threads, log, config.workers)
     started = time.perf_counter()
+    precompile(sp, path, config, log)   # a first run's kernels, on every core
     trainer = Trainer(sp, path, config, log=log)
     try:
         net, engine, comm = trainer.net, trainer.engine, trainer.comm

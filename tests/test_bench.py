@@ -219,6 +219,32 @@ def test_each_timing_starts_after_its_lead_in():
     assert all(10 < rate < 101 for c in configs for rate in c.rates)
 
 
+def test_short_timings_run_more_iterations():
+    """--min-seconds: a configuration whose last warm-up iteration says --iters would take
+    less runs as many iterations as that length needs in every timing, and its rate counts
+    them; one that is slow enough runs --iters."""
+    from cgp.tools import speedup
+    runs, lines = [], []
+    configs = [Config("cgp", 1), Config("cgp", 2)]
+    for c, seconds in zip(configs, (0.01, 0.2)):
+        def run(n, c=c, seconds=seconds):
+            runs.append((c.threads, n))
+            time.sleep(seconds * n)
+        c.run = run
+        c.context = lambda: threadpool_limits(limits=None)
+        c.save = c.restore = lambda: None
+    speedup.interleaved(configs, iters=2, repeats=2, warmup=3, images_per_iter=1,
+                        log=lines.append, lead_in=1, min_seconds=0.1)
+    assert 2 < configs[0].iters <= 10 and configs[1].iters == 2
+    assert runs[:3] == [(1, 2), (1, 1), (2, 2)]   # the warm-up, its last iteration timed
+    assert runs.count((1, configs[0].iters)) == 2 and runs.count((2, 2)) == 3
+    assert lines[0] == ("  timings of at least 0.1 s (--min-seconds): "
+                        f"cgp x1 {configs[0].iters} iterations")
+    # One image per iteration: 100 images/s for the first, 5 for the second, less when busy.
+    assert all(50 < rate < 101 for rate in configs[0].rates)
+    assert all(2.5 < rate < 5.1 for rate in configs[1].rates)
+
+
 def test_paired_speedup_is_the_median_of_ratios_within_rounds():
     """A slow spell that hits one round halves every rate in it: the ratio of medians moves,
     the median of the per-round ratios does not."""
@@ -477,10 +503,11 @@ def test_torch_training_state_is_restored(mnist_dir):
 
 
 @pytest.mark.parametrize("flush", [True, False])
-def test_torch_timings_treat_subnormals_as_cgp_does(mnist_dir, flush):
-    """--compare torch: each PyTorch timing runs with subnormals flushed where cgp's do
-    (--denormals flush, the default), kept where they are kept, and gives the caller its
-    own mode back; a product that underflows shows which mode PyTorch computed in."""
+def test_torch_timings_run_in_pytorchs_own_mode(mnist_dir, flush):
+    """--compare torch: each PyTorch timing keeps subnormals, PyTorch's default, whatever
+    cgp's --denormals (flush=False), or flushes them with --torch-denormals flush, and gives
+    the caller its own mode back; a product that underflows shows which mode PyTorch
+    computed in. No BLAS or OpenMP limit of cgp's reaches it: it has its own threads."""
     torch = pytest.importorskip("torch")
     from cgp.runtime import fpenv
     from cgp.tools import torch_ref
@@ -490,16 +517,71 @@ def test_torch_timings_treat_subnormals_as_cgp_does(mnist_dir, flush):
     before = fpenv.set_flush(not flush)   # the caller in the other mode
     threads = torch.get_num_threads()
     try:
-        config = torch_config(torch_ref, 1, "channels_last",
+        config = torch_config(torch_ref, 2, "channels_last",
                               torch_ref.TorchTrainer(trainer.net, trainer.sp), trainer, flush)
         tiny = torch.full((64,), 1e-30)
         with config.context():
             assert fpenv.flushing() == flush
             assert bool((tiny * 1e-10 == 0).all()) == flush   # 1e-40 is subnormal
+            assert torch.get_num_threads() == 2
             config.run(1)
         assert fpenv.flushing() == (not flush)
     finally:
         fpenv.restore(before)
+        torch.set_num_threads(threads)
+        trainer.close()
+
+
+def load_bench(name):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / name
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_torch_comparison_does_the_work_of_a_minimal_loop(mnist_dir, layout):
+    """The loop that --compare torch times and the minimal LeNet loop a PyTorch user writes
+    (bench/torch_baseline.py, which times the two against each other) end on the same
+    parameters and momenta, bit for bit, after the same steps from the same weights on the
+    same batches: the same ops in the same formats and the same optimizer, no more."""
+    torch = pytest.importorskip("torch")
+    from cgp.tools import torch_ref
+    from cgp.tools.speedup import torch_config
+
+    baseline = load_bench("torch_baseline.py")
+    trainer = mnist_trainer(mnist_dir)
+    threads = torch.get_num_threads()
+    try:
+        copy = torch_ref.TorchTrainer(trainer.net, trainer.sp, layout)
+        config = torch_config(torch_ref, 1, layout, copy, trainer, lead_in=1)
+        config.iters = 2   # batches made into tensors by save(), for 1 + 2 iterations
+        model, optimizer = baseline.minimal_lenet(layout)
+        with torch.no_grad():
+            for mine, theirs in zip(model.parameters(), copy.model.blobs):
+                mine.copy_(theirs)
+        config.save()
+        with config.context():
+            config.run(3)
+            for it in range(3):
+                tensors = copy.model.inputs(trainer._batch(trainer.engine, it * 64, it))
+                images, labels = tensors.values()
+                assert images.is_contiguous(memory_format=baseline.memory_format(layout))
+                baseline.minimal_step(model, optimizer, images, labels.long())
+        mine = list(model.parameters())
+        theirs = list(copy.model.blobs)
+        assert [p.shape for p in mine] == [p.shape for p in theirs]
+        assert not torch.equal(theirs[0], torch.from_numpy(trainer.net.params[:500])
+                               .reshape(theirs[0].shape))   # it trained
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b)
+            assert a.stride() == b.stride()
+            assert torch.equal(optimizer.state[a]["momentum_buffer"],
+                               copy.optimizer.state[b]["momentum_buffer"])
+    finally:
         torch.set_num_threads(threads)
         trainer.close()
 

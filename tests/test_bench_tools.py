@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "gpu_check.sh", "kernel_ab.py",
          "large_batch.py", "machine_scaling.py", "many_cores.sh", "revision_ab.py",
-         "scale_model.py", "staleness.py", "step_tail.py"}
+         "scale_model.py", "staleness.py", "step_tail.py", "torch_baseline.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
 
 
@@ -93,6 +93,17 @@ def test_machine_scaling_counts_each_copy(tmp_path):
         [ratio, per_copy] = numbers(rf"  {workload} +2 copies: +(\d+\.\d+)x +\((\d+\.\d+) per",
                                     text)
         assert 0 < ratio <= 2.5 and abs(per_copy - ratio / 2) <= 0.01
+
+
+def test_torch_baseline_times_both_loops_in_each_format(mnist_dir, tmp_path):
+    pytest.importorskip("torch")
+    text = run("torch_baseline.py", "--iters", "2", "--rounds", "2", "--warmup", "1",
+               "--data-dir", mnist_dir, cwd=tmp_path)
+    for loop in ("comparison", "minimal"):
+        for layout in ("channels_last", "contiguous"):
+            assert numbers(rf"{loop}/{layout}: +(\d+) images/s", text)[0] > 0
+    ratios = numbers(r"comparison / minimal, \w+: median of rounds (\d+\.\d+)", text)
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)
 
 
 def test_call_size_times_every_layer_at_each_size(mnist_dir, tmp_path):

@@ -1,5 +1,6 @@
 """The command line as a user meets it: one clear message and exit status 2 for a
 mistake, never a traceback."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,48 @@ def test_weights_of_another_net_are_refused_by_test(tmp_path, mnist_dir):
               "--data-dir", str(mnist_dir), cwd=tmp_path)
     assert_user_error(out, "--weights other.caffemodel: holds no layer of the net (its layers "
                            "with weights: conv1, conv2, ip1, ip2)")
+
+
+TINY_NET = """
+name: "tiny"
+layer { name: "mnist" type: "Data" top: "data" top: "label" include { phase: TRAIN }
+        transform_param { scale: 0.00390625 } data_param { source: "mnist:train" batch_size: 8 } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param { num_output: 10 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to share out")
+def test_first_run_compiles_in_processes_to_the_same_bits(tmp_path, mnist_dir):
+    """On an empty kernel cache, cgp train has processes compile the net's kernels first: the
+    run itself then compiles none, and ends on the same weights as a run whose process
+    compiled its own kernels (one core: no processes). A second run starts none."""
+    (tmp_path / "net.prototxt").write_text(TINY_NET)
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt"\nbase_lr: 0.01\nmomentum: 0.9\nlr_policy: "fixed"\nmax_iter: 3\n'
+        'random_seed: 7\nsnapshot_prefix: "snap"\n')
+
+    def train(cache, prefix, one_core=False):
+        return subprocess.run(
+            [sys.executable, "-m", "cgp", "train", "--solver", "solver.prototxt", "--data-dir",
+             str(mnist_dir), "--snapshot-prefix", prefix, "--no-log"],
+            capture_output=True, text=True, cwd=tmp_path,
+            env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / cache)},
+            preexec_fn=(lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+            if one_core else None)
+
+    shared = train("cache", "shared")
+    assert shared.returncode == 0, shared.stdout + shared.stderr
+    cores = min(len(os.sched_getaffinity(0)), 8)
+    assert f"compiling kernels in {cores} processes" in shared.stdout
+    assert "compiled " in shared.stdout
+    assert "compiling kernels (first run only" not in shared.stdout   # the run compiled none
+    again = train("cache", "again")
+    assert again.returncode == 0 and "compil" not in again.stdout, again.stdout
+    alone = train("cache-alone", "alone", one_core=True)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert "processes" not in alone.stdout and "compiling kernels (first run" in alone.stdout
+    weights = [(tmp_path / f"{p}_iter_3.caffemodel").read_bytes()
+               for p in ("shared", "again", "alone")]
+    assert weights[0] == weights[1] == weights[2]

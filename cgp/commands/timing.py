@@ -50,37 +50,19 @@ def denormals(flush):
 
 
 # -- the first-run note --------------------------------------------------------------
-def unloaded_kernels(prefix):
-    """How many Numba kernels the modules named `prefix`... define that hold no compiled
-    code yet in this process: at most that many can still compile (or load from the cache)."""
-    import sys
-
-    from numba.core.dispatcher import Dispatcher
-
-    count = 0
-    for name, module in list(sys.modules.items()):
-        if not name.startswith(prefix) or module is None:
-            continue
-        for value in list(vars(module).values()):
-            if (isinstance(value, Dispatcher) and not value.signatures
-                    and getattr(value.py_func, "__module__", None) == name):
-                count += 1
-    return count
-
-
 @contextmanager
 def compile_notice(log, prefix="cgp.", every=10):
     """Inside the block, says with log when Numba compiles (rather than loads from its cache)
     kernels from modules whose name starts with `prefix`: COMPILING at the first, the count
-    at every `every`-th (of at most the kernels not loaded yet, unloaded_kernels), and at
-    the end how many took how long. Numba announces exactly those compilations with its
-    "numba:compile" event; cache hits raise no event. Yields the listener, whose `seconds`
+    and the seconds so far at every `every`-th, and at the end how many took how long. How
+    many will compile is known only once they have (a kernel compiles the kernels it calls,
+    each counted), so no total is given while they do. Numba announces exactly those
+    compilations with its "numba:compile" event; cache hits raise no event. Yields the listener, whose `seconds`
     is the compile time so far, for a speed that leaves it out (Trainer.clock)."""
     from numba.core import event
 
     class Listener(event.Listener):
         count = 0          # cgp kernels compiled
-        bound = 0          # at most this many would compile (set at the first)
         seconds = 0.0      # seconds spent compiling, anything (nested compiles once)
         depth = 0
         started = 0.0
@@ -95,12 +77,11 @@ def compile_notice(log, prefix="cgp.", every=10):
             if not module.startswith(prefix):
                 return
             if self.count == 0:
-                self.bound = unloaded_kernels(prefix)
                 log(COMPILING)
             self.count += 1
-            self.bound = max(self.bound, self.count)
             if self.count % every == 0:
-                log(f"compiling kernels: {self.count} of up to {self.bound}")
+                log(f"compiling kernels: {self.count} so far, "
+                    f"{self.seconds + time.perf_counter() - self.started:.0f} s")
 
         def on_end(self, ev):
             self.depth -= 1

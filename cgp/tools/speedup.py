@@ -7,6 +7,7 @@ each figure is the median over the repetitions (the statistics: cgp.tools.stats)
 to JSON, CSV and (with matplotlib) a PNG, named by model and UTC time, with a description of
 the machine (cgp.tools.machine), into ./cgp-results/ or --out. Not here: the kernels.
 """
+import math
 import os
 import subprocess
 import tempfile
@@ -64,6 +65,12 @@ def add_bench(sub):
     s.add_argument("--iters", type=int, default=20, help="iterations per timing (default 20)")
     s.add_argument("--repeats", type=int, default=5,
                    help="timings per configuration; the median counts (default 5)")
+    s.add_argument("--min-seconds", type=float, default=0.5,
+                   help="each timing runs at least this long (default 0.5): where --iters "
+                        "would take less by the last warm-up iteration, a configuration's "
+                        "timings run more iterations (said, and in the results' iters); a "
+                        "timing of a tenth of a second measures the scheduler and the other "
+                        "programs as much as the training. 0: --iters alone")
     s.add_argument("--warmup", type=int, default=3,
                    help="untimed iterations per configuration first (default 3)")
     s.add_argument("--lead-in", type=int, default=3,
@@ -72,6 +79,10 @@ def add_bench(sub):
                         "iterations to regain its speed, which training never pays")
     s.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same network in PyTorch (needs torch installed)")
+    s.add_argument("--torch-denormals", choices=("keep", "flush"), default="keep",
+                   help="with --compare torch: subnormal floats in PyTorch's arithmetic kept "
+                        "(PyTorch's default) or flushed to zero (torch.set_flush_denormal, "
+                        "as cgp's default --denormals flush); default keep")
     s.add_argument("--torch-layout", choices=("channels_last", "contiguous"), default=None,
                    help="with --compare torch: time PyTorch in this memory format only "
                         "(default: both; one copy of a large net at a large batch may be "
@@ -148,6 +159,7 @@ class Config:
     restore: object = None             # restore(): ... and go back to it, untimed
     pause: object = lambda: None       # pause(): after a timing, untimed: its workers sleep
                                        # (they must not spin while the next one is timed)
+    iters: int = 0                     # iterations per timing (interleaved sets it)
     rates: list = field(default_factory=list)   # images/s of each repetition
     steals: list = field(default_factory=list)  # the share of the CPUs' time the hypervisor
                                                 # withheld during each repetition (steal)
@@ -157,7 +169,7 @@ class Config:
         return self.impl + (f"/{self.layout}" if self.layout else "") + f" x{self.threads}"
 
 def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None,
-                lead_in=0):
+                lead_in=0, min_seconds=0.0):
     """Warm every configuration up, then time `repeats` rounds; round r runs the
     configurations in order, rotated by r, then each_round() if given. Every timing trains
     the same iterations from the same state (the one after the warm-up): the work is
@@ -167,24 +179,40 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
     while other configurations run, and a CPU back from idling runs slower for several
     iterations (bench/idle_ramp.py, at git tag bench-experiments-2026-11), which training,
     its CPUs never idle, does not pay.
+    A configuration's timings run `iters` iterations, or more where its last warm-up
+    iteration says that `iters` would take less than `min_seconds` (c.iters: how many):
+    a timing of a tenth of a second measures the scheduler's time slices and other programs
+    as much as training (with --warmup 0 nothing is known, and `iters` it is).
     Each timing also records the steal time over it, as a share of all CPUs' time."""
     cpus = os.cpu_count() or 1
     for c in configs:
         with c.context():
-            c.run(warmup)
+            c.run(max(warmup - 1, 0))
+            c.iters = iters
+            if warmup:   # the last warm-up iteration, timed for c.iters
+                started = time.perf_counter()
+                c.run(1)
+                took = max(time.perf_counter() - started, 1e-9)
+                c.iters = max(iters, math.ceil(min_seconds / took))
         c.pause()
         c.save()
+    longer = [c for c in configs if c.iters > iters]
+    if longer:
+        log(f"  timings of at least {min_seconds:g} s (--min-seconds): " + ", ".join(
+            f"{c.label} {c.iters} iterations" for c in longer))
     for r in range(repeats):
         k = r % len(configs)
         for c in configs[k:] + configs[:k]:
             c.restore()
             with c.context():
                 c.run(lead_in)
-                started, stolen = time.perf_counter(), steal_seconds()
-                c.run(iters)
+                stolen = steal_seconds()   # read before the clock starts: it costs a little
+                started = time.perf_counter()
+                c.run(c.iters)
                 wall = time.perf_counter() - started
-                c.rates.append(c.copies * iters * images_per_iter / wall)
-                c.steals.append((steal_seconds() - stolen) / (wall * cpus))
+                steal = steal_seconds() - stolen
+                c.rates.append(c.copies * c.iters * images_per_iter / wall)
+                c.steals.append(steal / (wall * cpus))
             c.pause()
         if each_round is not None:
             each_round()
@@ -368,36 +396,50 @@ def _serve_copy(pipe, config):
                 pipe.send((False, f"{type(error).__name__}: {error}"))
 
 
-# What --denormals does to subnormals, for the line that says how PyTorch runs.
+# What --torch-denormals does to subnormals, for the line that says how PyTorch runs.
 DENORMALS_DONE = {"flush": "flushed", "keep": "kept"}
 
 
-def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush, device="cpu",
-                 deterministic=False):
-    """Trains the PyTorch copy on the batches that cgp's data layers make, with `threads`
-    PyTorch threads; as in cgp's step, making the batch is part of the timed iteration.
-    flush: PyTorch's subnormals as cgp's (--denormals), set with its own switch
-    (torch.set_flush_denormal) for each timing: kept, as PyTorch's default, its training
-    slowed to a sixth once subnormals appeared (cifar10_quick on generated data, after 35
-    steps: bench/torch_subnormals.py, at git tag bench-experiments-2026-11), which cgp's
-    default arithmetic never pays. device: PyTorch's ("cuda" for a GPU); deterministic:
-    time it with torch.use_deterministic_algorithms(True)."""
+def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush=False, device="cpu",
+                 deterministic=False, lead_in=0):
+    """Trains the PyTorch copy as a PyTorch user's loop does: zero_grad, forward, backward and
+    torch.optim.SGD's step, with `threads` set by torch.set_num_threads and nothing else of
+    cgp's: no BLAS or OpenMP limit (cgp's threadpool_limits covers only its own timings), no
+    affinity, no environment variable, and subnormals as PyTorch keeps them unless `flush`
+    (--torch-denormals flush: its own switch, torch.set_flush_denormal). The caller's
+    floating-point mode is given back after each timing.
+    Its batches are those of cgp's data layers, made into tensors (in the memory format) by
+    save() for the iterations that every timing runs from the saved state (`lead_in` and the
+    Config's iters), as a
+    PyTorch DataLoader hands the loop batches made elsewhere; cgp's own step reads its batch
+    inside the timing, so this leans, if anything, towards PyTorch.
+    device: PyTorch's ("cuda" for a GPU); deterministic: time it with
+    torch.use_deterministic_algorithms(True)."""
     from contextlib import contextmanager
 
     from cgp.runtime import fpenv
 
-    state = {"iter": 0}
+    state = {"iter": 0, "made": {}}
     net = data_trainer.net
+
+    def batch(it):
+        made = state["made"].get(it)
+        if made is None:
+            made = data_trainer._batch(data_trainer.engine, it * net.batch_size, it)
+        return made
 
     def run(iterations):
         for _ in range(iterations):
-            it = state["iter"]
-            trainer.step(data_trainer._batch(data_trainer.engine, it * net.batch_size, it))
+            trainer.step(batch(state["iter"]))
             state["iter"] += 1
         torch_ref.synchronize(device)
 
     def save():
-        state["saved"] = (state["iter"], trainer.save())
+        first = state["iter"]
+        state["saved"] = (first, trainer.save())
+        state["made"] = {}   # then made now, outside the timings
+        state["made"] = {it: trainer.model.inputs(batch(it))
+                         for it in range(first, first + lead_in + config.iters)}
 
     def restore():
         state["iter"], weights = state["saved"]
@@ -416,7 +458,9 @@ def torch_config(torch_ref, threads, layout, trainer, data_trainer, flush, devic
             fpenv.restore(caller)
     label = layout + (f" {device}" if device != "cpu" else "") + (
         " deterministic" if deterministic else "")
-    return Config("torch", threads, label, run=run, context=context, save=save, restore=restore)
+    config = Config("torch", threads, label, run=run, context=context, save=save,
+                    restore=restore)
+    return config
 
 # -- output ------------------------------------------------------------------------
 def write_results(out, stem, report, rows, log):
@@ -430,7 +474,7 @@ def write_results(out, stem, report, rows, log):
                "paired_speedup", "paired_speedup_ci", "cgp_over_torch", "paired_cgp_over_torch",
                "paired_cgp_over_torch_ci", "cgp_over_this", "paired_cgp_over_this",
                "paired_cgp_over_this_ci", "share_of_ceiling", "paired_share_of_ceiling",
-               "paired_share_of_ceiling_ci", "quiet_rounds", "quiet_paired_speedup",
+               "paired_share_of_ceiling_ci", "iters", "quiet_rounds", "quiet_paired_speedup",
                "quiet_paired_speedup_ci", "images_per_s", "steal", "ranks",
                "comm_ms_per_step", "comm_exposed_ms_per_step", "comm_hidden_share",
                "bytes_sent_per_step", "bytes_received_per_step"]
@@ -586,12 +630,13 @@ def cmd_speedup(args, log=print):
             for layout in [args.torch_layout] if args.torch_layout else torch_ref.LAYOUTS:
                 configs += [torch_config(torch_ref, t, layout,
                                          torch_ref.TorchTrainer(net, sp, layout, device), first,
-                                         args.denormals == "flush", device, mode)
+                                         args.torch_denormals == "flush", device, mode,
+                                         lead_in=args.lead_in)
                             for t in threads for mode in modes]
         from cgp.snapshot import writable_folder
         writable_folder(Path(args.out) / "results.json")   # found out now, not after the timing
-        torch_note = (f"; PyTorch {torch_ref.version()} (subnormals "
-                      f"{DENORMALS_DONE[args.denormals]} as in cgp)" if torch_ref else "")
+        torch_note = (f"; PyTorch {torch_ref.version()} (its own loop and settings, "
+                      f"subnormals {DENORMALS_DONE[args.torch_denormals]})" if torch_ref else "")
         on = (f" on {first.backend.description}" if first.backend is not None else "")
         log(f"cgp bench speedup: {path or args.net_file}, net '{net.name}', batch {images} in "
             f"{len(first.engine.bounds)} chunks{on}; threads {','.join(map(str, threads))}"
@@ -599,12 +644,12 @@ def cmd_speedup(args, log=print):
             f"{torch_note}"
             f"{'; the machine ceiling' if ceilings else ''}; {args.warmup} warm-up "
             f"+ {args.repeats} x ({args.lead_in} untimed + {args.iters}) iterations each, "
-            "interleaved")
+            f"each timing at least {args.min_seconds:g} s, interleaved")
         matmul = []  # NumPy's matmul rate, timed in every round like the configurations
         with ForeignLoad() as foreign:
             interleaved(configs, args.iters, args.repeats, args.warmup, images, log,
                         each_round=lambda: matmul.append(matmul_gflops()),
-                        lead_in=args.lead_in)
+                        lead_in=args.lead_in, min_seconds=args.min_seconds)
         # Every configuration ended on the same iterations from the same state: the copies
         # too, or they did not time the training that cgp runs.
         for copies in ceilings:
@@ -624,6 +669,7 @@ def cmd_speedup(args, log=print):
             t.close()
     rows, best = summarise(configs)
     for row, c in zip(rows, configs):
+        row["iters"] = c.iters   # per timing: --iters, or more for --min-seconds
         if c.impl == "mpi":
             clock = clocks[id(c)]
             steps = max(clock["steps"], 1)
@@ -667,10 +713,11 @@ def cmd_speedup(args, log=print):
     report = {"model": model, "solver": path and str(path), "net_file": args.net_file,
               "net": net.name, "batch": images,
               "chunks": len(first.engine.bounds), "denormals": args.denormals,
+              "torch_denormals": args.torch_denormals if torch_ref else None,
               "device": args.device,
               "device_description": first.backend.description if first.backend else "CPU",
               "workers": workers,
-              "iters": args.iters,
+              "iters": args.iters, "min_seconds": args.min_seconds,
               "repeats": args.repeats, "warmup": args.warmup, "lead_in": args.lead_in,
               "seed": first.seed,
               "threads": threads, "ranks": [1] + ranks, "compare": args.compare,

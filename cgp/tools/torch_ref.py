@@ -68,7 +68,10 @@ class TorchNet(torch.nn.Module):
             value = torch.from_numpy(np.array(flat[b.offset:b.offset + b.size], dtype)
                                      .reshape(b.shape)).to(device)
             if value.dim() == 4:
-                value = value.contiguous(memory_format=self.format)
+                # .to, as Module.to(memory_format=...): .contiguous keeps the strides of a
+                # tensor that is both formats at once (one input channel: conv1 of LeNet),
+                # and its convolution then ran in the other format.
+                value = value.to(memory_format=self.format)
             self.blobs.append(torch.nn.Parameter(value, requires_grad=b.lr_mult != 0))
         self.readers = {}    # blob id -> how many entries read it
         self.writer = {}     # blob id -> the entry that writes it
@@ -130,7 +133,7 @@ class TorchNet(torch.nn.Module):
             return lambda xs, ps: [F.conv2d(x, ps[0], ps[1] if len(ps) > 1 else None, **geometry)
                                    for x in xs]
         if kind == "Pooling":
-            return self._pool(layer)
+            return self._pool(layer, entry)
         if kind == "InnerProduct":
             def inner_product(xs, ps):
                 x = xs[0].reshape(xs[0].shape[:layer.axis] + (-1,))
@@ -220,7 +223,7 @@ class TorchNet(torch.nn.Module):
             return [x.sum(-1) * (p.coeff / count)]
         return reduction
 
-    def _pool(self, layer):
+    def _pool(self, layer, entry):
         if len(layer.lp.top) != 1:
             raise layer.error("the PyTorch comparison does not support the MAX mask top")
         if 2 * layer.pad_h > layer.R or 2 * layer.pad_w > layer.S:
@@ -228,12 +231,22 @@ class TorchNet(torch.nn.Module):
                               f"{layer.R}x{layer.S}, which PyTorch's pooling refuses")
         p = layer.lp.pooling_param
         # PyTorch's ceil_mode drops a last window that starts in the padding and divides an
-        # average by the window clipped to the padded input, exactly as Caffe does.
+        # average by the window clipped to the padded input, exactly as Caffe does. Where
+        # rounding down gives the same output size the windows are the same, and a PyTorch
+        # user writes the default: its max pooling ran 3x slower with ceil_mode on LeNet's
+        # pool1 in channels_last (bench/torch_baseline.py, PyTorch 2.13).
         args = dict(kernel_size=(layer.R, layer.S), stride=(layer.stride_h, layer.stride_w),
-                    padding=(layer.pad_h, layer.pad_w), ceil_mode=p.round_mode == PP.CEIL)
+                    padding=(layer.pad_h, layer.pad_w),
+                    ceil_mode=p.round_mode == PP.CEIL and self._ceil_differs(layer, entry))
         if layer.max:
             return lambda xs, ps: [F.max_pool2d(xs[0], **args)]
         return lambda xs, ps: [F.avg_pool2d(xs[0], count_include_pad=True, **args)]
+
+    def _ceil_differs(self, layer, entry):
+        """Whether rounding the output size up (Caffe's) gives more outputs than down."""
+        height, width = self.net.blob_shapes[entry.bottoms[0]][2:]
+        return bool((height + 2 * layer.pad_h - layer.R) % layer.stride_h
+                    or (width + 2 * layer.pad_w - layer.S) % layer.stride_w)
 
     def _lrn(self, layer):
         size, alpha, beta, k = layer.size, layer.alpha, layer.beta, layer.k
@@ -291,18 +304,23 @@ class TorchNet(torch.nn.Module):
         for blob, array in batch.items():
             x = torch.from_numpy(np.asarray(array, self.dtype)).to(self.device)
             if x.dim() == 4 and blob not in self.label_blobs:
-                x = x.contiguous(memory_format=self.format)
+                x = x.to(memory_format=self.format)   # as PyTorch's tutorial writes it
             out[blob] = x
         return out
 
     def forward(self, batch):
-        """Returns (loss tensor, {blob id: tensor}) for one whole batch."""
-        data = self.inputs(batch)
+        """Returns (loss tensor, {blob id: tensor}) for one whole batch: source blob id ->
+        numpy array, or the tensors that inputs() made of one."""
+        made = all(torch.is_tensor(a) for a in batch.values())
+        data = dict(batch) if made else self.inputs(batch)
         for entry, op in zip(self.net.entries, self.ops):
             params = [self.blobs[p] for p in entry.params]
             for blob, value in zip(entry.tops, op([data[b] for b in entry.bottoms], params)):
                 data[blob] = value
-        loss = sum(weight * data[blob] for blob, weight in self.net.loss_weights.items())
+        loss = None   # the sum of the weighted losses, with no op where a weight is 1
+        for blob, weight in self.net.loss_weights.items():
+            term = data[blob] if weight == 1 else weight * data[blob]
+            loss = term if loss is None else loss + term
         return loss, data
 
     def flat_grad(self):
@@ -353,8 +371,9 @@ class TorchTrainer:
         return None if buffer is None else buffer.clone()
 
     def step(self, batch):
-        """One training iteration on a whole batch; returns the loss."""
-        self.optimizer.zero_grad(set_to_none=False)
+        """One training iteration on a whole batch (source blob id -> numpy array, or the
+        tensors of TorchNet.inputs); returns the loss."""
+        self.optimizer.zero_grad()   # PyTorch's default: the gradients set to None
         loss, _ = self.model(batch)
         loss.backward()
         self.optimizer.step()

@@ -1,0 +1,257 @@
+"""A first run's kernels compiled on every core: before `cgp train` starts, forked processes
+each train the same net for two iterations on a Trainer of their own (one thread) and share
+out the compiling, so that the run itself finds Numba's on-disk cache (cache=True) filled.
+Not here: what the kernels compute, or where the cache lives (cgp.runtime's locators).
+
+How the work is shared: the first process to call a kernel from Python claims it (a file
+created with O_EXCL in a folder they share) and compiles it, with everything it calls. A
+process that finds a kernel claimed by another skips the call where the kernel returns
+nothing (its outputs are then stale, which changes no type and so no later compile), and
+waits where a value comes back until the claimer has it, and then loads it from the cache
+(or, after a minute, compiles it for itself without saving it). Only a kernel's claimer
+writes its cache entries: Numba's index of a function is rewritten whole by whoever saves an
+overload of it, and two processes saving overloads of one function at once could pair an
+index entry with the other's machine code.
+
+Nothing here can make stale code run: what the run loads is decided by Numba's cache index,
+which keys each entry by the signature and the CPU (name and features) and is thrown away
+when the defining file's time stamp or size, Numba's version, or (cgp.runtime.SourceStamp)
+any compiled source of cgp changes. The processes only fill it. A file in the cache folder
+(`cgp-compiled-<key>`) records that this net was compiled for those sources, that CPU and
+that Numba, so that later runs do not start the processes; where it is wrong (the cache
+deleted, say) the run compiles what it misses itself, as without this module.
+"""
+import ast
+import hashlib
+import inspect
+import os
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+# More processes than this share out too few kernels (LeNet's training calls 28 from
+# Python) to be worth a Trainer each.
+MOST = 8
+# A process that has claimed or finished nothing for this long is stopped.
+STALLED_SECONDS = 300
+
+
+def precompile(sp, solver_path, config, log):
+    """Compiles the kernels that training `sp` (a SolverParameter) with RunConfig `config`
+    calls, in processes on this machine's cores, unless the cache holds them already (by
+    its marker) or there is no use: one core, a GPU, no fork(), MPI ranks (each would start
+    its own). Returns the number of kernels compiled."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    ranks = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
+    if cores < 2 or config.device != "cpu" or not hasattr(os, "fork") or ranks > 1:
+        return 0
+    folder = cache_folder()
+    if folder is None:
+        return 0
+    marker = folder / f"cgp-compiled-{cache_key(sp, solver_path, config)}"
+    if marker.exists():
+        return 0
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="cgp-compile-") as claims:
+        count, seconds, finished = _share_out(sp, solver_path, config, Path(claims),
+                                              min(cores, MOST), log)
+    if count:
+        log(f"compiled {count} kernels in {min(cores, MOST)} processes in {seconds:.1f} s "
+            "(cached for later runs)")
+    if finished:
+        try:
+            marker.write_text("")
+        except OSError:
+            pass   # a cache folder that cannot be written: Numba says so itself
+    return count
+
+
+def cache_folder():
+    """Where Numba caches the layers' kernels (the folder of one of them), or None: the
+    marker goes where their cache goes, and is cleared with it."""
+    from cgp.kernels import elementwise
+    try:
+        return Path(elementwise.copy._cache._cache_path)
+    except AttributeError:
+        return None
+
+
+def cache_key(sp, solver_path, config):
+    """What the compiled kernels depend on, hashed: the nets (their text after reading),
+    the settings that shape the calls, cgp's compiled sources, Numba and the CPU."""
+    import llvmlite.binding as llvm
+    import numba
+
+    from cgp.runtime import compiled_sources, sources_hash
+    from cgp.train import solver_nets
+
+    train, tests = solver_nets(sp, solver_path)
+    digest = hashlib.sha256()
+    for part in ([str(train[0])] + [str(t[0]) for t in tests]
+                 + [str(config.chunks), str(config.staleness), config.denormals,
+                    config.workers, sources_hash(compiled_sources()), numba.__version__,
+                    llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()]):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:24]
+
+
+def _share_out(sp, solver_path, config, claims, n, log):
+    """Forks n processes that train and compile (_compile_in_child), and waits for them,
+    saying how far they are; returns (kernels compiled, seconds, whether every process
+    finished its training)."""
+    started = time.perf_counter()
+    log(f"compiling kernels in {n} processes (first run only; cached afterwards)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = []
+    try:
+        for _ in range(n):
+            pid = os.fork()
+            if pid == 0:   # the child: never returns
+                _compile_in_child(sp, solver_path, config, claims)
+            children.append(pid)
+        said, changed, done, finished = 0, time.perf_counter(), 0, True
+        while children:
+            time.sleep(0.2)
+            for pid in list(children):
+                ended, status = os.waitpid(pid, os.WNOHANG)
+                if ended:
+                    children.remove(pid)
+                    finished = finished and os.waitstatus_to_exitcode(status) == 0
+            finished = len(list(claims.glob("*.done")))
+            if finished != done:
+                done, changed = finished, time.perf_counter()
+            if done >= said + 10:
+                said = done - done % 10
+                log(f"compiling kernels: {said} compiled, {time.perf_counter() - started:.0f} s")
+            if time.perf_counter() - changed > STALLED_SECONDS:
+                finished = False
+                break   # the run compiles what is left
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, 15)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+    return done, time.perf_counter() - started, finished
+
+
+def _compile_in_child(sp, solver_path, config, claims):
+    """A forked process's life: train two iterations and test once with the kernels shared
+    out (Share), then exit without running the parent's exit handlers."""
+    status = 1
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        Share(claims).install()
+        from cgp.train import Trainer
+        trainer = Trainer(sp, solver_path, replace(config, threads=1, download=False,
+                                                   progress=False), log=lambda line: None)
+        try:
+            for i in range(len(trainer.test_nets)):
+                _try(trainer.test, i)
+            _try(trainer.steps, 2)
+        finally:
+            trainer.close()
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def _try(fn, *args):
+    """Runs fn; a failure (stale outputs of a skipped kernel can make a check fail) ends
+    only this part: the run compiles whatever it then misses."""
+    try:
+        fn(*args)
+    except Exception:   # noqa: BLE001
+        pass
+
+
+class Share:
+    """The hooks of one compiling process into Numba: claim a kernel called from Python, or
+    skip or compile it unsaved (see the module's note); save the cache entries of claimed
+    kernels alone."""
+
+    def __init__(self, claims, prefix="cgp."):
+        self.claims, self.prefix = claims, prefix
+        self.mine = set()
+
+    def install(self):
+        from numba.core import caching
+        from numba.core.dispatcher import Dispatcher
+
+        compile_for_args = Dispatcher._compile_for_args
+        save_overload = caching.Cache.save_overload
+        share = self
+
+        def claiming_compile(dispatcher, *args, **kws):
+            name = share.name(dispatcher.py_func)
+            if name is None or share.claim(name):
+                if name is None:
+                    return compile_for_args(dispatcher, *args, **kws)
+                misses = sum(dispatcher._cache_misses.values())
+                try:
+                    entry = compile_for_args(dispatcher, *args, **kws)
+                finally:
+                    (share.claims / f"{name}.ready").touch()   # compiled, loaded or failed
+                if sum(dispatcher._cache_misses.values()) > misses:
+                    (share.claims / f"{name}.done").touch()    # compiled, not loaded
+                return entry
+            if returns_nothing(dispatcher.py_func):
+                return _skip
+            # Its claimer is compiling it now: loaded from the cache once it is there, it
+            # costs no second compile (unsaved, where the claimer takes too long).
+            share.wait_for(name)
+            return compile_for_args(dispatcher, *args, **kws)
+
+        def saving_claimed(cache, sig, data):
+            if share.name(cache._py_func) in share.mine:
+                save_overload(cache, sig, data)
+
+        Dispatcher._compile_for_args = claiming_compile
+        caching.Cache.save_overload = saving_claimed
+
+    def name(self, py_func):
+        """The kernel's claim name (its module and qualified name), None if not cgp's."""
+        module = getattr(py_func, "__module__", "") or ""
+        if not module.startswith(self.prefix):
+            return None
+        return f"{module}.{py_func.__qualname__}".replace("<", "(").replace(">", ")")
+
+    def wait_for(self, name, seconds=60.0):
+        """Waits until the claimer of kernel `name` has it, at most `seconds`."""
+        ready = self.claims / f"{name}.ready"
+        deadline = time.perf_counter() + seconds
+        while not ready.exists() and time.perf_counter() < deadline:
+            time.sleep(0.02)
+
+    def claim(self, name):
+        """Whether this process compiles kernel `name`: it claimed it, now or before."""
+        if name in self.mine:
+            return True
+        try:
+            os.close(os.open(self.claims / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        self.mine.add(name)
+        return True
+
+
+def _skip(*args, **kws):
+    """A skipped kernel's call."""
+    return None
+
+
+def returns_nothing(py_func):
+    """Whether a kernel's source has no `return value` (so a skipped call's None is what it
+    returns); False where its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(py_func)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return not any(isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom))
+                   and getattr(node, "value", None) is not None for node in ast.walk(tree))
