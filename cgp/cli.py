@@ -41,6 +41,10 @@ def add_train(sub):
                         "none but the last)")
     p.add_argument("--snapshot-seconds", type=float, default=None, metavar="T",
                    help="also snapshot once T seconds have passed since the last snapshot")
+    p.add_argument("--compile-processes", type=int, default=None, metavar="N",
+                   help="compile a first run's kernels in N processes before training (default: "
+                        "one per core where there are 4 or more, at most 8; 0: the training "
+                        "compiles its own)")
     p.add_argument("--heartbeat", default=None, metavar="FILE",
                    help="rank 0 rewrites FILE as training progresses (what `cgp launch` "
                         "watches for hangs)")
@@ -159,7 +163,7 @@ def train(args, sp, path, config, log, sink):
 
     check_threads(args.threads, log, config.workers)
     started = time.perf_counter()
-    precompile(sp, path, config, log)   # a first run's kernels, on every core
+    precompile(sp, path, config, log, args.compile_processes)   # a first run's kernels
     trainer = Trainer(sp, path, config, log=log)
     try:
         net, engine, comm = trainer.net, trainer.engine, trainer.comm

@@ -34,18 +34,25 @@ from pathlib import Path
 # More processes than this share out too few kernels (LeNet's training calls 28 from
 # Python) to be worth a Trainer each.
 MOST = 8
+# Below this many cores the processes are not started unless asked for: on 2 cores the
+# functions that several kernels call, compiled in each process that needs them, cost more
+# than the second core gives (bench/README.md, the first run's compile).
+FEWEST = 4
 # A process that has claimed or finished nothing for this long is stopped.
 STALLED_SECONDS = 300
 
 
-def precompile(sp, solver_path, config, log):
+def precompile(sp, solver_path, config, log, processes=None):
     """Compiles the kernels that training `sp` (a SolverParameter) with RunConfig `config`
-    calls, in processes on this machine's cores, unless the cache holds them already (by
-    its marker) or there is no use: one core, a GPU, no fork(), MPI ranks (each would start
-    its own). Returns the number of kernels compiled."""
+    calls, in `processes` processes (None: one per core, on FEWEST cores or more), unless the
+    cache holds them already (by its marker) or there is no use: fewer than 2, a GPU, no
+    fork(), MPI ranks (each would start its own). Returns the number of kernels compiled."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if processes is None:
+        processes = cores if cores >= FEWEST else 0
+    processes = min(processes, MOST)
     ranks = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
-    if cores < 2 or config.device != "cpu" or not hasattr(os, "fork") or ranks > 1:
+    if processes < 2 or config.device != "cpu" or not hasattr(os, "fork") or ranks > 1:
         return 0
     folder = cache_folder()
     if folder is None:
@@ -56,9 +63,9 @@ def precompile(sp, solver_path, config, log):
     import tempfile
     with tempfile.TemporaryDirectory(prefix="cgp-compile-") as claims:
         count, seconds, finished = _share_out(sp, solver_path, config, Path(claims),
-                                              min(cores, MOST), log)
+                                              processes, log)
     if count:
-        log(f"compiled {count} kernels in {min(cores, MOST)} processes in {seconds:.1f} s "
+        log(f"compiled {count} kernels in {processes} processes in {seconds:.1f} s "
             "(cached for later runs)")
     if finished:
         try:
