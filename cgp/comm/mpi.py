@@ -390,6 +390,7 @@ class MPICommunicator(Lockstep):
     def start(self, engine):
         """Once the runs before are exchanged, the engine's counters reset; then the thread
         takes this run's sums over the batch and buckets as the run makes them."""
+        self._hurry.set()   # the run before has surely ended, exchange() called or not
         self._settle()
         engine.reset()
         if engine.syncs or engine.backward:
