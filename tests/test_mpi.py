@@ -208,7 +208,7 @@ def test_each_rank_reads_only_its_own_records(tmp_path, mnist_dir):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os\n"
-        "from cgp import lmdb_data\n"
+        "from cgp.data import lmdb_data\n"
         "read = lmdb_data.ArrayRecords.read\n"
         "def logged(self, start, n):\n"
         "    with open(f'reads_{os.environ[\"OMPI_COMM_WORLD_RANK\"]}.txt', 'a') as f:\n"

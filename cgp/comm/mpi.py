@@ -297,6 +297,7 @@ class MPICommunicator(Lockstep):
                            "grant MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE")
         # Held for each MPI call of either thread, never across a wait (see the module).
         self._lock = threading.Lock()
+        self._checking = threading.Lock()   # one thread asks the other ranks at a time
         self.hang_seconds = hang_seconds()
         # The communication thread: what a run exchanges, as soon as it is made, on a
         # communicator of its own, so that its collectives never meet the main thread's; and
@@ -511,32 +512,45 @@ class MPICommunicator(Lockstep):
             nap = min(2 * nap, NAP_SECONDS[1])
 
     def _answer(self):
-        """Answers every question of another rank (whether this one still runs); and drops
-        answers that came too late for a question of this one's. Under the lock."""
+        """Answers every question of another rank (whether this one still runs). Under the
+        lock."""
         MPI, ping, status = self.MPI, self._ping, self._status
-        while ping.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
-            source, tag = status.Get_source(), status.Get_tag()
-            ping.Recv([self._byte, MPI.BYTE], source, tag)
-            if tag == _PING:
-                ping.Send([self._byte, MPI.BYTE], source, _PONG)
+        while ping.Iprobe(source=MPI.ANY_SOURCE, tag=_PING, status=status):
+            source = status.Get_source()
+            ping.Recv([self._byte, MPI.BYTE], source, _PING)
+            ping.Send([self._byte, MPI.BYTE], source, _PONG)
+
+    def _answers(self):
+        """The ranks whose answers have come (each received). Under the lock."""
+        MPI, ping, status, found = self.MPI, self._ping, self._status, set()
+        while ping.Iprobe(source=MPI.ANY_SOURCE, tag=_PONG, status=status):
+            found.add(status.Get_source())
+            ping.Recv([self._byte, MPI.BYTE], status.Get_source(), _PONG)
+        return found
 
     def _check_ranks(self, waited, stall=True):
         """After a wait of `waited` seconds: asks every other rank whether it still answers.
         A rank that has not in ANSWER_WAIT_SECONDS ends the job, named (by the lowest rank
         that answers, where several wait); a wait on ranks that all answer ends it once it
         has lasted STALL_FACTOR times hang_seconds."""
+        if not self._checking.acquire(blocking=False):
+            return   # the rank's other thread is asking already
+        try:
+            self._ask(waited, stall)
+        finally:
+            self._checking.release()
+
+    def _ask(self, waited, stall):
         MPI, ping = self.MPI, self._ping
         others = [r for r in range(self.size) if r != self.rank]
         with self._lock:
-            self._answer()   # stale answers first
+            self._answers()   # late answers to an earlier question
             asked = [ping.Isend([self._byte, MPI.BYTE], r, _PING) for r in others]
-        answered, status = set(), self._status
+        answered = set()
         deadline = time.monotonic() + ANSWER_WAIT_SECONDS
         while len(answered) < len(others) and time.monotonic() < deadline:
             with self._lock:
-                while ping.Iprobe(source=MPI.ANY_SOURCE, tag=_PONG, status=status):
-                    answered.add(status.Get_source())
-                    ping.Recv([self._byte, MPI.BYTE], status.Get_source(), _PONG)
+                answered |= self._answers()
                 self._answer()
             time.sleep(0.01)
         silent = [r for r in others if r not in answered]
@@ -550,7 +564,7 @@ class MPICommunicator(Lockstep):
         if any(r < self.rank for r in answered):
             # A lower rank that answers waits too, and says it; this one ends the job only if
             # that one has not in a while.
-            time.sleep(2 * ANSWER_WAIT_SECONDS)
+            time.sleep(6 * ANSWER_WAIT_SECONDS)
         names = ", ".join(map(str, silent))
         abort(self.comm, 3, f"rank {names} has not answered for {ANSWER_WAIT_SECONDS:.0f} s "
                             f"while this rank waited {waited:.0f} s for the others: stopped "
