@@ -199,7 +199,8 @@ class Layout(NamedTuple):
         """The start-up line's words: the layout, and a warning where it oversubscribes."""
         threads = self.ranks_here * (self.workers + 1)
         text = (f"{self.ranks_here} rank(s) on this node, each {self.workers} worker(s) and "
-                f"an exchange thread on {self.cores} of its {self.node_cores} cores")
+                f"an exchange thread, on {self.cores} of the node's {self.node_cores} cores "
+                f"(its share: mpirun's binding, else the cores over the ranks)")
         if self.ranks_here * self.workers > self.node_cores:
             text += (f"; warning: {self.ranks_here} ranks x {self.workers} workers exceed the "
                      f"{self.node_cores} cores: workers that wait sleep at once instead of "
