@@ -187,6 +187,9 @@ def train(args, sp, path, config, log, sink):
                 for r, p in enumerate(engine.parts))
                 + f"; per step each rank sends up to {sent / 2**20:.2f} MiB and receives up to "
                   f"{received / 2**20:.2f} MiB (gradient {4 * net.n_params / 2**20:.2f} MiB)")
+            layout = getattr(getattr(comm, "inner", comm), "layout", None)
+            if layout is not None:   # cgp.comm.mpi.Layout: the cores, and a warning
+                log(f"cgp: layout: {layout.describe()}")
         if not comm.reproducible:
             log(f"cgp: --sharing {config.sharing}: NOT reproducible: each group of ranks "
                 f"computes whole batches of {net.batch_size} on the weights it last pulled "

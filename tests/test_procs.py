@@ -424,3 +424,24 @@ def test_memory_check_counts_what_workers_hold(model, mnist_dir, cifar_dir):
             assert psutil.Process(proc.pid).memory_full_info().uss < WORKER_PROCESS_BYTES + own
     finally:
         trainer.close()
+
+
+def test_a_rank_spins_only_within_its_share_of_the_cores(monkeypatch):
+    """Under an MPI launcher that binds nothing, a rank's cores are the node's over the ranks
+    placed on it: with as many ranks as cores, one each, and two workers no longer spin
+    (they would take a core from the other rank); without a launcher, every core, and two
+    workers spin. A process bound to fewer cores than the node keeps its binding."""
+    import cgp.runtime.pool as pool
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    if cores < 2 or cores < (os.cpu_count() or 0):
+        pytest.skip("needs every core of a machine of 2 or more")
+    for variable in pool.LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert pool.cores_of_this_process() == cores and pool.spin_count(2) > 0
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(cores))
+    assert pool.ranks_on_this_node() == cores
+    assert pool.cores_of_this_process() == 1 and pool.spin_count(2) == 0
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    assert pool.cores_of_this_process() == cores // 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})   # bound to one core
+    assert pool.cores_of_this_process() == 1

@@ -20,6 +20,17 @@ run, while the calls still run backward through earlier layers; it also gathers 
 shares of each sum over the batch (BatchNorm), which the engine's Sync tasks await. Buckets
 are fixed, so the bits never move. Only the main process of a rank calls MPI: its worker
 processes, forked before, compute.
+
+Waiting (see DESIGN.md, "MPI waits"): Open MPI's blocking calls spin on the CPU until the
+other ranks arrive, taking a core from the rank's own workers and from the other ranks. So
+every call here is non-blocking, and its wait (MPICommunicator._complete) looks at it for
+SPIN_SECONDS, then sleeps between looks, the naps growing to NAP_SECONDS. The two threads of
+a rank never call MPI at once (one lock, held for each call alone, never across a wait): two
+threads in Open MPI's progress engine at once crashed now and then (a segmentation fault in
+the shared-memory transport's polling, under Waitall), and with the lock the rank runs on
+MPI_THREAD_SERIALIZED as well. A wait that lasts HANG_SECONDS asks every other rank whether it
+still answers (each rank's exchange thread answers within ANSWER_SECONDS, whatever its main
+thread does); a rank that does not, stopped or hung, ends the job with one message naming it.
 Without mpirun, cgp never imports mpi4py.
 """
 import os
@@ -28,6 +39,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,6 +48,7 @@ from cgp.comm.local import (BLOCK, ROW_GRAIN, Reduction, blocks, merge_pairs, pa
 from cgp.errors import CgpError
 from cgp.runtime import fpenv
 from cgp.runtime.memory import aligned_zeros
+from cgp.runtime.pool import cores_of_this_process, ranks_on_this_node
 from cgp.runtime.reduce import TILE, merge_rows, outer_stack_size, outer_tree_sum, tree_sum
 
 # What MPI launchers put in each process's environment: its rank count.
@@ -71,19 +84,36 @@ def local_job(ranks, args):
     env = dict(os.environ, OMPI_MCA_btl="self,sm", OMPI_MCA_osc="^ucx",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
                PRTE_MCA_hwloc_default_binding_policy="none")
+    if ranks > (os.cpu_count() or 1):   # oversubscribed: an idle rank gives its core away
+        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     # mpirun runs the `python` on PATH: name this one.
     return [mpirun(), "-np", str(ranks), sys.executable, *args], env
 
 
+# The thread level asked of MPI: "multiple" (the default; --sharing async and hybrid call MPI
+# from the main thread while the exchange thread works), or "serialized", which is all that
+# the synchronous communicator needs (its calls never overlap): CGP_MPI_THREAD_LEVEL.
+THREAD_LEVELS = ("multiple", "serialized")
+
+
 def world():
-    """MPI's COMM_WORLD (importing mpi4py initialises MPI)."""
+    """MPI's COMM_WORLD (importing mpi4py initialises MPI). First, the Open MPI settings that
+    must precede MPI_Init: where this node's ranks outnumber its cores, an idle rank yields
+    its core (mpi_yield_when_idle) in the blocking calls that remain (a caller's own)."""
     try:
-        import mpi4py  # noqa: F401  (a clear message where the extra is missing)
+        import mpi4py
     except ImportError:
         raise CgpError("this process was started by an MPI launcher (mpirun), but mpi4py is "
                        "not installed: pip install -e \".[mpi]\" (mpi4py and Open MPI)") from None
+    if "mpi4py.MPI" not in sys.modules:
+        level = os.environ.get("CGP_MPI_THREAD_LEVEL", "multiple")
+        if level not in THREAD_LEVELS:
+            raise CgpError(f"CGP_MPI_THREAD_LEVEL={level}: one of {', '.join(THREAD_LEVELS)}")
+        mpi4py.rc.thread_level = level
+        if ranks_on_this_node() > (os.cpu_count() or 1):
+            os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     from mpi4py import MPI
     return MPI.COMM_WORLD
 
@@ -106,8 +136,79 @@ def _counts(ranges):
 # its columns has run, while calls still run backward through earlier layers.
 BUCKET = 1 << 18
 
-# How long the communication thread sleeps between looks at the engine's counters.
+# How long the communication thread sleeps between looks at the engine's counters, while it
+# waits for a sum over the batch (which the calls await), and for a bucket's tasks where the
+# rank has a core to spare for it beside its workers (Layout.spare_core). Where it has none,
+# it does not look: each look took the workers' core and the interpreter lock from them
+# (bench/rank_time.py: 2 ranks x 1 worker), and the exchange overlaps nothing without a core
+# of its own; it sleeps until the main thread says the run's tasks are done (_hurry).
 POLL_SECONDS = 0.0002
+
+# A wait for the other ranks: looks at its requests for SPIN_SECONDS (the other ranks are
+# often there already), then sleeps between looks, the naps doubling from the first to the
+# second of NAP_SECONDS: a rank that waits leaves its core to the ranks it waits for.
+SPIN_SECONDS = 0.00005
+NAP_SECONDS = (0.00005, 0.0005)
+
+# A wait of HANG_SECONDS (CGP_HANG_SECONDS overrides it) asks every other rank whether it still
+# answers, and one that has not in ANSWER_WAIT_SECONDS is taken for hung (SIGSTOP, a stuck
+# node): the job ends. An idle exchange thread looks for questions every ANSWER_SECONDS.
+# Where every rank answers but the wait goes on for STALL_FACTOR times HANG_SECONDS, the job
+# ends too: nothing waits for ever.
+HANG_SECONDS = 120.0
+ANSWER_SECONDS = 0.1
+ANSWER_WAIT_SECONDS = 5.0
+STALL_FACTOR = 10
+_PING, _PONG = 1, 2   # the tags of the question and the answer
+
+
+def hang_seconds():
+    """HANG_SECONDS, or CGP_HANG_SECONDS where set (a positive number of seconds)."""
+    text = os.environ.get("CGP_HANG_SECONDS")
+    if text is None:
+        return HANG_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise CgpError(f"CGP_HANG_SECONDS={text}: a positive number of seconds")
+    return value
+
+
+class Layout(NamedTuple):
+    """How a rank shares its node: ranks on the node, workers per rank, the cores this rank
+    takes (cgp.runtime.pool.cores_of_this_process: mpirun's binding, else the node's cores
+    shared out among its ranks) and the node's. Each rank runs its workers and one exchange
+    thread, which sleeps between its looks."""
+    ranks_here: int
+    workers: int
+    cores: int
+    node_cores: int
+
+    @classmethod
+    def of(cls, workers):
+        return cls(ranks_on_this_node(), workers, cores_of_this_process(),
+                   os.cpu_count() or 1)
+
+    def spare_core(self):
+        """Whether the rank has a core for its exchange thread beside its workers'."""
+        return self.workers + 1 <= self.cores
+
+    def describe(self):
+        """The start-up line's words: the layout, and a warning where it oversubscribes."""
+        threads = self.ranks_here * (self.workers + 1)
+        text = (f"{self.ranks_here} rank(s) on this node, each {self.workers} worker(s) and "
+                f"an exchange thread, on {self.cores} of the node's {self.node_cores} cores "
+                f"(its share: mpirun's binding, else the cores over the ranks)")
+        if self.ranks_here * self.workers > self.node_cores:
+            text += (f"; warning: {self.ranks_here} ranks x {self.workers} workers exceed the "
+                     f"{self.node_cores} cores: workers that wait sleep at once instead of "
+                     "spinning, and every step waits for preempted ones")
+        elif threads > self.node_cores:
+            text += (f"; note: with the exchange threads, {threads} threads on "
+                     f"{self.node_cores} cores: the exchange threads sleep between looks")
+        return text
 
 
 class Bucket:
@@ -123,6 +224,8 @@ class Bucket:
         self.send_counts = np.array([len(ex.rows) * len(p) for p in self.pieces], np.int64)
         self.recv = np.empty((ex.everyone, len(mine)), ex.bufs.dtype)
         self.recv_counts = np.array([len(n) * len(mine) for n in ex.nodes], np.int64)
+        self.send_displs = np.cumsum(self.send_counts) - self.send_counts
+        self.recv_displs = np.cumsum(self.recv_counts) - self.recv_counts
 
     def pack(self, ex):
         at = 0
@@ -191,16 +294,27 @@ class MPICommunicator:
         self.exchanges = []   # per reduction planned: its Exchange
         from mpi4py import MPI
         self.MPI = MPI
-        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
             raise CgpError("cgp's ranks exchange from a thread of their own while the main "
-                           "thread works: this MPI library must grant MPI_THREAD_MULTIPLE")
+                           "thread works (never both in MPI at once): this MPI library must "
+                           "grant MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE")
+        # Held for each MPI call of either thread, never across a wait (see the module).
+        self._lock = threading.Lock()
+        self._checking = threading.Lock()   # one thread asks the other ranks at a time
+        self.hang_seconds = hang_seconds()
         # The communication thread: what a run exchanges, as soon as it is made, on a
-        # communicator of its own, so that its collectives never meet the main thread's.
+        # communicator of its own, so that its collectives never meet the main thread's; and
+        # the questions of ranks that wait too long, on a third (_answer).
         self._lane = comm.Dup()
+        self._ping = comm.Dup()
+        self._byte = np.zeros(1, np.uint8)
+        self._status = MPI.Status()
         self._runs = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
+        self._hurry = threading.Event()   # the run's tasks are done: look now
         self._error = None
+        self.layout = Layout.of(pool.threads)
         threading.Thread(target=self._serve, name="cgp-exchange", daemon=True).start()
         # Seconds spent communicating, summed over runs (cgp bench): `busy`, from the first
         # bucket's posting to the last's finish less the waits for the next bucket's sums,
@@ -265,6 +379,7 @@ class MPICommunicator:
         """The thread takes this run's sums over the batch and buckets as the run makes them
         (after settle(), the engine's counters reset)."""
         if engine.syncs or engine.backward:
+            self._hurry.clear()
             self._idle.clear()
             self._runs.put(engine)
 
@@ -276,15 +391,23 @@ class MPICommunicator:
         self.clock["steps"] += 1
 
     def settle(self):
-        """Waits until the thread has exchanged every run started; raises its error."""
+        """Waits until the thread has exchanged every run started; raises its error. Every
+        task of the run has run: the thread need not nap before its last bucket."""
+        self._hurry.set()
         self._idle.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise CgpError(f"rank {self.rank}: the exchange failed: {error}") from error
 
     def _serve(self):
+        name_thread("cgp-exchange")
         while True:
-            engine = self._runs.get()
+            try:
+                engine = self._runs.get(timeout=ANSWER_SECONDS)
+            except queue.Empty:   # idle: answer any rank that asks whether this one lives
+                with self._lock:
+                    self._answer()
+                continue
             try:
                 self._exchange_run(engine)
             except BaseException as error:   # noqa: BLE001  (raised in the main thread)
@@ -299,13 +422,20 @@ class MPICommunicator:
         while the next bucket's tasks run); last, each bucket's tree finished."""
         MPI = self.MPI
         for s, (i, k) in enumerate(engine.syncs):
-            self._until(lambda: engine.reached[s] >= len(engine.groups))
+            self._until(lambda: engine.reached[s] >= len(engine.groups), poll=POLL_SECONDS)
             self._gather(self._lane, engine.sums[i][k][0], engine.parts)
             engine.gathered[s] = 1
         if not engine.backward:
             return
         reduction, requests = engine.reduction, []
         ex = reduction.exchange
+        if not self.layout.spare_core():
+            # No core to overlap backward on: the thread's looks would only take the workers'
+            # core (and the interpreter lock) from them. It sleeps until the run's tasks are
+            # done, then exchanges every bucket at once.
+            while not self._hurry.wait(ANSWER_SECONDS):
+                with self._lock:
+                    self._answer()
         started, waited = None, 0.0
         for bucket in ex.buckets:
             ready = time.perf_counter()
@@ -315,31 +445,123 @@ class MPICommunicator:
             else:
                 waited += time.perf_counter() - ready
             bucket.pack(ex)
-            requests.append(self._lane.Ialltoallv(
-                [bucket.send, (bucket.send_counts, np.cumsum(bucket.send_counts)
-                               - bucket.send_counts), _mpi_type(MPI, bucket.send)],
-                [bucket.recv, (bucket.recv_counts, np.cumsum(bucket.recv_counts)
-                               - bucket.recv_counts), _mpi_type(MPI, bucket.recv)]))
-        MPI.Request.Waitall(requests)
+            with self._lock:
+                requests.append(self._lane.Ialltoallv(
+                    [bucket.send, (bucket.send_counts, bucket.send_displs),
+                     _mpi_type(MPI, bucket.send)],
+                    [bucket.recv, (bucket.recv_counts, bucket.recv_displs),
+                     _mpi_type(MPI, bucket.recv)]))
+        self._complete(requests)
         for bucket in ex.buckets:
             ex.finish(bucket, reduction.result)
         if started is not None:
             self.clock["busy"] += time.perf_counter() - started - waited
 
-    def _until(self, ready, requests=()):
+    def _until(self, ready, requests=(), poll=POLL_SECONDS):
         """Returns once ready(); meanwhile drives the exchanges posted (MPI moves data only
-        inside its calls) and sleeps, leaving the CPU to the workers."""
+        inside its calls) and answers other ranks' questions, and sleeps `poll` seconds
+        between looks, leaving the CPU to the workers, unless the main thread says that the
+        run's tasks are all done (exchange())."""
         while not ready():
-            if requests:
-                self.MPI.Request.Testall(requests)
-            time.sleep(POLL_SECONDS)
+            with self._lock:
+                if requests:
+                    self.MPI.Request.Testall(requests)
+                self._answer()
+            self._hurry.wait(poll)
+
+    # -- waits for the other ranks ---------------------------------------------------------
+    def _post(self, call, *args, **kwargs):
+        """A non-blocking MPI call, made under the lock; returns its request."""
+        with self._lock:
+            return call(*args, **kwargs)
+
+    def _complete(self, requests, stall=True):
+        """Returns once every request (a list) is complete: looks for SPIN_SECONDS, then naps
+        between looks (see the module); past hang_seconds, finds out whether a rank hangs
+        (and with `stall`, ends a job that waits for ever on ranks that all answer)."""
+        Testall = self.MPI.Request.Testall
+        started = time.monotonic()
+        nap, checked = NAP_SECONDS[0], started
+        while True:
+            with self._lock:
+                if Testall(requests):
+                    return
+            now = time.monotonic()
+            if now - started < SPIN_SECONDS:
+                continue
+            with self._lock:
+                self._answer()
+            if now - checked > self.hang_seconds:
+                self._check_ranks(now - started, stall)
+                checked = time.monotonic()
+            time.sleep(nap)
+            nap = min(2 * nap, NAP_SECONDS[1])
+
+    def _answer(self):
+        """Answers every question of another rank (whether this one still runs). Under the
+        lock."""
+        MPI, ping, status = self.MPI, self._ping, self._status
+        while ping.Iprobe(source=MPI.ANY_SOURCE, tag=_PING, status=status):
+            source = status.Get_source()
+            ping.Recv([self._byte, MPI.BYTE], source, _PING)
+            ping.Send([self._byte, MPI.BYTE], source, _PONG)
+
+    def _answers(self):
+        """The ranks whose answers have come (each received). Under the lock."""
+        MPI, ping, status, found = self.MPI, self._ping, self._status, set()
+        while ping.Iprobe(source=MPI.ANY_SOURCE, tag=_PONG, status=status):
+            found.add(status.Get_source())
+            ping.Recv([self._byte, MPI.BYTE], status.Get_source(), _PONG)
+        return found
+
+    def _check_ranks(self, waited, stall=True):
+        """After a wait of `waited` seconds: asks every other rank whether it still answers.
+        A rank that has not in ANSWER_WAIT_SECONDS ends the job, named (by the lowest rank
+        that answers, where several wait); a wait on ranks that all answer ends it once it
+        has lasted STALL_FACTOR times hang_seconds."""
+        if not self._checking.acquire(blocking=False):
+            return   # the rank's other thread is asking already
+        try:
+            self._ask(waited, stall)
+        finally:
+            self._checking.release()
+
+    def _ask(self, waited, stall):
+        MPI, ping = self.MPI, self._ping
+        others = [r for r in range(self.size) if r != self.rank]
+        with self._lock:
+            self._answers()   # late answers to an earlier question
+            asked = [ping.Isend([self._byte, MPI.BYTE], r, _PING) for r in others]
+        answered = set()
+        deadline = time.monotonic() + ANSWER_WAIT_SECONDS
+        while len(answered) < len(others) and time.monotonic() < deadline:
+            with self._lock:
+                answered |= self._answers()
+                self._answer()
+            time.sleep(0.01)
+        silent = [r for r in others if r not in answered]
+        if not silent:
+            with self._lock:
+                MPI.Request.Waitall(asked)   # answered: the questions have arrived
+            if stall and waited > STALL_FACTOR * self.hang_seconds:
+                abort(self.comm, 3, f"an exchange has waited {waited:.0f} s although every "
+                                    "rank answers: a stalled job, ended")
+            return
+        if any(r < self.rank for r in answered):
+            # A lower rank that answers waits too, and says it; this one ends the job only if
+            # that one has not in a while.
+            time.sleep(6 * ANSWER_WAIT_SECONDS)
+        names = ", ".join(map(str, silent))
+        abort(self.comm, 3, f"rank {names} has not answered for {ANSWER_WAIT_SECONDS:.0f} s "
+                            f"while this rank waited {waited:.0f} s for the others: stopped "
+                            "or hung (alive, not progressing); ending the job")
 
     # -- after the update ------------------------------------------------------------------
     def share(self, params):
         started = time.perf_counter()
         counts, displs = _counts(self.columns(len(params)))
-        self.comm.Allgatherv(self.MPI.IN_PLACE,
-                             [params, (counts, displs), _mpi_type(self.MPI, params)])
+        self._complete([self._post(self.comm.Iallgatherv, self.MPI.IN_PLACE,
+                                   [params, (counts, displs), _mpi_type(self.MPI, params)])])
         took = time.perf_counter() - started
         self.clock["busy"] += took
         self.clock["exposed"] += took
@@ -351,15 +573,19 @@ class MPICommunicator:
         row = int(np.prod(array.shape[1:], dtype=np.int64))
         counts, displs = _counts(parts)
         flat = array.reshape(-1)
-        comm.Allgatherv(self.MPI.IN_PLACE, [flat, (counts * row, displs * row),
-                                            _mpi_type(self.MPI, flat)])
+        self._complete([self._post(comm.Iallgatherv, self.MPI.IN_PLACE,
+                                   [flat, (counts * row, displs * row),
+                                    _mpi_type(self.MPI, flat)])])
 
     def gather_values(self, values):
+        MPI = self.MPI
         mine = np.array(values, np.float64)
-        counts = np.array(self.comm.allgather(len(mine)), np.int64)
+        length, counts = np.array([len(mine)], np.int64), np.zeros(self.size, np.int64)
+        self._complete([self._post(self.comm.Iallgather, [length, MPI.INT64_T],
+                                   [counts, MPI.INT64_T])])
         every = np.empty(counts.sum(), np.float64)
-        self.comm.Allgatherv(mine, [every, (counts, np.cumsum(counts) - counts),
-                                    self.MPI.DOUBLE])
+        self._complete([self._post(self.comm.Iallgatherv, [mine, MPI.DOUBLE],
+                                   [every, (counts, np.cumsum(counts) - counts), MPI.DOUBLE])])
         return every.tolist()
 
     def collect(self, array):
@@ -367,12 +593,32 @@ class MPICommunicator:
         kind = _mpi_type(self.MPI, array)
         mine = self.columns(len(array))[self.rank]
         if self.leader:
-            self.comm.Gatherv(self.MPI.IN_PLACE, [array, (counts, displs), kind], root=0)
+            request = self._post(self.comm.Igatherv, self.MPI.IN_PLACE,
+                                 [array, (counts, displs), kind], root=0)
         else:
-            self.comm.Gatherv([array[mine.start:mine.stop], kind], None, root=0)
+            request = self._post(self.comm.Igatherv, [array[mine.start:mine.stop], kind], None,
+                                 root=0)
+        self._complete([request])
+
+    def broadcast(self, text):
+        """Rank 0's text (its argument; the others' is ignored) on every rank: a wait that
+        leaves the cores free, and may last (rank 0 may wait for its input), for a driver
+        such as cgp.tools.rank_job."""
+        MPI = self.MPI
+        data = np.frombuffer(text.encode(), np.uint8) if self.leader else None
+        size = np.array([len(data) if self.leader else 0], np.int64)
+        self._complete([self._post(self.comm.Ibcast, [size, MPI.INT64_T], root=0)],
+                       stall=False)
+        buffer = data.copy() if self.leader else np.empty(int(size[0]), np.uint8)
+        self._complete([self._post(self.comm.Ibcast, [buffer, MPI.BYTE], root=0)], stall=False)
+        return buffer.tobytes().decode()
 
     def max(self, value):
-        return int(self.comm.allreduce(int(value), op=self.MPI.MAX))
+        MPI = self.MPI
+        mine, every = np.array([int(value)], np.int64), np.zeros(1, np.int64)
+        self._complete([self._post(self.comm.Iallreduce, [mine, MPI.INT64_T],
+                                   [every, MPI.INT64_T], op=MPI.MAX)])
+        return int(every[0])
 
     def bytes_per_step(self):
         """(sent, received) bytes of this rank per training step: the exchange of the
@@ -384,6 +630,17 @@ class MPICommunicator:
         mine = len(self.columns(n)[self.rank])
         itemsize = ex.bufs.dtype.itemsize
         return ex.sent + mine * (self.size - 1) * itemsize, ex.received + (n - mine) * itemsize
+
+
+def name_thread(name):
+    """Gives the calling thread `name` where the OS shows it (Linux: /proc/PID/task/TID/comm,
+    top -H; bench/rank_time.py counts the exchange thread by it); elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)   # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
 
 
 def _mpi_type(MPI, array):

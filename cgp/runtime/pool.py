@@ -82,12 +82,41 @@ def spins_per_second():
     return int(n / max(time.perf_counter() - started, 1e-6))
 
 
+# Where MPI launchers say how many ranks of the job run on this node (Open MPI, MPICH's
+# Hydra, Slurm).
+LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_on_this_node():
+    """How many ranks of an MPI job run on this node, as the launcher says (1 without one)."""
+    for variable in LOCAL_SIZE_VARIABLES:
+        try:
+            return max(1, int(os.environ[variable]))
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
+def cores_of_this_process():
+    """The cores this process's workers may take: those it may run on (its affinity: what
+    mpirun's binding, taskset or a batch system gave it); where that is every core of the
+    node while an MPI launcher placed several ranks here (no binding), their share of it."""
+    usable = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+              else os.cpu_count()) or 1
+    here = ranks_on_this_node()
+    if here > 1 and usable >= (os.cpu_count() or 1):
+        usable = max(1, usable // here)
+    return usable
+
+
 def spin_count(workers):
     """How many reads a waiting worker of a pool of `workers` makes before it sleeps:
-    SPIN_SECONDS' worth, or none where there are more workers than CPUs to run them, where
-    a spinning worker would take a CPU from a working one (or with one worker: no waits)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return int(SPIN_SECONDS * spins_per_second()) if 1 < workers <= (usable or 1) else 0
+    SPIN_SECONDS' worth, or none where the workers outnumber the cores this process may
+    take (cores_of_this_process: under MPI, the rank's share of the node), where a spinning
+    worker would take a core from a working one (or with one worker: no waits). A rank's
+    exchange thread is not counted: it sleeps between its looks (cgp.comm.mpi)."""
+    return (int(SPIN_SECONDS * spins_per_second())
+            if 1 < workers <= cores_of_this_process() else 0)
 
 
 class CallersWork:

@@ -26,7 +26,9 @@ def main(spec_path):
         with timed.context():
             while True:
                 line = sys.stdin.readline() if leader else None
-                op, args = json.loads(world.bcast(line or '["end", []]'))
+                # Not world.bcast: MPI's blocking call would spin while rank 0 waits for
+                # its input, beside the exchange thread's calls (cgp.comm.mpi).
+                op, args = json.loads(trainer.comm.broadcast(line or '["end", []]'))
                 if op == "end":
                     break
                 if op == "clock":
