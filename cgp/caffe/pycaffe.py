@@ -774,7 +774,7 @@ class Solver:
             self._after_step(t.iter - 1, before, result[1])
             # As Caffe's diffs after a step: the step taken (the update writes it over the
             # summed gradient, Solver.apply).
-            self.net._grads[0][...] = t.train_step.gradient
+            self.net._grads[0][...] = t.train_step.updater.gradient
 
     def apply_update(self):
         """One update of the weights from solver.net's parameter diffs, at the current
