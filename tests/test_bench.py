@@ -220,13 +220,14 @@ def test_each_timing_starts_after_its_lead_in():
 
 
 def test_short_timings_run_more_iterations():
-    """--min-seconds: a configuration whose last warm-up iteration says --iters would take
-    less runs as many iterations as that length needs in every timing, and its rate counts
-    them; one that is slow enough runs --iters."""
+    """--min-seconds: where a configuration's last warm-up iteration says --iters would take
+    it less, every configuration runs as many iterations as that length needs in every
+    timing (the same iterations for all: they end on the same weights), and the rates count
+    them."""
     from cgp.tools import speedup
     runs, lines = [], []
     configs = [Config("cgp", 1), Config("cgp", 2)]
-    for c, seconds in zip(configs, (0.01, 0.2)):
+    for c, seconds in zip(configs, (0.01, 0.05)):
         def run(n, c=c, seconds=seconds):
             runs.append((c.threads, n))
             time.sleep(seconds * n)
@@ -235,14 +236,14 @@ def test_short_timings_run_more_iterations():
         c.save = c.restore = lambda: None
     speedup.interleaved(configs, iters=2, repeats=2, warmup=3, images_per_iter=1,
                         log=lines.append, lead_in=1, min_seconds=0.1)
-    assert 2 < configs[0].iters <= 10 and configs[1].iters == 2
+    n = configs[0].iters
+    assert 2 < n <= 10 and configs[1].iters == n
     assert runs[:3] == [(1, 2), (1, 1), (2, 2)]   # the warm-up, its last iteration timed
-    assert runs.count((1, configs[0].iters)) == 2 and runs.count((2, 2)) == 3
-    assert lines[0] == ("  timings of at least 0.1 s (--min-seconds): "
-                        f"cgp x1 {configs[0].iters} iterations")
-    # One image per iteration: 100 images/s for the first, 5 for the second, less when busy.
+    assert runs.count((1, n)) == 2 and runs.count((2, n)) == 2
+    assert lines[0] == f"  timings of at least 0.1 s (--min-seconds): {n} iterations each"
+    # One image per iteration: 100 images/s for the first, 20 for the second, less when busy.
     assert all(50 < rate < 101 for rate in configs[0].rates)
-    assert all(2.5 < rate < 5.1 for rate in configs[1].rates)
+    assert all(10 < rate < 20.5 for rate in configs[1].rates)
 
 
 def test_paired_speedup_is_the_median_of_ratios_within_rounds():

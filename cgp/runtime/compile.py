@@ -92,7 +92,7 @@ def cache_key(sp, solver_path, config):
     import numba
 
     from cgp.runtime import compiled_sources, sources_hash
-    from cgp.train import solver_nets
+    from cgp.training.solver_files import solver_nets
 
     train, tests = solver_nets(sp, solver_path)
     digest = hashlib.sha256()

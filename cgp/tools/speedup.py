@@ -179,10 +179,12 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
     while other configurations run, and a CPU back from idling runs slower for several
     iterations (bench/idle_ramp.py, at git tag bench-experiments-2026-11), which training,
     its CPUs never idle, does not pay.
-    A configuration's timings run `iters` iterations, or more where its last warm-up
-    iteration says that `iters` would take less than `min_seconds` (c.iters: how many):
+    The timings run `iters` iterations, or more where a configuration's last warm-up
+    iteration says that `iters` would take it less than `min_seconds` (c.iters: how many):
     a timing of a tenth of a second measures the scheduler's time slices and other programs
-    as much as training (with --warmup 0 nothing is known, and `iters` it is).
+    as much as training (with --warmup 0 nothing is known, and `iters` it is). Every
+    configuration then runs the most any needs, so that all train the same iterations and
+    end on the same weights (which the ranks' check compares).
     Each timing also records the steal time over it, as a share of all CPUs' time."""
     cpus = os.cpu_count() or 1
     for c in configs:
@@ -196,10 +198,11 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
                 c.iters = max(iters, math.ceil(min_seconds / took))
         c.pause()
         c.save()
-    longer = [c for c in configs if c.iters > iters]
-    if longer:
-        log(f"  timings of at least {min_seconds:g} s (--min-seconds): " + ", ".join(
-            f"{c.label} {c.iters} iterations" for c in longer))
+    most = max(c.iters for c in configs)
+    for c in configs:
+        c.iters = most
+    if most > iters:
+        log(f"  timings of at least {min_seconds:g} s (--min-seconds): {most} iterations each")
     for r in range(repeats):
         k = r % len(configs)
         for c in configs[k:] + configs[:k]:
