@@ -1,5 +1,7 @@
-"""Shared pytest fixtures."""
-
+"""Shared pytest fixtures, and running cgp's command line from a test (run_cgp)."""
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,3 +31,19 @@ def mnist_dir(tmp_path_factory):
 def cifar_dir(tmp_path_factory):
     """A small generated CIFAR-10 in the official binary format."""
     return write_cifar(tmp_path_factory.mktemp("cifar10"))
+
+
+def run_cgp(args, cwd, ranks=0, pythonpath=(), timeout=600):
+    """`python -m cgp ARGS` in cwd, in one process or on `ranks` mpirun ranks (0: without
+    MPI, even inside an MPI test's environment); pythonpath: folders put before PYTHONPATH."""
+    command = ["-m", "cgp", *args]
+    if ranks:
+        from cgp.comm import mpi
+        argv, env = mpi.local_job(ranks, command)
+    else:
+        argv, env = [sys.executable, *command], dict(os.environ)
+    env.pop("OMPI_COMM_WORLD_SIZE", None)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")])
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)

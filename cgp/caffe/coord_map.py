@@ -93,12 +93,13 @@ def _mappable_bottoms(top):
     return inputs[:1] if top.fn.type_name == "Crop" else inputs
 
 
-def _ancestors(top):
+def _ancestors(top, breadth_first=False):
     """{top or an ancestor: the map from top's coordinates to that blob's}, walking back
-    through every layer that has a map."""
+    through every layer that has a map; in the order found, nearest first where
+    breadth_first."""
     maps, frontier = {top: (None, 1, 0)}, [top]
     while frontier:
-        current = frontier.pop()
+        current = frontier.pop(0 if breadth_first else -1)
         try:
             step = coord_map(current.fn)
         except UndefinedMapException:
@@ -114,19 +115,9 @@ def coord_map_from_to(top_from, top_to):
     """(axis, a, b): top_to's coordinate = a * top_from's + b, through their nearest common
     ancestor. RuntimeError where no chain of mappable layers joins them."""
     from_maps = _ancestors(top_from)
-    maps, frontier = {top_to: (None, 1, 0)}, [top_to]
-    while frontier:
-        current = frontier.pop(0)
-        if current in from_maps:
-            return compose(maps[current], inverse(from_maps[current]))
-        try:
-            step = coord_map(current.fn)
-        except UndefinedMapException:
-            continue
-        for bottom in _mappable_bottoms(current):
-            if bottom not in maps:
-                maps[bottom] = compose(maps[current], step)
-                frontier.append(bottom)
+    for blob, to_map in _ancestors(top_to, breadth_first=True).items():
+        if blob in from_maps:
+            return compose(to_map, inverse(from_maps[blob]))
     raise RuntimeError("coord_map: cannot map between these tops; are they joined by spatial "
                        "layers (convolution, pooling, deconvolution, crop, pointwise)?")
 

@@ -467,24 +467,15 @@ def elu_onnx(g, e, bottoms, tops, params, read):
     g.node("Elu", bottoms, tops, alpha=e.layer.lp.elu_param.alpha)
 
 
-@onnx_converter(Sigmoid)
-def sigmoid_onnx(g, e, bottoms, tops, params, read):
-    g.node("Sigmoid", bottoms, tops)
+def _one_op_onnx(op):
+    """The converter of a layer that is one ONNX op of the same input and output."""
+    def convert(g, e, bottoms, tops, params, read):
+        g.node(op, bottoms, tops)
+    return convert
 
 
-@onnx_converter(TanH)
-def tanh_onnx(g, e, bottoms, tops, params, read):
-    g.node("Tanh", bottoms, tops)
-
-
-@onnx_converter(AbsVal)
-def absval_onnx(g, e, bottoms, tops, params, read):
-    g.node("Abs", bottoms, tops)
-
-
-@onnx_converter(BNLL)
-def bnll_onnx(g, e, bottoms, tops, params, read):
-    g.node("Softplus", bottoms, tops)
+for _layer, _op in ((Sigmoid, "Sigmoid"), (TanH, "Tanh"), (AbsVal, "Abs"), (BNLL, "Softplus")):
+    onnx_converter(_layer)(_one_op_onnx(_op))
 
 
 @onnx_converter(Power)
