@@ -205,7 +205,7 @@ class Trainer:
                 if self.drained:   # cgp.comm.sharing: the count once every group's updates are in
                     self.iter = self.schedule.end(self.iter, self.net.params)
                 self.act_on_request(
-                    snapshot_due=self.snapshots.due(self.count(), time.monotonic()))
+                    snapshot_due=self.snapshots.due(self.count()))
             self.iter = self.schedule.end(self.iter, self.net.params)   # after a stop, likewise
             if self.snapshots.due_after_train(self.iter):
                 self.snapshot()   # a stop asked meanwhile changes nothing

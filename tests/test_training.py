@@ -133,8 +133,8 @@ def test_snapshot_prefix_and_the_snapshot_at_the_end():
     assert not snapshots.due_after_train(10) and snapshots.due_after_train(12)
     snapshots.last_iter = 12   # written at that iteration already (a signal's)
     assert not snapshots.due_after_train(12)
-    assert snapshots.due(Count(10), now=0.0) and not snapshots.due(Count(12, 10), now=0.0)
-    assert snapshots.due(Count(12, 9), now=0.0)   # passed 10 (cgp.comm.sharing)
+    assert snapshots.due(Count(10)) and not snapshots.due(Count(12, 10))
+    assert snapshots.due(Count(12, 9))   # passed 10 (cgp.comm.sharing)
     sp.snapshot_after_train = False
     assert not Snapshots(sp, config, None).due_after_train(12)
 

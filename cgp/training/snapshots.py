@@ -32,9 +32,9 @@ class Snapshots:
         self.lock = None         # this run's share of its prefix's lock
         self.last_iter = None    # the iteration of the latest snapshot written
 
-    def due(self, count, now):
-        """After a steps() call: at a multiple of `snapshot` (triggers.Count); now: seconds on
-        time.monotonic's clock, for a trigger by time."""
+    def due(self, count):
+        """After a steps() call: at a multiple of `snapshot` (triggers.Count). The trigger by
+        time is time_due, agreed across ranks as a signal's request."""
         return count.reached(self.interval)
 
     def until(self, it):
