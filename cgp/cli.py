@@ -108,8 +108,11 @@ def train_log(args, sp, solver_path, log):
     prefix = args.snapshot_prefix or sp.snapshot_prefix or str(Path(solver_path).with_suffix(""))
     path = args.log or default_path(prefix)
     if log is print and sys.stderr.isatty():   # the trainer shows a progress bar: print past it
-        from tqdm import tqdm
-        log = tqdm.write
+        try:
+            from tqdm import tqdm
+            log = tqdm.write
+        except ImportError:   # the progress extra is not installed: no bar
+            pass
     return TrainLog(path, echo=log)
 
 
