@@ -475,6 +475,7 @@ class Layer:
         raise NotImplementedError
 
 
+
 @dataclass(frozen=True)
 class Chunk:
     """Where one layer call's samples sit in their iteration: what layers that couple
@@ -582,6 +583,17 @@ def check_axis(layer, axis, ndim):
         raise layer.error("axis 0 (the batch axis) is not supported: cgp splits the batch "
                           "into independent chunks")
     return axis
+
+
+def no_backward(layer, bottom_diff):
+    """The backward calls of a layer Caffe gives no backward (NOT_IMPLEMENTED): none, or,
+    where the net needs a gradient through it, its refusal, raised as the calls are bound,
+    before any step, as Caffe stops at its first backward."""
+    if any(d is not None for d in bottom_diff):
+        raise layer.error("has no gradient (Caffe implements none), but the net needs one "
+                          "through it: keep its top away from the loss or set "
+                          "propagate_down: false on the layer after it")
+    return iter(())
 
 
 # -- scratch buffers ---------------------------------------------------------------------
