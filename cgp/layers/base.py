@@ -113,8 +113,8 @@ the bound calls without saying so.
 
 Sources: load()
 ---------------
-Data layers (Data, Input; is_source, which register() sets for a class that defines load)
-take no bottoms and make no per-chunk calls: the trainer runs
+Data layers (Data, Input: subclasses of Source; is_source, which register() sets for a class
+that defines load) take no bottoms and make no per-chunk calls: the trainer runs
 load(start, iteration, seed, rows) once per iteration on the batch (or on the samples `rows`
 that this process computes), before the batch is cut into chunks, and sets `options`
 (cgp.net.RunOptions) before setup (see cgp/layers/data.py).
@@ -475,6 +475,12 @@ class Layer:
         raise NotImplementedError
 
 
+
+class Source(Layer):
+    """A data layer (the module's "Sources"): no bottoms; it defines load, and the net sets
+    options before setup."""
+    bottoms = (0, 0)
+    options = None   # cgp.net.RunOptions
 
 @dataclass(frozen=True)
 class Chunk:
