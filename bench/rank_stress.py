@@ -12,7 +12,6 @@ crash. Prints each failure's last lines and, at the end, the counts by layout.
 --checkout runs another copy of the package (a folder holding a `cgp` package, e.g. `git
 archive REV | tar -x -C DIR`): the processes start there, so `python -m cgp` is that copy's.
 """
-import argparse
 import itertools
 import multiprocessing
 import re
@@ -24,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from staleness import quiet_solver  # noqa: E402
+from staleness import job_parser, quiet_solver  # noqa: E402
 
 from cgp.comm import mpi  # noqa: E402
 
@@ -75,10 +74,7 @@ def report(result, counts):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="a bundled model's short name or a solver prototxt")
-    parser.add_argument("--layouts", default="2x1,3x1,4x1,2x2",
-                        help="RANKSxWORKERS, comma-separated, taken in turn")
+    parser = job_parser(__doc__, "2x1,3x1,4x1,2x2")   # the layouts taken in turn
     parser.add_argument("--runs", type=int, default=300, help="runs at most (default 300)")
     parser.add_argument("--minutes", type=float, default=30,
                         help="no run starts after this (default 30)")
@@ -90,12 +86,7 @@ def parse_args(argv=None):
                         help="CGP_MPI_THREAD_LEVEL for the ranks (default: cgp's)")
     parser.add_argument("--checkout", default=None,
                         help="a folder holding another copy of the cgp package, run instead")
-    parser.add_argument("--data-dir", default=None, help="cgp train's --data-dir")
     args = parser.parse_args(argv)
-    try:
-        args.layouts = [tuple(int(n) for n in lay.split("x")) for lay in args.layouts.split(",")]
-    except ValueError:
-        parser.error("--layouts wants RxT pairs, e.g. 2x1,4x1")
     if args.runs < 1 or args.jobs < 1 or args.iters < 1 or args.load < 0:
         parser.error("--runs, --jobs, --iters at least 1; --load at least 0")
     return args

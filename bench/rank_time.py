@@ -17,7 +17,6 @@ These are load-insensitive where the speed is not: on a shared machine a step ta
 but the CPU a step spends spinning or polling is what it is. Beside the table, the CPU a step
 costs over the job's total at 1 x 1 is what the layout adds (the work itself is the same).
 """
-import argparse
 import os
 import re
 import subprocess
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from staleness import command, quiet_solver  # noqa: E402
+from staleness import command, job_parser, quiet_solver  # noqa: E402
 
 ITERATION = re.compile(r"^Iteration (\d+) ")
 CLASSES = ("main", "exchange", "other", "workers", "launcher")
@@ -139,10 +138,7 @@ def measure_once(layout, args, solver, folder):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="a bundled model's short name or a solver prototxt")
-    parser.add_argument("--layouts", default="1x1,1x2,2x1",
-                        help="RANKSxWORKERS, comma-separated (default 1x1,1x2,2x1)")
+    parser = job_parser(__doc__, "1x1,1x2,2x1")
     parser.add_argument("--from", dest="start", type=int, default=100,
                         help="the iteration of the first reading (default 100)")
     parser.add_argument("--to", dest="stop", type=int, default=300,
@@ -150,12 +146,7 @@ def parse_args(argv=None):
     parser.add_argument("--display", type=int, default=None,
                         help="display interval (default: the smaller of --from and the "
                              "readings' distance)")
-    parser.add_argument("--data-dir", default=None, help="cgp train's --data-dir")
     args = parser.parse_args(argv)
-    try:
-        args.layouts = [tuple(int(n) for n in lay.split("x")) for lay in args.layouts.split(",")]
-    except ValueError:
-        parser.error("--layouts wants RxT pairs, e.g. 1x2,2x1")
     args.display = args.display or min(args.start, args.stop - args.start)
     if (args.stop <= args.start or args.start < 1 or args.start % args.display
             or args.stop % args.display):

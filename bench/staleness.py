@@ -47,6 +47,28 @@ def quiet_solver(model, display, folder):
     return out
 
 
+def layout_list(text):
+    """--layouts' argparse type: 'RxT,...' -> [(ranks, workers), ...], each at least 1."""
+    try:
+        layouts = [tuple(int(n) for n in lay.split("x")) for lay in text.split(",")]
+    except ValueError:
+        layouts = []
+    if not layouts or any(len(lay) != 2 or min(lay) < 1 for lay in layouts):
+        raise argparse.ArgumentTypeError(f"wants RANKSxWORKERS pairs, e.g. 4x1,2x1, got {text!r}")
+    return layouts
+
+
+def job_parser(doc, layouts):
+    """The argument parser of a benchmark of cgp train jobs, with what each takes: the model,
+    --layouts (default `layouts`) and --data-dir."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("model", help="a bundled model's short name or a solver prototxt")
+    parser.add_argument("--layouts", type=layout_list, default=layouts,
+                        help=f"RANKSxWORKERS, comma-separated (default {layouts})")
+    parser.add_argument("--data-dir", default=None, help="cgp train's --data-dir")
+    return parser
+
+
 def command(layout, staleness, solver, args, folder):
     """(argv, environment) of one run."""
     ranks, threads = layout
@@ -95,28 +117,22 @@ def run(label, argv, env, reruns, tries=3):
 def parse_args(argv=None):
     """The options of the command line (argv: sys.argv's); exits with a usage message on a
     wrong one."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="a bundled model's short name or a solver prototxt")
+    parser = job_parser(__doc__, "4x1,2x1")
     parser.add_argument("--staleness", default="0,1,2",
                         help="staleness values, comma-separated; 0 is always run, the "
                              "baseline (default 0,1,2)")
-    parser.add_argument("--layouts", default="4x1,2x1",
-                        help="RANKSxWORKERS, comma-separated (default 4x1,2x1)")
     parser.add_argument("--iters", type=int, default=160, help="iterations per run")
     parser.add_argument("--display", type=int, default=20,
                         help="display interval, the speed's sample (default 20)")
     parser.add_argument("--rounds", type=int, default=5, help="runs of each (layout, S)")
-    parser.add_argument("--data-dir", default=None, help="cgp train's --data-dir")
     args = parser.parse_args(argv)
     try:
         args.staleness = sorted({0, *(int(s) for s in args.staleness.split(","))})
-        args.layouts = [tuple(int(n) for n in lay.split("x"))
-                        for lay in args.layouts.split(",")]
     except ValueError:
-        parser.error("--staleness wants whole numbers and --layouts RxT pairs, e.g. 4x1,2x1")
-    if (min(args.staleness) < 0 or any(len(lay) != 2 or min(lay) < 1 for lay in args.layouts)
-            or args.rounds < 1 or args.display < 1 or args.iters <= 2 * args.display):
-        parser.error("staleness at least 0; ranks, workers, rounds, display at least 1; "
+        parser.error("--staleness wants whole numbers, e.g. 0,1,2")
+    if (min(args.staleness) < 0 or args.rounds < 1 or args.display < 1
+            or args.iters <= 2 * args.display):
+        parser.error("staleness at least 0; rounds, display at least 1; "
                      "--iters above twice --display")
     return args
 

@@ -87,24 +87,6 @@ def plain_threads(threads):
     return context
 
 
-def cpu_rounds(configs, iters, rounds, warmup, batch, lead_in):
-    """As cgp.tools.speedup.interleaved, timed by the thread's CPU time (time.thread_time)."""
-    for c in configs:
-        with c.context():
-            c.run(warmup)
-        c.iters = iters
-        c.save()
-    for r in range(rounds):
-        k = r % len(configs)
-        for c in configs[k:] + configs[:k]:
-            c.restore()
-            with c.context():
-                c.run(lead_in)
-                started = time.thread_time()
-                c.run(iters)
-                c.rates.append(iters * batch / (time.thread_time() - started))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
@@ -149,11 +131,9 @@ def main():
     print(f"PyTorch {torch.__version__}, {args.threads} thread(s), LeNet batch {batch}, "
           f"{args.rounds} rounds of {args.lead_in} untimed + {args.iters} steps, interleaved")
     try:
-        if args.clock == "cpu":
-            cpu_rounds(configs, args.iters, args.rounds, args.warmup, batch, args.lead_in)
-        else:
-            interleaved(configs, args.iters, args.rounds, args.warmup, batch, print,
-                        lead_in=args.lead_in)
+        interleaved(configs, args.iters, args.rounds, args.warmup, batch, print,
+                    lead_in=args.lead_in,
+                    clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
     finally:
         data.close()
     for c in configs:

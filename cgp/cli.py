@@ -13,8 +13,8 @@ os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 
 from cgp.errors import CgpError, shorten  # noqa: E402
 from cgp.options import (EPILOG, EQUIVALENCE_THREADS, add_device_option,  # noqa: E402
-                         add_run_options, check_threads, solver_file, thread_list,
-                         worker_kind, worker_list)
+                         add_run_options, add_snapshot_options, check_threads, solver_file,
+                         thread_list, worker_kind, worker_list)
 from cgp.commands.plot import add_plot  # noqa: E402
 from cgp.commands.timing import add_time, compile_notice  # noqa: E402
 from cgp.tools.speedup import add_bench  # noqa: E402
@@ -36,11 +36,7 @@ def add_train(sub):
     p.add_argument("--snapshot", help="resume from a .solverstate")
     p.add_argument("--snapshot-prefix", default=None,
                    help="where snapshots go (overrides the solver's snapshot_prefix)")
-    p.add_argument("--snapshot-every", type=int, default=None, metavar="N",
-                   help="snapshot every N iterations (overrides the solver's snapshot; 0: "
-                        "none but the last)")
-    p.add_argument("--snapshot-seconds", type=float, default=None, metavar="T",
-                   help="also snapshot once T seconds have passed since the last snapshot")
+    add_snapshot_options(p)
     p.add_argument("--compile-processes", type=int, default=None, metavar="N",
                    help="compile a first run's kernels in N processes before training (default: "
                         "one per core where there are 4 or more, at most 8; 0: the training "
@@ -255,11 +251,9 @@ def add_launch(sub):
     p.add_argument("--hostfile", default=None, metavar="F",
                    help="Open MPI host file ('host slots=N' lines); re-read on SIGUSR1 or "
                         "when it changes. Without it, the ranks run on this machine")
-    p.add_argument("--snapshot-every", type=int, default=None, metavar="N",
-                   help="snapshot every N iterations")
-    p.add_argument("--snapshot-seconds", type=float, default=None, metavar="T",
-                   help="snapshot every T seconds (default, where the train command sets "
-                        "neither: chosen from a step and a snapshot timed at start-up)")
+    add_snapshot_options(p, " (default, where the train command sets neither: chosen from a "
+                            "step and a snapshot timed at start-up; given to the train "
+                            "command)")
     p.add_argument("--mtbf", type=float, default=launch.DEFAULT_MTBF_HOURS, metavar="HOURS",
                    help="the mean time between failures that the chosen snapshot interval "
                         f"assumes (default {launch.DEFAULT_MTBF_HOURS:g})")

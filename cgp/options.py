@@ -46,6 +46,17 @@ def add_device_option(p, more=""):
                         "rounding, not bitwise" + more)
 
 
+def add_snapshot_options(p, seconds_more=""):
+    """cgp train's --snapshot-every and --snapshot-seconds, which cgp launch takes too and
+    hands to its train command; `seconds_more`: what the command adds to the latter's help."""
+    p.add_argument("--snapshot-every", type=int, default=None, metavar="N",
+                   help="snapshot every N iterations (overrides the solver's snapshot; 0: "
+                        "none but the last)")
+    p.add_argument("--snapshot-seconds", type=float, default=None, metavar="T",
+                   help="also snapshot once T seconds have passed since the last snapshot"
+                        + seconds_more)
+
+
 # The thread counts `cgp equivalence` compares unless told.
 EQUIVALENCE_THREADS = "1,2,3,4"
 

@@ -152,6 +152,15 @@ def _clear(a):
 
 
 @njit(cache=True, nogil=True)
+def _clear_plane(plane, H, W, L):
+    """plane: scratch, refused unless it holds plane_size(H, W, L) elements; set to 0: the
+    border of zeros that _window_sums reads, around the interior each kernel fills."""
+    if plane.size < plane_size(H, W, L):
+        raise ValueError("lrn within-channel kernel: plane too small")
+    _clear(plane)
+
+
+@njit(cache=True, nogil=True)
 def lrn_within_forward(x, y, scale, power, plane, L, alpha, beta):
     """x, y, scale, power: (N, C, H, W); plane: plane_size(H, W, L) elements of scratch.
     scale = 1 + alpha * (sum of x^2 over the L x L window around the position, cut at the
@@ -167,9 +176,7 @@ def lrn_within_forward(x, y, scale, power, plane, L, alpha, beta):
     R = (L - 1) // 2
     area = L * L
     Wp = W + 2 * R
-    if plane.size < plane_size(H, W, L):
-        raise ValueError("lrn_within_forward: plane too small")
-    _clear(plane)
+    _clear_plane(plane, H, W, L)
     for n in range(N):
         for c in range(C):
             for h in range(H):
@@ -198,9 +205,7 @@ def lrn_within_backward(x, y, dy, scale, power, dx, L, cache_ratio, plane):
     N, C, H, W = x.shape
     R = (L - 1) // 2
     Wp = W + 2 * R
-    if plane.size < plane_size(H, W, L):
-        raise ValueError("lrn_within_backward: plane too small")
-    _clear(plane)
+    _clear_plane(plane, H, W, L)
     for n in range(N):
         for c in range(C):
             for h in range(H):

@@ -250,3 +250,22 @@ def test_set_input_arrays_feeds_a_memory_data_layer_round(tmp_path):
     path.write_text(text)
     with pytest.raises(caffe.errors.CgpError, match="transform_param is not applied"):
         caffe.Net(str(path), caffe.TRAIN)
+
+
+@pytest.mark.parametrize("shape, legacy", [((), (1, 1, 1, 1)), ((7,), (1, 1, 1, 7)),
+                                           ((2, 3), (1, 1, 2, 3)), ((2, 3, 4, 5), (2, 3, 4, 5))])
+def test_both_blob_classes_give_caffes_count_and_legacy_axes(shape, legacy):
+    """pycaffe's Blob and a Python layer's PyBlob share LegacyAxes: count, and Caffe's
+    LegacyShape (missing leading axes are 1), refused past 4 axes as Caffe's CHECK does."""
+    from cgp.caffe.pycaffe import Blob
+    from cgp.caffe.pylayer import PyBlob
+    from cgp.errors import CgpError
+    data = np.zeros(shape, np.float32)
+    for blob in (Blob(None, "b", data, data), PyBlob(shape)):
+        assert blob.count == data.size
+        assert (blob.num, blob.channels, blob.height, blob.width) == legacy
+    five = np.zeros((1, 2, 3, 4, 5), np.float32)
+    for blob in (Blob(None, "b", five, five), PyBlob(five.shape)):
+        assert blob.count == 120 and blob.shape == five.shape
+        with pytest.raises(CgpError, match="5 axes; num, channels"):
+            blob.width

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cgp.caffe.pylayer import LegacyAxes
 from cgp.errors import CgpError
 
 # caffe.proto's Phase values, as pycaffe's caffe.TRAIN and caffe.TEST. (caffe_pb2 and the
@@ -124,7 +125,7 @@ def layer_type_list():
 
 
 # -- blobs -----------------------------------------------------------------------------
-class Blob:
+class Blob(LegacyAxes):
     """A blob of a Net: `data` and `diff` are NumPy float32 arrays of Caffe's shape for the
     whole batch, which the user may read and write in place."""
 
@@ -145,23 +146,6 @@ class Blob:
     @property
     def shape(self):
         return tuple(self._data.shape)
-
-    @property
-    def count(self):
-        return int(self._data.size)
-
-    def _axis(self, i):
-        """Caffe's legacy num/channels/height/width: an axis of a blob of up to 4 axes."""
-        shape = (1,) * (4 - len(self.shape)) + self.shape if len(self.shape) <= 4 else None
-        if shape is None:
-            raise CgpError(f"blob '{self.name}' has {len(self.shape)} axes; num, channels, "
-                           "height and width need at most 4: use .shape")
-        return shape[i]
-
-    num = property(lambda self: self._axis(0))
-    channels = property(lambda self: self._axis(1))
-    height = property(lambda self: self._axis(2))
-    width = property(lambda self: self._axis(3))
 
     def reshape(self, *shape):
         """A new shape for an input blob (an Input layer's top); takes effect at the net's

@@ -12,10 +12,35 @@ A layer sees the whole batch, as in Caffe, as float32 NumPy arrays; self.param_s
 self.phase (caffe.TRAIN or caffe.TEST) are set before setup; learnable blobs made with
 self.blobs.add_blob(*shape) in setup hold the values setup writes as their initial weights.
 """
+import math
+
 import numpy as np
 
+from cgp.errors import CgpError
 
-class PyBlob:
+
+class LegacyAxes:
+    """Caffe's count and legacy num, channels, height and width of a blob, from the `shape`
+    its class gives: as Caffe's LegacyShape, only for blobs of up to 4 axes."""
+
+    @property
+    def count(self):
+        return math.prod(self.shape)
+
+    def _axis(self, i):
+        shape = self.shape
+        if len(shape) > 4:
+            raise CgpError(f"a blob of shape {shape} has {len(shape)} axes; num, channels, "
+                           "height and width need at most 4: use .shape")
+        return ((1,) * (4 - len(shape)) + shape)[i]
+
+    num = property(lambda self: self._axis(0))
+    channels = property(lambda self: self._axis(1))
+    height = property(lambda self: self._axis(2))
+    width = property(lambda self: self._axis(3))
+
+
+class PyBlob(LegacyAxes):
     """A bottom, top or learnable blob of a Python layer: data and diff are float32 arrays of
     its shape; reshape(*shape) gives it new (zeroed) ones."""
 
@@ -32,19 +57,6 @@ class PyBlob:
     @property
     def shape(self):
         return tuple(self.data.shape)
-
-    @property
-    def count(self):
-        return int(self.data.size)
-
-    def _axis(self, i):
-        shape = (1,) * (4 - len(self.shape)) + self.shape
-        return shape[i] if len(self.shape) <= 4 else None
-
-    num = property(lambda self: self._axis(0))
-    channels = property(lambda self: self._axis(1))
-    height = property(lambda self: self._axis(2))
-    width = property(lambda self: self._axis(3))
 
 
 class BlobVec(list):

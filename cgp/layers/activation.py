@@ -12,8 +12,8 @@ import math
 import numpy as np
 
 from cgp.kernels import activation as K
-from cgp.layers.base import (DeviceOp, Layer, device_op, flat, onnx_converter, part_span,
-                             register, view)
+from cgp.layers.base import (DeviceOp, Layer, device_op, flat, no_backward, onnx_converter,
+                             part_span, register, view)
 from cgp.proto import caffe_pb2
 
 
@@ -25,11 +25,41 @@ class _Elementwise(Layer):
         return [self.shape]
 
 
+class _Neuron(_Elementwise):
+    """An elementwise layer run by one forward and one backward kernel, whose scalar
+    parameters (if any) are in the arrays' dtype, as Caffe's Dtype: forward_args and
+    backward_args give them for a dtype."""
+    # (forward kernel, backward kernel), in a tuple: a Numba kernel as a class attribute
+    # would bind as a method.
+    kernels = (None, None)
+    backward_reads = ("x", "dy")   # what the backward kernel takes before dx: x, y, dy
+
+    def forward_args(self, dtype):
+        return ()
+
+    def backward_args(self, dtype):
+        return self.forward_args(dtype)
+
+    def forward_calls(self, bottom, top, params, scratch, chunk):
+        x = bottom[0]
+        yield self.kernels[0], (flat(x), flat(top[0]), *self.forward_args(x.dtype.type))
+
+    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
+                       chunk):
+        if bottom_diff[0] is None:
+            return
+        arrays = {"x": bottom[0], "y": top[0], "dy": top_diff[0]}
+        reads = [flat(arrays[a]) for a in self.backward_reads]
+        yield self.kernels[1], (*reads, flat(bottom_diff[0]),
+                                *self.backward_args(bottom[0].dtype.type))
+
+
 @register("ReLU")
-class ReLU(_Elementwise):
+class ReLU(_Neuron):
     """y = x where x > 0, else negative_slope * x; backward uses the bottom x (the top y
     when it runs in place, as Caffe's does)."""
     params_read = ("relu_param",)
+    kernels = (K.relu_forward, K.relu_backward)
 
     def setup(self, bottom_shapes):
         self.slope = float(self.lp.relu_param.negative_slope)
@@ -38,45 +68,24 @@ class ReLU(_Elementwise):
         self.in_place = self.slope >= 0
         return super().setup(bottom_shapes)
 
-    def forward_calls(self, bottom, top, params, scratch, chunk):
-        x = bottom[0]
-        yield K.relu_forward, (flat(x), flat(top[0]), x.dtype.type(self.slope))
-
-    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
-                       chunk):
-        if bottom_diff[0] is None:
-            return
-        x = bottom[0]
-        yield K.relu_backward, (flat(x), flat(top_diff[0]), flat(bottom_diff[0]),
-                                x.dtype.type(self.slope))
+    def forward_args(self, dtype):
+        return (dtype(self.slope),)
 
 
 @register("Sigmoid")
-class Sigmoid(_Elementwise):
+class Sigmoid(_Neuron):
     """y = 1 / (1 + exp(-x)); backward uses the top y, as Caffe does."""
     params_read = ("sigmoid_param",)   # its engine only, which cgp ignores
-
-    def forward_calls(self, bottom, top, params, scratch, chunk):
-        yield K.sigmoid_forward, (flat(bottom[0]), flat(top[0]))
-
-    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
-                       chunk):
-        if bottom_diff[0] is not None:
-            yield K.sigmoid_backward, (flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
+    kernels = (K.sigmoid_forward, K.sigmoid_backward)
+    backward_reads = ("y", "dy")
 
 
 @register("TanH")
-class TanH(_Elementwise):
+class TanH(_Neuron):
     """y = tanh(x); backward uses the top y, as Caffe does."""
     params_read = ("tanh_param",)      # its engine only, which cgp ignores
-
-    def forward_calls(self, bottom, top, params, scratch, chunk):
-        yield K.tanh_forward, (flat(bottom[0]), flat(top[0]))
-
-    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
-                       chunk):
-        if bottom_diff[0] is not None:
-            yield K.tanh_backward, (flat(top[0]), flat(top_diff[0]), flat(bottom_diff[0]))
+    kernels = (K.tanh_forward, K.tanh_backward)
+    backward_reads = ("y", "dy")
 
 
 @register("AbsVal")
@@ -143,34 +152,6 @@ class Dropout(_Elementwise):
             return
         mask = scratch["mask"][:chunk.n]
         K.dropout_backward(flat(mask), flat(top_diff[0]), flat(dx))
-
-
-class _Neuron(_Elementwise):
-    """An elementwise layer whose kernels take scalar parameters in the arrays' dtype, as
-    Caffe's Dtype: forward_args and backward_args give them for a dtype."""
-    # (forward kernel, backward kernel), in a tuple: a Numba kernel as a class attribute
-    # would bind as a method.
-    kernels = (None, None)
-    backward_reads = ("x", "dy")   # what the backward kernel takes before dx: x, y, dy
-
-    def forward_args(self, dtype):
-        return ()
-
-    def backward_args(self, dtype):
-        return self.forward_args(dtype)
-
-    def forward_calls(self, bottom, top, params, scratch, chunk):
-        x = bottom[0]
-        yield self.kernels[0], (flat(x), flat(top[0]), *self.forward_args(x.dtype.type))
-
-    def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
-                       chunk):
-        if bottom_diff[0] is None:
-            return
-        arrays = {"x": bottom[0], "y": top[0], "dy": top_diff[0]}
-        reads = [flat(arrays[a]) for a in self.backward_reads]
-        yield self.kernels[1], (*reads, flat(bottom_diff[0]),
-                                *self.backward_args(bottom[0].dtype.type))
 
 
 @register("ELU")
@@ -275,17 +256,11 @@ class Power(_Neuron):
 
 
 class _NoGradient(_Neuron):
-    """A layer Caffe gives no backward (NOT_IMPLEMENTED): a net whose loss needs a gradient
-    through it is refused when its calls are bound, before any step, as Caffe stops at its
-    first backward."""
+    """A layer Caffe gives no backward (NOT_IMPLEMENTED; no_backward)."""
 
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
-        if any(d is not None for d in bottom_diff):
-            raise self.error("has no gradient (Caffe implements none), but the net needs one "
-                             "through it: keep its top away from the loss or set "
-                             "propagate_down: false on the layer after it")
-        return iter(())
+        return no_backward(self, bottom_diff)
 
 
 @register("Threshold")

@@ -113,8 +113,8 @@ the bound calls without saying so.
 
 Sources: load()
 ---------------
-Data layers (Data, Input; is_source, which register() sets for a class that defines load)
-take no bottoms and make no per-chunk calls: the trainer runs
+Data layers (Data, Input: subclasses of Source; is_source, which register() sets for a class
+that defines load) take no bottoms and make no per-chunk calls: the trainer runs
 load(start, iteration, seed, rows) once per iteration on the batch (or on the samples `rows`
 that this process computes), before the batch is cut into chunks, and sets `options`
 (cgp.net.RunOptions) before setup (see cgp/layers/data.py).
@@ -475,6 +475,13 @@ class Layer:
         raise NotImplementedError
 
 
+
+class Source(Layer):
+    """A data layer (the module's "Sources"): no bottoms; it defines load, and the net sets
+    options before setup."""
+    bottoms = (0, 0)
+    options = None   # cgp.net.RunOptions
+
 @dataclass(frozen=True)
 class Chunk:
     """Where one layer call's samples sit in their iteration: what layers that couple
@@ -582,6 +589,17 @@ def check_axis(layer, axis, ndim):
         raise layer.error("axis 0 (the batch axis) is not supported: cgp splits the batch "
                           "into independent chunks")
     return axis
+
+
+def no_backward(layer, bottom_diff):
+    """The backward calls of a layer Caffe gives no backward (NOT_IMPLEMENTED): none, or,
+    where the net needs a gradient through it, its refusal, raised as the calls are bound,
+    before any step, as Caffe stops at its first backward."""
+    if any(d is not None for d in bottom_diff):
+        raise layer.error("has no gradient (Caffe implements none), but the net needs one "
+                          "through it: keep its top away from the loss or set "
+                          "propagate_down: false on the layer after it")
+    return iter(())
 
 
 # -- scratch buffers ---------------------------------------------------------------------

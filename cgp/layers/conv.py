@@ -153,6 +153,13 @@ class Convolution(Layer):
         p = self.lp.convolution_param
         return [p.weight_filler, p.bias_filler] if self.bias_term else [p.weight_filler]
 
+    def _spans(self, param_diff, dtype):
+        """(dw, its step, db, its step): the per-part gradients as the kernels take them
+        (part_span); without a bias, an empty db."""
+        dw, dw_step = part_span(param_diff[0])
+        db, db_step = part_span(param_diff[1]) if self.bias_term else (np.empty(0, dtype), 0)
+        return dw, dw_step, db, db_step
+
     def _depthwise(self):
         # group > 1: a single channel in one group (LeNet's conv1) keeps the dense path.
         return self.C == self.group > 1
@@ -211,8 +218,7 @@ class Convolution(Layer):
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
         w = params[0]
-        dw, dw_step = part_span(param_diff[0])
-        db, db_step = part_span(param_diff[1]) if self.bias_term else (np.empty(0, w.dtype), 0)
+        dw, dw_step, db, db_step = self._spans(param_diff, w.dtype)
         starts = chunk.starts
         for i, (x, dy, dx) in enumerate(zip(bottom, top_diff, bottom_diff)):
             need_dx = dx is not None
@@ -270,8 +276,7 @@ class Deconvolution(Convolution):
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
         w = params[0]
-        dw, dw_step = part_span(param_diff[0])
-        db, db_step = part_span(param_diff[1]) if self.bias_term else (np.empty(0, w.dtype), 0)
+        dw, dw_step, db, db_step = self._spans(param_diff, w.dtype)
         for x, dy, dx in zip(bottom, top_diff, bottom_diff):
             need_dx = dx is not None
             yield K.deconv_backward, (x, w, dy, dx if need_dx else x, dw, dw_step, db, db_step,

@@ -19,7 +19,7 @@ from cgp.errors import DataError, shorten
 from cgp.fillers import SUPPORTED as FILLERS
 from cgp.fillers import fill
 from cgp.kernels import data as K
-from cgp.layers.base import Layer, register
+from cgp.layers.base import Source, register
 from cgp.data.databases import open_database
 from cgp.data.lmdb_data import ArrayRecords
 from cgp.proto import caffe_pb2
@@ -186,7 +186,7 @@ def sample_stream(seed, layer, iteration, sample, purpose=0):
         key=[seed & (2**64 - 1), layer], counter=[iteration, sample, purpose, 0]))
 
 
-class LabeledSource(Layer):
+class LabeledSource(Source):
     """A source whose second top holds class labels, which it checks as it reads them."""
 
     def label_rule(self, top, classes, ignore, reader):
@@ -214,10 +214,8 @@ class LabeledSource(Layer):
 
 @register("Data")
 class DataLayer(LabeledSource):
-    bottoms = (0, 0)
     tops = (1, 2)
     params_read = ("data_param", "transform_param")
-    options = None  # RunOptions, set by the net before setup
 
     def setup(self, bottom_shapes):
         dp, tp = self.lp.data_param, self.lp.transform_param
@@ -275,12 +273,10 @@ def read_mean_file(path):
 
 
 @register("Input")
-class InputLayer(Layer):
+class InputLayer(Source):
     """Blobs the caller fills (deploy nets); zeros until set with `values`."""
-    bottoms = (0, 0)
     tops = (1, None)
     params_read = ("input_param",)
-    options = None
 
     def setup(self, bottom_shapes):
         shapes = [tuple(s.dim) for s in self.lp.input_param.shape]
@@ -313,15 +309,13 @@ class InputLayer(Layer):
 
 
 @register("DummyData")
-class DummyDataLayer(Layer):
+class DummyDataLayer(Source):
     """Caffe's DummyData: each top filled by its data_filler (constant 0 if none is given;
     one filler for every top, or one per top). A filler that draws fills each sample from
     its own stream, a pure function of (seed, layer, iteration, sample, top): the batch is
     new at every iteration, as Caffe refills it, and any split of it draws the same."""
-    bottoms = (0, 0)
     tops = (1, None)
     params_read = ("dummy_data_param",)
-    options = None
 
     def setup(self, bottom_shapes):
         dp = self.lp.dummy_data_param

@@ -12,7 +12,7 @@ import numpy as np
 
 from cgp.errors import DataError
 from cgp.data.hdf5 import require_h5py
-from cgp.layers.base import Layer, register
+from cgp.layers.base import Source, register
 from cgp.layers.data import sample_stream
 
 SHUFFLE = 1 << 20     # the sample_stream purpose of the shuffles
@@ -35,11 +35,9 @@ def read_file_list(source):
 
 
 @register("HDF5Data")
-class HDF5DataLayer(Layer):
-    bottoms = (0, 0)
+class HDF5DataLayer(Source):
     tops = (1, None)
     params_read = ("hdf5_data_param",)
-    options = None
 
     def setup(self, bottom_shapes):
         hp = self.lp.hdf5_data_param

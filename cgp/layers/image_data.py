@@ -83,10 +83,8 @@ class ImageList:
 
 @register("ImageData")
 class ImageDataLayer(LabeledSource):
-    bottoms = (0, 0)
     tops = (2, 2)
     params_read = ("image_data_param", "transform_param")
-    options = None
 
     def setup(self, bottom_shapes):
         ip = self.lp.image_data_param

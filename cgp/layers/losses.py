@@ -17,18 +17,23 @@ from cgp.proto import caffe_pb2
 
 
 class _Loss(Layer):
-    """A loss: one batch-value top, weight 1 by default, run per call."""
+    """A loss: one batch-value top, weight 1 by default, run per call; its backward reads
+    the top's diff, never the top."""
+    bottoms = (2, 2)   # the scores and what they are scored against
     reduces_batch = True
     calls_each_time = True
     default_loss_weight = 1.0
+    backward_reads_top = False
 
-    def _same_batch(self, shapes):
-        """Chunks cut every bottom along axis 0: their first axes must agree."""
-        first = tuple(shapes[0])
+    def _shapes(self, bottom_shapes):
+        """The bottoms' shapes as tuples. Chunks cut every bottom along axis 0: their first
+        axes must agree."""
+        shapes = [tuple(s) for s in bottom_shapes]
         for i, shape in enumerate(shapes[1:], 1):
-            if shape[0] != first[0]:
-                raise self.error(f"bottom {i} {tuple(shape)} and bottom 0 {first} must have "
+            if shape[0] != shapes[0][0]:
+                raise self.error(f"bottom {i} {shape} and bottom 0 {shapes[0]} must have "
                                  f"the same first (batch) dimension")
+        return shapes
 
     def _no_gradient_to(self, bottom_diff, indices, what):
         if any(bottom_diff[i] is not None for i in indices):
@@ -39,12 +44,9 @@ class _Loss(Layer):
 class EuclideanLoss(_Loss):
     """loss = sum((a - b)^2) / N / 2, N the batch. Both bottoms get a gradient,
     +-(a - b) * top diff / N, as Caffe allows."""
-    bottoms = (2, 2)
-    backward_reads_top = False
 
     def setup(self, bottom_shapes):
-        a, b = (tuple(s) for s in bottom_shapes)
-        self._same_batch([a, b])
+        a, b = self._shapes(bottom_shapes)
         if prod(a[1:]) != prod(b[1:]):
             raise self.error(f"inputs must have the same dimension: {a} and {b}")
         return [()]
@@ -69,13 +71,10 @@ class SigmoidCrossEntropyLoss(_Loss):
     (loss_param.normalization; unset: the old normalize, else BATCH_SIZE, Caffe's default
     here). Gradient (p - t) * top diff / normaliser; none to the targets."""
     batch_bottoms = (1,)   # the targets, where VALID counts those not ignored
-    bottoms = (2, 2)
     params_read = ("loss_param",)
-    backward_reads_top = False
 
     def setup(self, bottom_shapes):
-        x, t = (tuple(s) for s in bottom_shapes)
-        self._same_batch([x, t])
+        x, t = self._shapes(bottom_shapes)
         if prod(x) != prod(t):
             raise self.error(f"inputs must have the same count: {x} and {t}")
         p = self.lp.loss_param
@@ -123,13 +122,10 @@ class HingeLoss(_Loss):
     """The one-versus-all hinge loss of scores x (N, D...) for labels l (one class per
     sample): with s = -1 at the label and 1 elsewhere and m = max(0, 1 + s * x),
     loss = sum(m) / N (norm L1, default) or sum(m^2) / N (L2)."""
-    bottoms = (2, 2)
     params_read = ("hinge_loss_param",)
-    backward_reads_top = False
 
     def setup(self, bottom_shapes):
-        x, labels = (tuple(s) for s in bottom_shapes)
-        self._same_batch([x, labels])
+        x, labels = self._shapes(bottom_shapes)
         if prod(labels) != x[0]:
             raise self.error(f"needs one label per sample: labels {labels} for scores {x}")
         self.dim = prod(x[1:])
@@ -169,11 +165,9 @@ class ContrastiveLoss(_Loss):
     Both feature bottoms get a gradient (Caffe's, with its 1e-4 guard on d); y none."""
     bottoms = (3, 3)
     params_read = ("contrastive_loss_param",)
-    backward_reads_top = False
 
     def setup(self, bottom_shapes):
-        a, b, sim = (tuple(s) for s in bottom_shapes)
-        self._same_batch([a, b, sim])
+        a, b, sim = self._shapes(bottom_shapes)
         for name, shape in (("bottom 0", a), ("bottom 1", b)):
             if len(shape) < 2 or len(shape) > 4 or prod(shape[2:]) != 1:
                 raise self.error(f"{name} {shape} must be (num, channels) or "

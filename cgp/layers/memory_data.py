@@ -7,16 +7,14 @@ only: cgp refuses a transform_param that would not be applied.
 import numpy as np
 
 from cgp.errors import DataError, shorten
-from cgp.layers.base import Layer, register
+from cgp.layers.base import Source, register
 
 
 @register("MemoryData")
-class MemoryDataLayer(Layer):
+class MemoryDataLayer(Source):
     """tops data (batch_size, channels, height, width) and label (batch_size,)."""
-    bottoms = (0, 0)
     tops = (2, 2)
     params_read = ("memory_data_param", "transform_param")
-    options = None
     arrays = None     # (data, labels) from set_arrays
 
     def setup(self, bottom_shapes):

@@ -173,24 +173,31 @@ class PythonLayer(Layer):
         for _, rows, where in self._parts(arrays, widths, offsets, chunk):
             yield assign, (rows, total[where])
 
+    def _through_sum(self, sums, sent, sent_widths, got, got_widths, chunk):
+        """The calls of one pass through a sum (shares, total): each part's rows of `sent`
+        into the shares, SYNC (the user's Python runs on the batch's total), then the rows
+        of `got` out of the total, laid out after those of `sent`. Returns where the rows of
+        `got` end in the total."""
+        shares, total = sums
+        offs_sent, end = self._offsets(sent_widths)
+        offs_got, end = self._offsets(got_widths, end)
+        yield from self._rows_in(sent, sent_widths, offs_sent, chunk, shares)
+        yield SYNC
+        yield from self._rows_out(got, got_widths, offs_got, chunk, total)
+        return end
+
     def forward_calls(self, bottom, top, params, scratch, chunk):
         _check_run_here(self, self._pid)   # bound in a worker process: refused at once
-        shares, total = scratch["sums"][0]
-        offs_b, end = self._offsets(self.widths_bottom)
-        offs_t, _ = self._offsets(self.widths_top, end)
-        yield from self._rows_in(bottom, self.widths_bottom, offs_b, chunk, shares)
-        yield SYNC
-        yield from self._rows_out(top, self.widths_top, offs_t, chunk, total)
+        yield from self._through_sum(scratch["sums"][0], bottom, self.widths_bottom, top,
+                                     self.widths_top, chunk)
 
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
         self._propagate = [d is not None for d in bottom_diff]
-        shares, total = scratch["sums"][1]
-        offs_t, end = self._offsets(self.widths_top)
-        offs_b, end = self._offsets(self.widths_bottom, end)
-        yield from self._rows_in(top_diff, self.widths_top, offs_t, chunk, shares)
-        yield SYNC
-        yield from self._rows_out(bottom_diff, self.widths_bottom, offs_b, chunk, total)
+        sums = scratch["sums"][1]
+        end = yield from self._through_sum(sums, top_diff, self.widths_top, bottom_diff,
+                                           self.widths_bottom, chunk)
+        total = sums[1]
         if chunk.first == 0:
             for pd, a in zip(param_diff, self.initial):
                 yield _add, (pd[0], total[end:end + a.size])

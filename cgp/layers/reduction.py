@@ -10,7 +10,8 @@ import math
 import numpy as np
 
 from cgp.kernels import reduction as K
-from cgp.layers.base import Layer, check_axis, flat, onnx_converter, register, view
+from cgp.layers.base import (Layer, check_axis, flat, no_backward, onnx_converter, register,
+                             view)
 from cgp.proto import caffe_pb2
 
 OPS = {caffe_pb2.ReductionParameter.SUM: K.SUM, caffe_pb2.ReductionParameter.ASUM: K.ASUM,
@@ -114,11 +115,7 @@ class ArgMax(Layer):
 
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
-        if bottom_diff[0] is not None:
-            raise self.error("has no gradient (Caffe implements none), but the net needs one "
-                             "through it: keep its top away from the loss or set "
-                             "propagate_down: false on the layer after it")
-        return iter(())
+        return no_backward(self, bottom_diff)
 
 
 @register("MVN")

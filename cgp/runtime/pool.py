@@ -143,6 +143,24 @@ class CallersWork:
             fpenv.set_flush(self.flush)
 
 
+class CallerPin:
+    """The calling thread pinned to one CPU while a pool's workers live (affinity), as
+    OpenMP pins its master thread: pin() keeps the CPUs it may run on, and release() gives
+    them back (nothing where it was not pinned)."""
+
+    def __init__(self):
+        self._cpus = None
+
+    def pin(self, cpu):
+        self._cpus = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {cpu})   # pid 0: the calling thread only
+
+    def release(self):
+        if self._cpus is not None:
+            os.sched_setaffinity(0, self._cpus)
+            self._cpus = None
+
+
 class Pool:
     """`threads` workers that share a list of tasks; task i of run(fn, tasks, *args) runs as
     fn(worker, i, *args). fn is any function; program(fn) returns it as it is, for callers
@@ -172,7 +190,7 @@ class Pool:
         self.threads = threads
         self.flush = flush_denormals
         self.pinned = []
-        self._caller_cpus = None
+        self._caller = CallerPin()
         self._flags = aligned_zeros(2, np.int64)   # runs posted, tasks done in the latest
         self._run = None
         self._current = None   # the run in progress (or the latest)
@@ -185,8 +203,8 @@ class Pool:
         if threads == 1:
             return
         if cpus:
-            self._caller_cpus = os.sched_getaffinity(0)
-            self._pin(cpus[0])
+            self._caller.pin(cpus[0])
+            self.pinned.append(cpus[0])
         # The threads' compiled calls are compiled (or loaded) here, and the threads have
         # made their first ones before this returns: a process forked later (cgp.runtime.procs)
         # must not copy a Numba compiler lock that one of them held.
@@ -279,8 +297,6 @@ class Pool:
             for worker in self._workers:
                 worker.join()
             self._workers = []
-        if self._caller_cpus is not None:
-            os.sched_setaffinity(0, self._caller_cpus)
-            self._caller_cpus = None
+        self._caller.release()
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from cgp.errors import CgpError
 from cgp.runtime import fpenv, spin
 from cgp.runtime.memory import aligned_zeros
-from cgp.runtime.pool import CallersWork, Pool, RunCancelled, spin_count
+from cgp.runtime.pool import CallerPin, CallersWork, Pool, RunCancelled, spin_count
 
 # Where the pool's counters sit in its shared int64 array; those that different workers write
 # at once each have a 64-byte cache line of their own.
@@ -153,7 +153,7 @@ class ProcessPool:
         self.broken = None
         self._parent = os.getpid()
         self._started = False
-        self._caller_cpus = None
+        self._caller = CallerPin()
         self._flags = aligned_zeros(_SLEEP + 8 * threads, np.int64, shared=True)
         self._args = aligned_zeros(ARGS_BYTES, np.uint8, shared=True)
         self._woken = np.zeros(threads - 1, np.int64)   # the workers a post wakes
@@ -209,8 +209,7 @@ class ProcessPool:
         for proc in self.procs:
             self._ended.register(proc.sentinel, select.POLLIN)
         if cpus:
-            self._caller_cpus = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, {cpus[0]})
+            self._caller.pin(cpus[0])
 
     # -- the caller -----------------------------------------------------------------
     def run(self, program, tasks, *args, first=None):
@@ -337,9 +336,7 @@ class ProcessPool:
             for reader in self._reports:
                 reader.close()
         self.procs = []
-        if self._caller_cpus is not None:
-            os.sched_setaffinity(0, self._caller_cpus)
-            self._caller_cpus = None
+        self._caller.release()
 
     # -- every worker, the caller too ---------------------------------------------------
     def _take(self, w, run, then=None):

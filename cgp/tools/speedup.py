@@ -169,7 +169,7 @@ class Config:
         return self.impl + (f"/{self.layout}" if self.layout else "") + f" x{self.threads}"
 
 def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_round=None,
-                lead_in=0, min_seconds=0.0):
+                lead_in=0, min_seconds=0.0, clock=time.perf_counter):
     """Warm every configuration up, then time `repeats` rounds; round r runs the
     configurations in order, rotated by r, then each_round() if given. Every timing trains
     the same iterations from the same state (the one after the warm-up): the work is
@@ -185,16 +185,18 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
     as much as training (with --warmup 0 nothing is known, and `iters` it is). Every
     configuration then runs the most any needs, so that all train the same iterations and
     end on the same weights (which the ranks' check compares).
-    Each timing also records the steal time over it, as a share of all CPUs' time."""
+    Each timing also records the steal time over it, as a share of all CPUs' time.
+    clock: what the timings read; time.thread_time (the calling thread's CPU time, for one
+    thread's work) hardly changes with other programs on a loaded machine."""
     cpus = os.cpu_count() or 1
     for c in configs:
         with c.context():
             c.run(max(warmup - 1, 0))
             c.iters = iters
             if warmup:   # the last warm-up iteration, timed for c.iters
-                started = time.perf_counter()
+                started = clock()
                 c.run(1)
-                took = max(time.perf_counter() - started, 1e-9)
+                took = max(clock() - started, 1e-9)
                 c.iters = max(iters, math.ceil(min_seconds / took))
         c.pause()
         c.save()
@@ -210,12 +212,12 @@ def interleaved(configs, iters, repeats, warmup, images_per_iter, log, each_roun
             with c.context():
                 c.run(lead_in)
                 stolen = steal_seconds()   # read before the clock starts: it costs a little
-                started = time.perf_counter()
+                started = clock()
                 c.run(c.iters)
-                wall = time.perf_counter() - started
+                took = clock() - started
                 steal = steal_seconds() - stolen
-                c.rates.append(c.copies * c.iters * images_per_iter / wall)
-                c.steals.append(steal / (wall * cpus))
+                c.rates.append(c.copies * c.iters * images_per_iter / took)
+                c.steals.append(steal / (took * cpus))
             c.pause()
         if each_round is not None:
             each_round()
