@@ -40,10 +40,15 @@ class DeviceWorkspace:
         self.grad = xp.zeros(net.n_params, dtype) if engine.backward else None
         self.grad_views = net.param_views(self.grad) if engine.backward else None
         self.ops = [make_op(e.layer, engine.backend.xp) for e in net.entries]
-        self.sums = [[(xp.zeros(m, np.float64), total) for m, total in
-                      zip(e.layer.sum_sizes(), engine.device_totals[i])]
-                     if i in engine.device_totals else None
-                     for i, e in enumerate(net.entries)]
+        # Each op's scratch, as a layer's: "sums", its shares (one row: one chunk per call)
+        # and the batch's totals, where it sums over the batch.
+        self.scratch = [{"sums": [(xp.zeros((1, m), np.float64), total) for m, total in
+                                  zip(e.layer.sum_sizes(), engine.device_totals[i])]}
+                        if i in engine.device_totals else {}
+                        for i, e in enumerate(net.entries)]
+        # The ops' forwards and backwards paused at a SYNC, by entry (the generators that
+        # the next segment resumes).
+        self.paused = {}
         self._batch_values = net.batch_values
 
     def views(self, arrays, n):
@@ -75,9 +80,8 @@ class DeviceEngine(Engine):
         self.host_params = net.params if params is None else params
         self.device_params = xp.zeros(net.n_params, self.dtype)
         self.device_param_views = net.param_views(self.device_params)
-        stages = [make_op(e.layer, xp).stages for e in net.entries]
-        self.forward_plan, syncs = _stages(net, [f for f, _ in stages], False)
-        backward_plan, back_syncs = _stages(net, [b for _, b in stages], True)
+        self.forward_plan, syncs = _stages(net, False)
+        backward_plan, back_syncs = _stages(net, True)
         self.backward_plan = backward_plan if backward else []
         if syncs != net.forward_syncs or (backward and back_syncs != net.backward_syncs):
             raise AssertionError("the device ops' stages do not match the layers' batch sums")
@@ -113,8 +117,11 @@ class DeviceEngine(Engine):
         if s <= forward:
             for i, stage in self.forward_plan[s]:
                 e = net.entries[i]
-                ws.ops[i].forward(stage, [data[b] for b in e.bottoms], [data[t] for t in e.tops],
-                                  self.device_param_views[i], ws.sums[i], chunk)
+                if stage == 0:
+                    ws.paused[i] = ws.ops[i].forward(
+                        [data[b] for b in e.bottoms], [data[t] for t in e.tops],
+                        self.device_param_views[i], ws.scratch[i], chunk)
+                _resume(ws.paused, i)
         if s == forward:   # the loss shares are made, backward begins
             for j, (blob, _) in enumerate(self.tracked):
                 self.shares[k0 + c0, j] = float(data[blob])
@@ -126,17 +133,19 @@ class DeviceEngine(Engine):
                     diff[blob][...] = weight
             for i, stage in self.backward_plan[b]:
                 e = net.entries[i]
-                ws.ops[i].backward(stage, [data[t] for t in e.tops], [diff[t] for t in e.tops],
-                                   [data[x] for x in e.bottoms],
-                                   [diff[x] if f else None for x, f in zip(e.bottoms, e.propagate)],
-                                   self.device_param_views[i], ws.grad_views[i], ws.sums[i],
-                                   chunk)
+                if stage == 0:
+                    ws.paused[i] = ws.ops[i].backward(
+                        [data[t] for t in e.tops], [diff[t] for t in e.tops],
+                        [data[x] for x in e.bottoms],
+                        [diff[x] if f else None for x, f in zip(e.bottoms, e.propagate)],
+                        self.device_param_views[i], ws.grad_views[i], ws.scratch[i], chunk)
+                _resume(ws.paused, i)
             if b == len(self.backward_plan) - 1:
                 self.backend.copy_out(self.chunk_grads[c0], ws.grad)
                 self.progress += 1   # one worker: every entry of this chunk is done
         if s < len(self.syncs):
             i, k = self.syncs[s]
-            self.backend.copy_out(self.sums[i][k][0][k0 + c0], ws.sums[i][k][0])
+            self.backend.copy_out(self.sums[i][k][0][k0 + c0], ws.scratch[i]["sums"][k][0][0])
             spin.fetch_add(self.reached, s, 1)
 
     def _sync(self, s):
@@ -148,11 +157,19 @@ class DeviceEngine(Engine):
             self.backend.copy_in(device, total)
 
 
-def _stages(net, counts, backward):
-    """The segments of the net's calls as [[(entry, stage), ...], ...], cut where an op's
-    stages meet a sum over the batch, and those sums [(entry, the layer's sum index), ...] in
-    the order the engine makes them: forward in entry order, backward in reverse (sums
-    numbered after forward's)."""
+def _resume(paused, i):
+    """Runs op i's paused forward or backward on to its next SYNC, or to its end: an op
+    without sums over the batch has made its whole call already (it returned None)."""
+    calls = paused.get(i)
+    if calls is not None and next(calls, None) is None:
+        paused[i] = None
+
+
+def _stages(net, backward):
+    """The segments of the net's calls as [[(entry, stage), ...], ...], cut where a layer's
+    calls meet a sum over the batch (its batch_sums: stage k runs after k sums), and those
+    sums [(entry, the layer's sum index), ...] in the order the engine makes them: forward
+    in entry order, backward in reverse (sums numbered after forward's)."""
     order = range(len(net.entries))
     if backward:
         order = [i for i in reversed(order) if net.entries[i].backward]
@@ -160,7 +177,7 @@ def _stages(net, counts, backward):
     for i in order:
         layer = net.entries[i].layer
         base = layer.batch_sums[0] if backward else 0
-        for stage in range(counts[i]):
+        for stage in range(layer.batch_sums[1 if backward else 0] + 1):
             if stage:
                 segments.append([])
                 syncs.append((i, base + stage - 1))
