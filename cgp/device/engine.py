@@ -16,7 +16,7 @@ worker drives the device: its tasks run in the list's order.
 import numpy as np
 
 from cgp.device.ops import make_op, unsupported
-from cgp.engine import Engine
+from cgp.engine import Engine, Sum
 from cgp.errors import CgpError, NetError
 from cgp.layers import Chunk
 from cgp.runtime import spin
@@ -85,14 +85,36 @@ class DeviceEngine(Engine):
         self.backward_plan = backward_plan if backward else []
         if syncs != net.forward_syncs or (backward and back_syncs != net.backward_syncs):
             raise AssertionError("the device ops' stages do not match the layers' batch sums")
+        # Whether the step keeps the gradient and the weights on the device (keep_on_device).
+        self.resident = False
+
+    def keep_on_device(self):
+        """For cgp.device.step.DeviceStep, before the pool starts: each chunk's gradient
+        stays in its row of device_chunk_grads, run() adds the rows on the device in the one
+        tree over chunk index and returns that sum (a device array), and the weights on the
+        device are the step's to keep (run() no longer copies the host's in). Only where
+        this process computes every chunk (one rank): the communicator's Sum tasks, which
+        would sum host rows, are dropped."""
+        if self.comm.size != 1 or not self.backward:
+            raise ValueError("keep_on_device: one rank's training engine only")
+        xp, net = self.backend.xp, self.net
+        self.resident = True
+        self.tasks = [task for task in self.tasks if type(task) is not Sum]
+        self.device_chunk_grads = xp.zeros((len(self.own), net.n_params), self.dtype)
+        self.device_grad_views = [net.param_views(row) for row in self.device_chunk_grads]
+        for ws in self.workspaces:   # their own gradient rows are not written any more
+            ws.grad = ws.grad_views = None
 
     def new_workspace(self, group=None, shared=False):
         return DeviceWorkspace(self, max(n for _, n in self.own))
 
     def run(self, batch, iteration, seed, first=None, pass_plan=None):
-        # The weights the host's solver left, for this run's calls.
-        self.backend.copy_in(self.device_params, self.host_params)
-        return super().run(batch, iteration, seed, first, pass_plan)
+        if not self.resident:   # the weights the host's solver left, for this run's calls
+            self.backend.copy_in(self.device_params, self.host_params)
+        values, loss, grad = super().run(batch, iteration, seed, first, pass_plan)
+        if self.resident:
+            grad = tree_sum(self.device_chunk_grads)
+        return values, loss, grad
 
     def _call(self, worker, task, iteration, seed, slot):
         """Segment `task.segment` of the forward and backward of one chunk on the device,
@@ -127,8 +149,10 @@ class DeviceEngine(Engine):
                 self.shares[k0 + c0, j] = float(data[blob])
         if self.backward and s >= forward:
             b = s - forward
+            grad, grad_views = ((self.device_chunk_grads[c0], self.device_grad_views[c0])
+                                if self.resident else (ws.grad, ws.grad_views))
             if b == 0:
-                ws.grad[...] = 0
+                grad[...] = 0
                 for blob, weight in net.loss_weights.items():
                     diff[blob][...] = weight
             for i, stage in self.backward_plan[b]:
@@ -138,10 +162,11 @@ class DeviceEngine(Engine):
                         [data[t] for t in e.tops], [diff[t] for t in e.tops],
                         [data[x] for x in e.bottoms],
                         [diff[x] if f else None for x, f in zip(e.bottoms, e.propagate)],
-                        self.device_param_views[i], ws.grad_views[i], ws.scratch[i], chunk)
+                        self.device_param_views[i], grad_views[i], ws.scratch[i], chunk)
                 _resume(ws.paused, i)
             if b == len(self.backward_plan) - 1:
-                self.backend.copy_out(self.chunk_grads[c0], ws.grad)
+                if not self.resident:
+                    self.backend.copy_out(self.chunk_grads[c0], ws.grad)
                 self.progress += 1   # one worker: every entry of this chunk is done
         if s < len(self.syncs):
             i, k = self.syncs[s]
@@ -155,6 +180,18 @@ class DeviceEngine(Engine):
         i, _ = self.syncs[s]
         for (_, total), device in zip(self.sums[i], self.device_totals[i]):
             self.backend.copy_in(device, total)
+
+
+def tree_sum(bufs):
+    """bufs: (K, n) rows, one per chunk, on the device -> bufs[0], their sum in the one tree
+    over chunk index (cgp.runtime.reduce.tree_sum's: stride 1, 2, 4, ...; each addition
+    elementwise, so the host's bits), one array addition per level. Rows other than the
+    first are overwritten."""
+    k, stride = bufs.shape[0], 1
+    while stride < k:
+        bufs[0:k - stride:2 * stride] += bufs[stride:k:2 * stride]
+        stride *= 2
+    return bufs[0]
 
 
 def _resume(paused, i):

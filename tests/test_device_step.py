@@ -1,0 +1,82 @@
+"""The step on the device (cgp.device.step, cgp.device.update, cgp.device.engine.tree_sum):
+the update's arithmetic against the CPU solvers' kernels, bitwise in float32 and float64, the
+device's tree sum against the host's, and a training run through DeviceStep against the
+host's step, bitwise. On NumPy standing in for CuPy. Training through DeviceStep against the host's
+step: tests/test_device.py's ranks test (one rank takes DeviceStep, more the host's step)."""
+import numpy as np
+import pytest
+
+from cgp.comm.local import reference_reduce
+from cgp.device.engine import tree_sum
+from cgp.device.update import DeviceUpdate
+from cgp.proto import caffe_pb2
+from cgp.runtime.reduce import TILE
+from cgp.runtime.reduce import tree_sum as host_tree_sum
+from cgp.solver import Solver, Step
+
+RULES = [("SGD", {}), ("Nesterov", {}), ("AdaGrad", {}), ("RMSProp", {"rms_decay": 0.9}),
+         ("AdaDelta", {"delta": 1e-6}), ("Adam", {"momentum2": 0.999, "delta": 1e-8})]
+
+
+def make_solver(kind, l1, extra, n):
+    momentum = 0.0 if kind in ("AdaGrad", "RMSProp") else 0.9
+    sp = caffe_pb2.SolverParameter(type=kind, base_lr=0.1, lr_policy="fixed",
+                                   weight_decay=0.01, regularization_type="L1" if l1 else "L2",
+                                   momentum=momentum, iter_size=2, **extra)
+    # Multipliers that change along the array, zero decay (and a zero weight) included.
+    lr_mult = np.repeat(np.float32([1, 2, 0, 1]), n // 4)
+    decay_mult = np.repeat(np.float32([1, 0, 1, 2]), n // 4)
+    return Solver(sp, lr_mult, decay_mult)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("l1", [False, True])
+@pytest.mark.parametrize("kind, extra", RULES)
+def test_the_device_update_is_the_cpu_solvers_bitwise(kind, extra, l1, dtype):
+    """Three steps of every rule, L1 and L2, clipped and warming up, on the CPU's kernels
+    (Solver.apply) and on DeviceUpdate: the same weights, histories and steps taken, bit
+    for bit, in float32 (the training dtype) and float64 (the same arithmetic)."""
+    n = 64
+    rng = np.random.default_rng(1)
+    cpu, dev = make_solver(kind, l1, extra, n), make_solver(kind, l1, extra, n)
+    w_cpu = rng.standard_normal(n).astype(dtype)
+    w_cpu[3] = 0.0
+    w_dev = w_cpu.copy()
+    update = DeviceUpdate(dev, np)
+    update.to_device()
+    for it in range(3):
+        g = rng.standard_normal(n).astype(dtype)
+        g_dev = g.copy()
+        step = Step(it, np.float32(0.01 * (it + 1)), np.float32(0.5 if it == 1 else 1.0),
+                    np.float32(0.9 + 0.01 * it), None, np.float32(1.25 if it == 2 else 1.0))
+        assert cpu.apply(step, w_cpu, g, 0, n)
+        assert update.apply(step, w_dev, g_dev)
+        assert w_dev.dtype == w_cpu.dtype and g_dev.dtype == g.dtype
+        assert np.array_equal(w_dev, w_cpu) and np.array_equal(g_dev, g)
+    update.to_host(np.asarray)
+    for h_dev, h_cpu in zip(dev.histories, cpu.histories):
+        assert np.array_equal(h_dev, h_cpu)
+
+
+def test_the_device_update_finds_a_weight_that_is_not_finite():
+    solver = make_solver("SGD", False, {}, 8)
+    update = DeviceUpdate(solver, np)
+    w, g = np.ones(8, np.float32), np.ones(8, np.float32)
+    g[5] = np.inf
+    with np.errstate(invalid="ignore"):
+        assert not update.apply(Step(0, np.float32(0.1), np.float32(1), np.float32(1), None,
+                                     np.float32(1)), w, g)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5, 7, 16])
+def test_the_device_tree_sum_is_the_hosts_bitwise(chunks):
+    """The rows' sum level by level as array additions == the host kernel's tiled tree, and
+    the naive reference's, for chunk counts that are and are not powers of two."""
+    rng = np.random.default_rng(chunks)
+    rows = (rng.standard_normal((chunks, 3000)) * 10.0 ** rng.integers(-3, 4, (chunks, 1))
+            ).astype(np.float32)
+    want = rows.copy()
+    host_tree_sum(want, 0, want.shape[1], np.empty((chunks, TILE), np.float32))
+    assert np.array_equal(tree_sum(rows.copy()), want[0])
+    assert np.array_equal(tree_sum(rows.copy()), reference_reduce(rows))
+
