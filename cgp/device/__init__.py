@@ -88,6 +88,29 @@ def select_backend(device, device_id=None):
     return ArrayBackend("gpu", cupy, cupy.asnumpy, f"GPU {index} of {count} ({name})")
 
 
+def cuda_kernels():
+    """(True, description) where Numba's CUDA target compiles and runs cgp's device kernels
+    here (cgp/kernels/cuda_gemm.py: a GPU, and NVVM, which some images lack), else (False,
+    why). The one place that says whether they can run; bench/gpu_check.sh records it.
+    The ops still make their products with cuBLAS, one chunk per call (DESIGN.md 19)."""
+    try:
+        import numpy
+        from numba import cuda
+        if not cuda.is_available():
+            return False, "Numba finds no CUDA GPU"
+        from cgp.kernels.cuda_gemm import product
+        a = numpy.arange(6, dtype=numpy.float32).reshape(2, 3)
+        c = numpy.zeros((2, 2), numpy.float32)
+        product(a, a.T.copy(), c)
+        if not numpy.array_equal(c, a @ a.T):
+            return False, f"a test product came out wrong: {c.tolist()}"
+        import numba
+        where = "its simulator" if numba.config.ENABLE_CUDASIM else "a GPU"
+        return True, f"Numba {numba.__version__} compiled and ran a test product on {where}"
+    except Exception as error:   # NVVM missing, a driver too old: say which
+        return False, f"{type(error).__name__}: {error}"
+
+
 def make_step(engine, solver, comm, iter_size=1, staleness=0):
     """The training step over `engine`, chosen here once: cgp.device.step.DeviceStep (the
     batch's gradient, the update and the weights kept on the device) for a device engine of
