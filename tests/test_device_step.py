@@ -80,3 +80,36 @@ def test_the_device_tree_sum_is_the_hosts_bitwise(chunks):
     assert np.array_equal(tree_sum(rows.copy()), want[0])
     assert np.array_equal(tree_sum(rows.copy()), reference_reduce(rows))
 
+
+
+def test_batchnorm_trains_its_moving_averages_through_the_device_step(tmp_path):
+    """A net whose sums over the batch update blobs (BatchNorm's moving averages: every op
+    of tests/test_device.py's ZOO, BatchNorm with batch statistics) trains to the same bits
+    through DeviceStep (weights on the device) as through the host's step on a device
+    engine that copies the host's weights in at every run."""
+    from cgp.device.engine import DeviceEngine
+    from cgp.step import DataParallelStep
+    from cgp.train import RunConfig, Trainer
+    from test_device import ZOO
+    path = tmp_path / "every_op.prototxt"
+    path.write_text(ZOO.replace("use_global_stats: true", "use_global_stats: false"))
+    sp = caffe_pb2.SolverParameter(net=str(path), base_lr=0.01, lr_policy="fixed",
+                                   momentum=0.9, weight_decay=0.001, max_iter=2, random_seed=5)
+    config = RunConfig(device="numpy", chunks=3, progress=False)
+    weights = []
+    for device_step in (True, False):
+        trainer = Trainer(sp, None, config, log=lambda line: None)
+        assert type(trainer.train_step).__name__ == "DeviceStep"
+        if not device_step:
+            trainer.engine = DeviceEngine(trainer.net, 3, trainer.pool, trainer.comm,
+                                          trainer.backend)
+            trainer.train_step = DataParallelStep(trainer.engine, trainer.solver, trainer.comm)
+        before = trainer.net.params.copy()
+        trainer.steps(2)
+        weights.append(trainer.net.params.copy())
+    net = trainer.net
+    norms = [i for i, e in enumerate(net.entries) if e.layer.type_name == "BatchNorm"]
+    moved = [not np.array_equal(a, b) for i in norms
+             for a, b in zip(net.param_views(weights[0])[i], net.param_views(before)[i])]
+    assert norms and all(moved)   # the moving averages and their factor were updated
+    assert np.array_equal(weights[0], weights[1])

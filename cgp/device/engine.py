@@ -175,9 +175,16 @@ class DeviceEngine(Engine):
 
     def _sync(self, s):
         """Engine's sum over the batch, then its totals to the device (before the calls of the
-        next segment, which the one worker runs after this task)."""
-        super()._sync(s)
+        next segment, which the one worker runs after this task). Where the weights live on
+        the device (resident), the layer's blobs, which its sync() may update (BatchNorm's
+        moving averages), go to the host for it and back."""
         i, _ = self.syncs[s]
+        blobs = list(zip(self.params[i], self.device_param_views[i])) if self.resident else []
+        for host, device in blobs:
+            self.backend.copy_out(host, device)
+        super()._sync(s)
+        for host, device in blobs:
+            self.backend.copy_in(device, host)
         for (_, total), device in zip(self.sums[i], self.device_totals[i]):
             self.backend.copy_in(device, total)
 
