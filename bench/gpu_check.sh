@@ -69,12 +69,15 @@ cd "$here"
     $py -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())" 2>&1 | tail -n 1
     $py -c "import mpi4py; print('mpi4py', mpi4py.__version__)" 2>&1 | tail -n 1
     timeout 60 $py -c "from cgp.device import cuda_kernels; print('numba cuda kernels:', *cuda_kernels())" 2>&1 | tail -n 1
+    # Whether Open MPI could send device buffers (the exchange stages them through the host).
+    echo "CUDA-aware MPI: $(ompi_info --parsable --all 2>/dev/null | grep -m1 mpi_built_with_cuda_support:value || echo unknown)"
 } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
 # -- 1. the GPU-marked tests (and the device step's, which run anywhere) -----------------
-part tests 100 tests.log $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda_gemm.py \
-    tests/test_device_step.py tests/test_device.py -k "gpu or cuda or cublas or update or tree_sum"
+part tests 120 tests.log $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda_gemm.py \
+    tests/test_device_step.py tests/test_device.py \
+    -k "gpu or cuda or cublas or update or tree_sum or moving or protocol"
 
 # -- 2. one hash for 1-4 ranks sharing the GPU -------------------------------------------
 part ranks 75 ranks.log $py -m cgp equivalence mnist --device "$device" --ranks 1,2,3,4 \
@@ -112,12 +115,12 @@ large=(--device "$device" --threads 1 "${compare[@]}" --repeats 1 --warmup 1 --l
 part speed_resnet50 90 speed_resnet50.log $py -c "$run_cgp" bench speedup \
     --model "$zoo/resnet50/ResNet-50-deploy.prototxt" --batch 32 "${large[@]}" \
     --out "$out/resnet50"
-part speed_googlenet 60 speed_googlenet.log $py -c "$run_cgp" bench speedup \
+part speed_googlenet 50 speed_googlenet.log $py -c "$run_cgp" bench speedup \
     --model "$zoo/bvlc_googlenet/deploy.prototxt" --batch 32 "${large[@]}" \
     --out "$out/googlenet"
 
 # -- 4. peak memory, ResNet-50 b32 --------------------------------------------------------
-part memory 50 memory.log $py bench/gpu_memory.py "$zoo/resnet50/ResNet-50-deploy.prototxt" \
+part memory 45 memory.log $py bench/gpu_memory.py "$zoo/resnet50/ResNet-50-deploy.prototxt" \
     --batch 32 --iters 2 --device "$device"
 rm -rf "$data"
 echo "total $((SECONDS - start)) s of the $budget s budget" | tee -a "$out/summary.txt"

@@ -1,7 +1,8 @@
 """The step on the device (cgp.device.step, cgp.device.update, cgp.device.engine.tree_sum):
 the update's arithmetic against the CPU solvers' kernels, bitwise in float32 and float64, the
 device's tree sum against the host's, and a training run through DeviceStep against the
-host's step, bitwise. On NumPy standing in for CuPy. Training through DeviceStep against the host's
+host's step, bitwise. On NumPy standing in for CuPy, and on CuPy where a GPU is (the "gpu"
+parameters, which bench/gpu_check.sh runs). Training through DeviceStep against the host's
 step: tests/test_device.py's ranks test (one rank takes DeviceStep, more the host's step)."""
 import numpy as np
 import pytest
@@ -13,6 +14,18 @@ from cgp.proto import caffe_pb2
 from cgp.runtime.reduce import TILE
 from cgp.runtime.reduce import tree_sum as host_tree_sum
 from cgp.solver import Solver, Step
+
+from test_device import GPU
+
+XP = ["numpy", pytest.param("cupy", marks=GPU)]
+
+
+def array_module(name):
+    """(xp, to_numpy) of the array module named."""
+    if name == "numpy":
+        return np, np.asarray
+    import cupy
+    return cupy, cupy.asnumpy
 
 RULES = [("SGD", {}), ("Nesterov", {}), ("AdaGrad", {}), ("RMSProp", {"rms_decay": 0.9}),
          ("AdaDelta", {"delta": 1e-6}), ("Adam", {"momentum2": 0.999, "delta": 1e-8})]
@@ -29,10 +42,11 @@ def make_solver(kind, l1, extra, n):
     return Solver(sp, lr_mult, decay_mult)
 
 
+@pytest.mark.parametrize("xp_name", XP)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("l1", [False, True])
 @pytest.mark.parametrize("kind, extra", RULES)
-def test_the_device_update_is_the_cpu_solvers_bitwise(kind, extra, l1, dtype):
+def test_the_device_update_is_the_cpu_solvers_bitwise(kind, extra, l1, dtype, xp_name):
     """Three steps of every rule, L1 and L2, clipped and warming up, on the CPU's kernels
     (Solver.apply) and on DeviceUpdate: the same weights, histories and steps taken, bit
     for bit, in float32 (the training dtype) and float64 (the same arithmetic)."""
@@ -41,19 +55,20 @@ def test_the_device_update_is_the_cpu_solvers_bitwise(kind, extra, l1, dtype):
     cpu, dev = make_solver(kind, l1, extra, n), make_solver(kind, l1, extra, n)
     w_cpu = rng.standard_normal(n).astype(dtype)
     w_cpu[3] = 0.0
-    w_dev = w_cpu.copy()
-    update = DeviceUpdate(dev, np)
+    xp, to_numpy = array_module(xp_name)
+    w_dev = xp.array(w_cpu)   # copies
+    update = DeviceUpdate(dev, xp)
     update.to_device()
     for it in range(3):
         g = rng.standard_normal(n).astype(dtype)
-        g_dev = g.copy()
+        g_dev = xp.array(g)
         step = Step(it, np.float32(0.01 * (it + 1)), np.float32(0.5 if it == 1 else 1.0),
                     np.float32(0.9 + 0.01 * it), None, np.float32(1.25 if it == 2 else 1.0))
         assert cpu.apply(step, w_cpu, g, 0, n)
         assert update.apply(step, w_dev, g_dev)
         assert w_dev.dtype == w_cpu.dtype and g_dev.dtype == g.dtype
-        assert np.array_equal(w_dev, w_cpu) and np.array_equal(g_dev, g)
-    update.to_host(np.asarray)
+        assert np.array_equal(to_numpy(w_dev), w_cpu) and np.array_equal(to_numpy(g_dev), g)
+    update.to_host(to_numpy)
     for h_dev, h_cpu in zip(dev.histories, cpu.histories):
         assert np.array_equal(h_dev, h_cpu)
 
@@ -68,8 +83,9 @@ def test_the_device_update_finds_a_weight_that_is_not_finite():
                                      np.float32(1)), w, g)
 
 
+@pytest.mark.parametrize("xp_name", XP)
 @pytest.mark.parametrize("chunks", [1, 2, 3, 5, 7, 16])
-def test_the_device_tree_sum_is_the_hosts_bitwise(chunks):
+def test_the_device_tree_sum_is_the_hosts_bitwise(chunks, xp_name):
     """The rows' sum level by level as array additions == the host kernel's tiled tree, and
     the naive reference's, for chunk counts that are and are not powers of two."""
     rng = np.random.default_rng(chunks)
@@ -77,12 +93,14 @@ def test_the_device_tree_sum_is_the_hosts_bitwise(chunks):
             ).astype(np.float32)
     want = rows.copy()
     host_tree_sum(want, 0, want.shape[1], np.empty((chunks, TILE), np.float32))
-    assert np.array_equal(tree_sum(rows.copy()), want[0])
-    assert np.array_equal(tree_sum(rows.copy()), reference_reduce(rows))
+    xp, to_numpy = array_module(xp_name)
+    assert np.array_equal(to_numpy(tree_sum(xp.array(rows))), want[0])
+    assert np.array_equal(to_numpy(tree_sum(xp.array(rows))), reference_reduce(rows))
 
 
 
-def test_batchnorm_trains_its_moving_averages_through_the_device_step(tmp_path):
+@pytest.mark.parametrize("device", ["numpy", pytest.param("gpu", marks=GPU)])
+def test_batchnorm_trains_its_moving_averages_through_the_device_step(tmp_path, device):
     """A net whose sums over the batch update blobs (BatchNorm's moving averages: every op
     of tests/test_device.py's ZOO, BatchNorm with batch statistics) trains to the same bits
     through DeviceStep (weights on the device) as through the host's step on a device
@@ -95,7 +113,7 @@ def test_batchnorm_trains_its_moving_averages_through_the_device_step(tmp_path):
     path.write_text(ZOO.replace("use_global_stats: true", "use_global_stats: false"))
     sp = caffe_pb2.SolverParameter(net=str(path), base_lr=0.01, lr_policy="fixed",
                                    momentum=0.9, weight_decay=0.001, max_iter=2, random_seed=5)
-    config = RunConfig(device="numpy", chunks=3, progress=False)
+    config = RunConfig(device=device, chunks=3, progress=False)
     weights = []
     for device_step in (True, False):
         trainer = Trainer(sp, None, config, log=lambda line: None)
