@@ -6,9 +6,11 @@ batch (BatchNorm: each chunk's share comes back to the host, the Sync task adds 
 fixed tree and the layer finishes them, the totals go back to the device), the chunks'
 gradients summed in the communicator's fixed tree over chunk index (on one machine, or with
 the other ranks', each rank driving its own GPU), the solver's update of the host's weights,
-which the next run copies to the device. So the weights are bitwise the same for any number
-of ranks (devices) of one kind, and the CPU and GPU engines differ only by the rounding of
-their layers' arithmetic.
+which the next run copies to the device. Or, made resident by cgp.device.step.DeviceStep
+(keep_on_device, one rank): the chunks' gradients stay on the device, summed there in the
+same tree (tree_sum), and the weights are the step's, on the device. So the weights are
+bitwise the same for any number of ranks (devices) of one kind, and the CPU and GPU engines
+differ only by the rounding of their layers' arithmetic.
 
 One call is one chunk (group 1), on arrays of exactly that chunk's shape (see ops), and one
 worker drives the device: its tasks run in the list's order.
