@@ -217,6 +217,9 @@ class DataParallelStep:
         """The plan's work on this process's update blocks, in a pool run."""
         self.pool.run(self.updater.program, len(self.blocks), plan)
 
+    def to_host(self):
+        """Nothing to copy: the weights are the host's (cgp.device.step.DeviceStep's differ)."""
+
     def pending(self, it):
         """[(iteration, its gradient made and not applied yet), ...] after iteration it - 1
         (what a snapshot at `it` must keep, with staleness)."""

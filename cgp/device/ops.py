@@ -6,21 +6,22 @@ layer; here is only what every op shares: finding a layer's op, and which layers
 
 An op reads its layer's configuration from the CPU layer object (set up by the net: the
 prototxt stays the one source of truth) and never branches on the array module: the backend
-hands it `xp`, and only NumPy-API calls that CuPy also has are used. Contract of an op:
+hands it `xp`, and only NumPy-API calls that CuPy also has are used. An op keeps the
+layer's per-call protocol (cgp.layers.base: Layer.forward, Layer.backward, batch_sums):
 
     Op(layer, xp)                 (the layer's device_op; cgp.layers.base.DeviceOp the base)
-    stages                        (forward stages, backward stages): more than one where the
-                                  layer sums over the whole batch (BatchNorm: 3 and 2); the
-                                  engine makes sum k between stage k and k + 1
-    forward(stage, bottom, top, params, sums, chunk)
-    backward(stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums, chunk)
+    forward(bottom, top, params, scratch, chunk)
+    backward(top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk)
 
-Arrays hold one chunk (axis 0 = chunk.n samples), on the device; a loss top is a 0-d array,
-the chunk's share of the batch's loss. param_diff arrays (this chunk's own gradient, the
-blob's shape) are added to; bottom_diff arrays are overwritten, None where no gradient
-flows. sums: per sum k of the layer, (share, total): the chunk's share to write (float64,
-(m_k,)) and the batch's total once made (the layer's sync() has finished it, on the host).
-An op keeps what its backward reads (max pooling's window offsets, a loss's probabilities)
+with the same meanings: a loss top is a 0-d array, the chunk's share of the batch's loss;
+param_diff arrays (this call's own gradient, the blob's shape) are added to; bottom_diff
+arrays are overwritten, None where no gradient flows. A layer that sums over the batch
+(batch_sums) makes its op's forward (backward) a generator that yields SYNC at each sum,
+where the layer's forward_calls (backward_calls) do: before it, the call writes its
+parts' shares of sum k into scratch["sums"][k][0], a (parts, m_k) float64 array; the
+engine adds every chunk's shares in the fixed tree, the layer's sync() finishes them, and
+the calls after read the batch's total, scratch["sums"][k][1] (m_k,), on the device. An op
+keeps what its backward reads (max pooling's window offsets, a loss's probabilities)
 between the two: each workspace has ops of its own.
 
 Why one chunk: the weights must be bitwise the same for any number of devices or ranks, so

@@ -356,12 +356,12 @@ class PReLU(Layer):
 class ReLUOp(DeviceOp):
     """In place (top = bottom), the bottom holds y, whose sign is x's for a slope >= 0."""
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         x = bottom[0]
         slope = x.dtype.type(self.layer.slope)
         top[0][...] = self.xp.where(x > 0, x, x * slope)
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is not None:
             x, dy = bottom[0], top_diff[0]
@@ -372,12 +372,12 @@ class ReLUOp(DeviceOp):
 @device_op(Sigmoid)
 class SigmoidOp(DeviceOp):
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         x = bottom[0]
         one = x.dtype.type(1)
         top[0][...] = one / (one + self.xp.exp(-x))
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is not None:
             y = top[0]
@@ -387,10 +387,10 @@ class SigmoidOp(DeviceOp):
 @device_op(TanH)
 class TanHOp(DeviceOp):
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         top[0][...] = self.xp.tanh(bottom[0])
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is not None:
             y = top[0]
@@ -402,7 +402,7 @@ class DropoutOp(DeviceOp):
     """The CPU layer's mask, drawn on the host by its Philox kernel (keyed by sample, never by
     chunk or device) and copied over; TEST: the identity."""
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L, x = self.layer, bottom[0]
         if not L.train:
             top[0][...] = x
@@ -414,7 +414,7 @@ class DropoutOp(DeviceOp):
         self.mask = self.xp.asarray(mask).reshape(x.shape)
         top[0][...] = x * self.mask
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is not None:
             dy = top_diff[0]

@@ -48,8 +48,17 @@ A layer that runs on the device engine (cgp.device) and exports to ONNX
 layer is one module (plus its kernels and its test):
 
     @device_op(TanH)              # cgp/layers/activation.py's
-    class TanHOp(DeviceOp):       # forward/backward on one chunk, over array module self.xp
-        ...
+    class TanHOp(DeviceOp):       # over array module self.xp, on the device's arrays
+        def forward(self, bottom, top, params, scratch, chunk):
+            top[0][...] = self.xp.tanh(bottom[0])
+        def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff,
+                     scratch, chunk): ...
+
+A device op keeps the per-call protocol below (forward and backward, their arguments and
+the accumulation rule), and its layer's stages: where the layer's forward_calls
+(backward_calls) yield SYNC at a sum over the batch, the op's forward (backward) is a
+generator that yields SYNC there (BatchNorm's), with its shares in scratch["sums"] as the
+layer's; cgp.device.ops says the rest.
 
     @onnx_converter(AbsVal)
     def absval_onnx(g, e, bottoms, tops, params, read):
@@ -254,10 +263,13 @@ def supported_types():
 
 
 class DeviceOp:
-    """Base of the device ops (cgp.device.ops says what one is): one stage each way, no
-    refusals. Here, not in cgp.device, so that a layer's module defines its op without
-    importing the device engine."""
-    stages = (1, 1)
+    """Base of the device ops (cgp.device.ops): a layer's forward and backward over arrays on
+    the device, with the per-call protocol's names and arguments (Layer.forward and
+    Layer.backward), and the same stages around sums over the batch: a layer with
+    batch_sums makes its op's forward (backward) a generator that yields SYNC at each sum,
+    where the layer's forward_calls (backward_calls) yield it. No refusals by default. Here,
+    not in cgp.device, so that a layer's module defines its op without importing the device
+    engine."""
 
     def __init__(self, layer, xp):
         self.layer, self.xp = layer, xp
@@ -267,11 +279,10 @@ class DeviceOp:
         """Why the device cannot run this configuration of the layer, or None."""
         return None
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         raise NotImplementedError
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
-                 chunk):
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch, chunk):
         """Nothing flows back (Accuracy)."""
 
 

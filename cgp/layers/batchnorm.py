@@ -123,12 +123,9 @@ class BatchNorm(Layer):
 
 @device_op(BatchNorm)
 class BatchNormOp(DeviceOp):
-    """Caffe's arithmetic as cgp.kernels.batchnorm: float64 sums of the chunk (its share),
-    everything else in the blobs' dtype."""
-
-    def __init__(self, layer, xp):
-        super().__init__(layer, xp)
-        self.stages = (1, 1) if layer.global_stats else (3, 2)
+    """Caffe's arithmetic as cgp.kernels.batchnorm: float64 sums of the call's samples, one
+    share per chunk (part), everything else in the blobs' dtype. With batch statistics,
+    forward and backward yield SYNC at each sum, as BatchNorm's forward_calls do."""
 
     def _view(self, a):
         return a.reshape(a.shape[0], self.layer.C, -1)
@@ -143,41 +140,50 @@ class BatchNormOp(DeviceOp):
         scale = xp.where(empty, f(0), f(1) / xp.where(empty, f(1), factor[0]))
         return scale * mean, xp.sqrt(scale * variance + f(self.layer.eps))
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def _shares(self, a, share, chunk):
+        """share[k] = part k's sum of a (n, C, M) over its samples and M, in float64."""
+        for k, (_, lo, hi) in enumerate(chunk.each_part):
+            share[k] = a[lo:hi].astype(np.float64).sum(axis=(0, 2))
+
+    def forward(self, bottom, top, params, scratch, chunk):
         x, y = self._view(bottom[0]), self._view(top[0])
         if self.layer.global_stats:
             mean, std = self._stats(params, x.dtype)
-        elif stage == 0:
-            sums[0][0][...] = x.astype(np.float64).sum(axis=(0, 2))
-            return
-        elif stage == 1:
-            d = (x - sums[0][1].astype(x.dtype)[None, :, None]).astype(np.float64)
-            sums[1][0][...] = (d * d).sum(axis=(0, 2))
-            return
-        else:
-            mean, std = sums[0][1].astype(x.dtype), sums[1][1].astype(x.dtype)
+            y[...] = (x - mean[None, :, None]) / std[None, :, None]
+            return None
+        return self._batch_forward(x, y, scratch["sums"], chunk)
+
+    def _batch_forward(self, x, y, sums, chunk):
+        self._shares(x, sums[0][0], chunk)
+        yield SYNC
+        d = (x - sums[0][1].astype(x.dtype)[None, :, None]).astype(np.float64)
+        self._shares(d * d, sums[1][0], chunk)
+        yield SYNC
+        mean, std = sums[0][1].astype(x.dtype), sums[1][1].astype(x.dtype)
         y[...] = (x - mean[None, :, None]) / std[None, :, None]
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is None:
-            return
+            return None
         y, dy, dx = self._view(top[0]), self._view(top_diff[0]), self._view(bottom_diff[0])
-        f = y.dtype.type
-        C = self.layer.C
         if self.layer.global_stats:
             _, std = self._stats(params, y.dtype)
             dx[...] = dy / std[None, :, None]
-        elif stage == 0:
-            share = sums[2][0]
-            share[:C] = (dy * y).astype(np.float64).sum(axis=(0, 2))
-            share[C:] = dy.astype(np.float64).sum(axis=(0, 2))
-        else:
-            total = sums[2][1].astype(y.dtype)
-            a, b = total[None, :C, None], total[None, C:, None]
-            std = sums[1][1].astype(y.dtype)[None, :, None]
-            scale = f(-1.0) / f(self.layer.m)
-            dx[...] = (dy + scale * (y * a + b)) / std
+            return None
+        return self._batch_backward(y, dy, dx, scratch["sums"], chunk)
+
+    def _batch_backward(self, y, dy, dx, sums, chunk):
+        f, C = y.dtype.type, self.layer.C
+        share = sums[2][0]
+        self._shares(dy * y, share[:, :C], chunk)
+        self._shares(dy, share[:, C:], chunk)
+        yield SYNC
+        total = sums[2][1].astype(y.dtype)
+        a, b = total[None, :C, None], total[None, C:, None]
+        std = sums[1][1].astype(y.dtype)[None, :, None]
+        scale = f(-1.0) / f(self.layer.m)
+        dx[...] = (dy + scale * (y * a + b)) / std
 
 
 @onnx_converter(BatchNorm)

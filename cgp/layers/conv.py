@@ -317,7 +317,7 @@ class ConvolutionOp(DeviceOp):
             col[:, :, r, s] = padded[:, :, rows, cols]
         return col.reshape(n, L.group, L.C // L.group * L.R * L.S, P * Q)
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L, xp = self.layer, self.xp
         x, y = bottom[0], top[0]
         G = L.group
@@ -328,7 +328,7 @@ class ConvolutionOp(DeviceOp):
             out += params[1].reshape(1, L.K, 1, 1)
         y[...] = out
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         L, xp = self.layer, self.xp
         x, dy = bottom[0], top_diff[0]

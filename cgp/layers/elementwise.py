@@ -277,12 +277,12 @@ class ConcatOp(DeviceOp):
             yield rows[:, at:at + size]
             at += size
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L = self.layer
         for piece, x in zip(self._pieces(top[0]), bottom):
             piece[...] = x.reshape(x.shape[0] * L.outer, -1, L.inner)
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         L = self.layer
         for piece, dx in zip(self._pieces(top_diff[0]), bottom_diff):
@@ -295,7 +295,7 @@ class EltwiseOp(DeviceOp):
     """SUM (coefficients), PROD, MAX (ties to the earlier bottom, bottom 1 over bottom 0, as
     Caffe)."""
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L, xp = self.layer, self.xp
         P = caffe_pb2.EltwiseParameter
         y = top[0]
@@ -319,7 +319,7 @@ class EltwiseOp(DeviceOp):
             self.arg = arg
         y[...] = out
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         L, xp = self.layer, self.xp
         P = caffe_pb2.EltwiseParameter
@@ -342,10 +342,10 @@ class EltwiseOp(DeviceOp):
 @device_op(Flatten, Reshape)
 class CopyOp(DeviceOp):
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         top[0].reshape(-1)[...] = bottom[0].reshape(-1)
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is not None:
             bottom_diff[0].reshape(-1)[...] = top_diff[0].reshape(-1)
@@ -354,11 +354,11 @@ class CopyOp(DeviceOp):
 @device_op(Split)
 class SplitOp(DeviceOp):
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         for t in top:
             t[...] = bottom[0]
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is not None:
             total = top_diff[0]

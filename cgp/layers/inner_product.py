@@ -154,7 +154,7 @@ class InnerProductOp(DeviceOp):
     def _rows(self, a, n, width):
         return view(a, (n * self.layer.rows, width))
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L, xp = self.layer, self.xp
         n = bottom[0].shape[0]
         x = self._rows(bottom[0], n, L.C)
@@ -164,7 +164,7 @@ class InnerProductOp(DeviceOp):
             out += params[1]
         self._rows(top[0], n, L.K)[...] = out
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         L, xp = self.layer, self.xp
         n = bottom[0].shape[0]

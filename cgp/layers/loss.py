@@ -423,11 +423,11 @@ def _softmax(xp, scores):
 @device_op(Softmax)
 class SoftmaxOp(DeviceOp):
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         n = bottom[0].shape[0]
         self.layer._scores(top[0], n)[...] = _softmax(self.xp, self.layer._scores(bottom[0], n))
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is None:
             return
@@ -468,7 +468,7 @@ class _LabelledOp(DeviceOp):
 class SoftmaxWithLossOp(_LabelledOp):
     second_top = "the probabilities top"
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L, xp = self.layer, self.xp
         n = bottom[0].shape[0]
         labels, counted = self._labels(bottom[1], n, chunk)
@@ -479,7 +479,7 @@ class SoftmaxWithLossOp(_LabelledOp):
         self.prob, self.labels, self.counted = prob, labels, counted
         top[0][...] = -xp.where(counted, logs, f(0)).sum() / f(L.normaliser(chunk))
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         L, xp = self.layer, self.xp
         if bottom_diff[0] is None:
@@ -499,7 +499,7 @@ class AccuracyOp(_LabelledOp):
     (a tie counts against, as Caffe)."""
     second_top = "the per-class accuracy top"
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L, xp = self.layer, self.xp
         n = bottom[0].shape[0]
         labels, counted = self._labels(bottom[1], n, chunk)

@@ -105,7 +105,7 @@ class LRNOp(DeviceOp):
     def _count(self):
         return self.layer.size if self.layer.across else self.layer.size ** 2
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L, xp = self.layer, self.xp
         x = bottom[0]
         f = x.dtype.type
@@ -114,7 +114,7 @@ class LRNOp(DeviceOp):
         self.power = xp.power(self.scale, f(-L.beta))
         top[0][...] = x * self.power
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         if bottom_diff[0] is None:
             return

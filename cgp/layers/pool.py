@@ -193,7 +193,7 @@ class PoolingOp(DeviceOp):
         padded[:, :, L.pad_h:L.pad_h + L.H, L.pad_w:L.pad_w + L.W] = x
         return padded
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         L, xp = self.layer, self.xp
         x, y = bottom[0], top[0]
         if L.max:
@@ -214,7 +214,7 @@ class PoolingOp(DeviceOp):
                 total += padded[:, :, rows, cols]
             y[...] = total / xp.asarray(self.size, x.dtype)
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         L, xp = self.layer, self.xp
         if bottom_diff[0] is None:

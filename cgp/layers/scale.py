@@ -204,13 +204,13 @@ class ScaleOp(DeviceOp):
         self.shape = (1,) * L.axis + tuple(L.blob_shape) + (1,) * (len(L.shape) - L.axis - k)
         self.axes = tuple(a for a in range(len(L.shape)) if not L.axis <= a < L.axis + k)
 
-    def forward(self, stage, bottom, top, params, sums, chunk):
+    def forward(self, bottom, top, params, scratch, chunk):
         out = bottom[0] * params[0].reshape(self.shape)
         if self.layer.bias_term:
             out = out + params[1].reshape(self.shape)
         top[0][...] = out
 
-    def backward(self, stage, top, top_diff, bottom, bottom_diff, params, param_diff, sums,
+    def backward(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                  chunk):
         dy = top_diff[0]
         if self.layer.bias_term:
