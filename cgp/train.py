@@ -142,9 +142,8 @@ class Trainer:
         outputs, rate). each(it, loss, outputs, rate), if given, is called after iteration
         `it` and ends the run early by returning True. The caller's work for the next
         iteration (its first batch and Step) runs during each iteration's last run, which
-        would otherwise keep every worker waiting; the weights (net.params, the solver's
-        histories) are up to date once steps() has returned (a device step keeps them on the
-        device until then: cgp.device.step).
+        would otherwise keep every worker waiting; the weights and the solver's histories
+        are up to date once steps() has returned (cgp.device.step keeps them until then).
         Where groups of ranks share weights asynchronously (cgp.comm.sharing), the communicator
         says which iteration this process computes and what the count is after it (the
         updates of every group): steps run until the count has grown by n, or no iteration
