@@ -63,7 +63,8 @@ def test_revision_ab_pairs_a_checkout_with_the_installed_package(mnist_dir, tmp_
     """The same code on both sides (this checkout as the base, a folder of its files): the
     two processes train to the same weights."""
     text = run("revision_ab.py", "--base", ROOT, "--pairs", "1", "--rounds", "2", "--steps",
-               "1", "--workers", "threads", "--data-dir", mnist_dir, cwd=tmp_path)
+               "1", "--workers", "threads", "--clock", "cpu", "--data-dir", mnist_dir,
+               cwd=tmp_path)
     [base_ms, own_ms, ratio] = numbers(r"(\d+\.\d+) ms, working tree (\d+\.\d+) ms per step; "
                                        r"working tree x(\d+\.\d+) as fast", text)
     assert base_ms > 0 and own_ms > 0 and ratio > 0
@@ -72,7 +73,7 @@ def test_revision_ab_pairs_a_checkout_with_the_installed_package(mnist_dir, tmp_
 
 def test_kernel_ab_gives_the_same_bits_on_the_same_kernels(tmp_path):
     text = run("kernel_ab.py", "--base", ROOT, "--layers", "lenet-pool2", "--samples", "4",
-               "--rounds", "3", cwd=tmp_path)
+               "--rounds", "3", "--clock", "cpu", cwd=tmp_path)
     rows = [line for line in text.splitlines() if line.strip().startswith("lenet-pool2")]
     assert len(rows) == 2 and all(line.endswith("same bits: yes") for line in rows)
     assert all(x > 0 for x in numbers(r"speed x(\d+\.\d+)", text))
