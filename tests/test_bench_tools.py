@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "gpu_check.sh", "kernel_ab.py",
-         "large_batch.py", "machine_scaling.py", "many_cores.sh", "rank_stress.py",
+         "large_batch.py", "layer_rates.py", "machine_scaling.py", "many_cores.sh",
+         "rank_stress.py",
          "rank_time.py", "revision_ab.py", "scale_model.py", "staleness.py", "step_tail.py",
          "torch_baseline.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
@@ -119,6 +120,19 @@ def test_call_size_times_every_layer_at_each_size(mnist_dir, tmp_path):
                                     r"(\d+\.\d+)", text)
     assert 0 < empty < alone and share > 0
     assert "16 worker threads making such calls run at most" in text
+
+
+def test_layer_rates_gives_each_pass_of_each_layer(mnist_dir, tmp_path):
+    text = run("layer_rates.py", "mnist", "--rounds", "1", "--steps", "1", "--data-dir",
+               mnist_dir, cwd=tmp_path)
+    [matmul, step, rate, share] = numbers(r"matmul (\d+\.\d+) GFLOP/s; engine step "
+                                          r"(\d+\.\d+) ms, (\d+\.\d+) GFLOP/s = (\d+)%", text)
+    assert min(matmul, step, rate, share) > 0
+    for layer in LENET_LAYERS:
+        rows = [x for x in text.splitlines() if x.split()[:1] == [layer]]
+        assert [row.split()[1] for row in rows] == ["forward", "backward"]
+        # Convolution and InnerProduct give a rate, the others none.
+        assert all(("GFLOP/s" in row) == (layer[:2] in ("co", "ip")) for row in rows)
 
 
 def test_scale_model_predicts_from_measured_layer_times(mnist_dir, tmp_path):
