@@ -11,7 +11,12 @@ reductions), the working tree's speed as the median of the per-round ratios, and
 two gave the same bits.
 
     python bench/kernel_ab.py --base REV [--layers cifar2,cifar3,pool2,ip1sum] [--samples 12]
-                              [--rounds 60]
+                              [--rounds 60] [--clock cpu]
+
+--clock cpu times each call by the calling thread's CPU time (every kernel here runs on that
+thread, PyTorch on one thread too): on a loaded machine a wall-clock call also counts the
+time the thread waited for a core, which moved single calls by up to 5x on the shared 2-core
+VM.
 
 The base revision's files (BASE_FILES: the kernels and the runtime modules they import) are
 taken with `git show` into a temporary folder and imported from there, each importing the
@@ -509,6 +514,8 @@ def parse_args(argv=None):
                         help="comma-separated rows, or resnet50 for all of ResNet-50's")
     parser.add_argument("--samples", type=int, default=12, help="samples per call")
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall clock, or the calling thread's CPU time")
     parser.add_argument("--torch-samples", type=int, default=None,
                         help="samples per PyTorch call with --base torch (default --samples)")
     args = parser.parse_args(argv)
@@ -552,6 +559,7 @@ def main():
     layers = args.layers
     with_torch = args.base == "torch"
     torch_samples = args.torch_samples or args.samples
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     totals = {}
     with tempfile.TemporaryDirectory() as folder, threadpool_limits(1):
         try:
@@ -566,7 +574,8 @@ def main():
             sys.exit(f"kernel_ab: {args.base}: {err}")
         print(f"base {args.base} against the working tree, {args.samples} samples per call"
               f"{f' ({torch_samples} for PyTorch)' if torch_samples != args.samples else ''}, "
-              f"{args.rounds} rounds; ms per 100 samples (per batch for the reductions)")
+              f"{args.rounds} rounds; {'CPU ' if args.clock == 'cpu' else ''}ms per 100 samples "
+              f"(per batch for the reductions)")
         for name in layers:
             scale = old_scale = 1e3 * 100 / args.samples
             if name in REDUCTIONS:
@@ -619,9 +628,9 @@ def main():
                 t_old, t_new = [], []
                 for _ in range(args.rounds):
                     for fn, times in ((old[call], t_old), (new[call], t_new)):
-                        start = time.perf_counter()
+                        start = clock()
                         fn()
-                        times.append(time.perf_counter() - start)
+                        times.append(clock() - start)
                 # Per 100 samples, which the two sides may reach in calls of different sizes.
                 ratio = np.median(np.array(t_old) * old_scale / (np.array(t_new) * scale))
                 print(f"  {name:14s} {call:16s} base {np.median(t_old) * old_scale:7.2f}  "

@@ -13,7 +13,11 @@ net.params. This is the check that a restructure keeps the speed.
 
     python bench/revision_ab.py --base REV [mnist|cifar10] [--threads 1] [--chunks 16]
                                 [--workers processes] [--pairs 5] [--rounds 15] [--steps 8]
-                                [--data-dir DIR]
+                                [--data-dir DIR] [--clock cpu]
+
+--clock cpu times each side's steps by its process's CPU time (all its threads), which the
+waits for a core on a loaded machine leave out; it needs --workers threads (worker processes'
+time is not the process's) and suits one worker, where no thread waits for another.
 
 REV is a git revision, or a folder that holds one's files at their paths: a checkout, or
 `git archive REV cgp kernels models datasets | tar -x -C DIR` (a lent machine's copy has no
@@ -74,9 +78,10 @@ def child(args):
                 digest = hashlib.sha256(trainer.net.params.tobytes()).hexdigest()
                 print(json.dumps({"sha256": digest, "package": cgp.__file__}), flush=True)
                 break
-            started = time.perf_counter()
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
+            started = clock()
             trainer.steps(int(line))   # as training runs them
-            seconds = time.perf_counter() - started
+            seconds = clock() - started
             rest(trainer)
             print(json.dumps({"seconds": seconds}), flush=True)
     trainer.close()
@@ -115,8 +120,13 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall clock, or each side's process CPU time (--workers threads)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.workers != "threads":
+        parser.error("--clock cpu times one process: give --workers threads")
+    return args
 
 
 def main():
@@ -124,7 +134,8 @@ def main():
     if args.child:
         return child(args)
     forwarded = [args.model, "--base", args.base, "--threads", str(args.threads),
-                 "--chunks", str(args.chunks), "--workers", args.workers, "--child"]
+                 "--chunks", str(args.chunks), "--workers", args.workers, "--clock",
+                 args.clock, "--child"]
     if args.data_dir is not None:
         forwarded += ["--data-dir", args.data_dir]
     times, ratios = [[], []], []
@@ -159,6 +170,7 @@ def main():
     base_ms, own_ms = (1e3 * statistics.median(t) / args.steps for t in times)
     same = ends[0]["sha256"] == ends[1]["sha256"]
     print(f"{args.model}, {args.threads} worker(s) ({args.workers}, {args.chunks} chunks), "
+          f"{'CPU time, ' if args.clock == 'cpu' else ''}"
           f"{args.pairs} pair(s) "
           f"of processes, {args.rounds} rounds of {args.steps} steps each: {args.base} "
           f"{base_ms:.2f} ms, working tree {own_ms:.2f} ms per step; working tree "

@@ -8,11 +8,12 @@ register-tiled loop of 512-bit fused multiply-adds: the forward pass with output
 along the vectors, stored straight into NCHW, or, where tiles of fewer output rows skip more
 of the padding (small padded images), with output channels along the vectors and the tiles
 transposed into NCHW; the weight gradient with output channels along the vectors, from dy
-transposed; and the input gradient either the same way as the forward pass (gathering, for
-padded layers) or, where the output is clearly smaller than the input, through one
-sample's column matrix, which is then added into dx row by row. Other strides run im2col
-and one BLAS GEMM per sample (cgp.runtime.blas), as do stride-1 layers on small planes where
-that is faster (the layer chooses: cgp.layers.conv.gemm_faster).
+transposed (where the channels are not whole vectors, the last few along T instead, by
+vectors of the input's rows: _dw_tiles); and the input gradient either the same way as the
+forward pass (gathering, for padded layers) or, where the output is clearly smaller than the
+input, through one sample's column matrix, which is then added into dx row by row. Other
+strides run im2col and one BLAS GEMM per sample (cgp.runtime.blas), as do stride-1 layers on
+small planes where that is faster (the layer chooses: cgp.layers.conv.gemm_faster).
 
 Determinism. Every element of the forward pass and of the input gradient is one chain of
 multiply-adds over its own sample's data (through the column matrix: one chain per tap, the
@@ -36,8 +37,9 @@ matrix would be R*S times). The forward pass and the weight gradient each widen 
 they work on: the buffer stays one sample's size whatever the call's, and backward needs
 nothing from forward but its input, as in Caffe. (Keeping every sample's copy from forward
 to backward instead measured no faster.) Backward adds a block of one sample's dy
-transposed (POSITION_BLOCK positions by K, K rounded up to whole vectors): no buffer grows
-with the chunk.
+transposed (POSITION_BLOCK positions by K, K rounded up to whole vectors), and where the
+weight gradient runs its last channels along T, one sample's widened input transposed (about
+e's size, in dwt): no buffer grows with the chunk.
 
 Dimension letters: N samples in the chunk, C input channels, K output channels (filters),
 G groups (C/G and K/G channels per group), H W input height and width, P Q output height and
@@ -50,8 +52,8 @@ from numba import njit
 
 from cgp.runtime.blas import gemm
 from cgp.kernels.elementwise import copy
-from cgp.runtime.simd import (SHAPES, SPEEDS_UNIT, T_MAX, choose, lanes, shifted_copy,
-                              shifted_row_sum, tile, transpose_block)
+from cgp.runtime.simd import (SHAPES, SPEEDS_STRIDED, SPEEDS_UNIT, T_MAX, choose, lanes,
+                              shifted_copy, shifted_row_sum, tile, transpose_block)
 
 # Output positions per block of the weight gradient: the block of dycl that every tile of
 # the block reads stays in the L1 cache.
@@ -88,7 +90,7 @@ def direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
     T_f, KV_f, pos_f = _rows_tiles(Kg, P * Q, Q, R, dil_h, pad_h, H, V)
-    T_w, KV_w = choose(Cg * S, Kg, V, False)
+    T_w, KV_w, _, _, _ = _dw_tiles(Cg * S, Kg, group, R, P * Q, (H + 2 * pad_h) * Q, V)
     # Gathering computes every input position from all R*S taps, padding included; the
     # column matrix has P*Q positions per tap, but costs a pass that adds it into dx. Go
     # through columns where that is clearly less (unpadded layers).
@@ -99,6 +101,66 @@ def direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     else:
         T_x, KV_x, pos_x = _rows_tiles(Cg, H * W, W, R, dil_h, dil_h * (R - 1) - pad_h, P, V)
     return T_f, KV_f, pos_f, T_w, KV_w, T_x, KV_x, pos_x, columns
+
+
+@njit(cache=True, nogil=True)
+def _tiles_cost(nt, nv, T, KV, V, speeds):
+    """choose's estimate for tiles (T, KV) of SHAPES over nt by nv outputs."""
+    for i in range(len(SHAPES)):
+        if SHAPES[i][0] == T and SHAPES[i][1] == KV:
+            return _round_up(nt, T) * _round_up(nv, KV * V) / speeds[i]
+    return -1.0
+
+
+@njit(cache=True, nogil=True)
+def _dw_tiles(CSg, Kg, group, R, PQ, HpQ, V):
+    """How the weight gradient tiles its CSg rows (c, s) by Kg output channels per group:
+    (T, KV, Km, Tl, KVl). Channels below Km run in tiles of T rows by KV vectors of channels
+    (channels along the vectors); the last Kg - Km (fewer than V, with Tl > 0) in tiles of Tl
+    channels by KVl vectors of rows (c, s), read from the widened input transposed: where Kg
+    is not a whole number of vectors, this pads the rows instead of the channels (LeNet's
+    conv2: 50 channels, 100 rows, 18 % fewer multiply-adds) at the cost of transposing each
+    sample's widened input. Km = Kg, Tl = 0 where that costs more (or with groups). The
+    estimate: choose's, per position and kernel row, and for the transposition about six
+    multiply-adds per element (measured on LeNet's conv2)."""
+    T, KV = choose(CSg, Kg, V, False)
+    Kr = Kg % V
+    if group > 1 or Kr == 0 or Kg < V:
+        return T, KV, Kg, 0, 0
+    Km = Kg - Kr
+    Tm, KVm = choose(CSg, Km, V, False)
+    Tl, KVl = choose(Kr, CSg, V, True)
+    plain = _tiles_cost(CSg, Kg, T, KV, V, SPEEDS_STRIDED)
+    split = (_tiles_cost(CSg, Km, Tm, KVm, V, SPEEDS_STRIDED)
+             + _tiles_cost(Kr, CSg, Tl, KVl, V, SPEEDS_UNIT) + 6.0 * CSg * HpQ / (R * PQ))
+    if split < plain:
+        return Tm, KVm, Km, Tl, KVl
+    return T, KV, Kg, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def _dw_layout(CSg, Kg, group, R, PQ, HpQ, V):
+    """(Kgp, CSv, left, trans): channels per row of the weight gradient's dy turned
+    channels-last (dycl: the main tiles' vectors and the last channels' tiles read within
+    it); the transposed widened input's row, rows (c, s) padded to whole vectors; and the
+    sizes of the last channels' sums (R times their channels in whole tiles, rows of CSv)
+    and of the transposed input (HpQ rows of CSv), which dwt holds after the rest
+    (_dw_extra); 0, 0, 0 without them."""
+    T, KV, Km, Tl, KVl = _dw_tiles(CSg, Kg, group, R, PQ, HpQ, V)
+    Kgp = _round_up(Km, KV * V)
+    if Tl == 0:
+        return Kgp, 0, 0, 0
+    CSv = _round_up(CSg, KVl * V)
+    Kgp = max(Kgp, _round_up(Km + _round_up(Kg - Km, Tl), V))
+    return Kgp, CSv, R * _round_up(Kg - Km, Tl) * CSv, HpQ * CSv
+
+
+@njit(cache=True, nogil=True)
+def _dw_extra(dwt_size, KCgRS, left, V):
+    """Where the last channels' sums and the transposed input start in dwt (_dw_layout):
+    after the tiles' sums (dwt_size) and dw's layout (KCgRS), on vector boundaries."""
+    o1 = _round_up(dwt_size + KCgRS, V)
+    return o1, o1 + _round_up(left, V)
 
 
 @njit(cache=True, nogil=True)
@@ -180,7 +242,9 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     Hb = H + dil_h * (R - 1)
     T_f, KV_f, pos_f, T_w, KV_w, T_x, KV_x, pos_x, columns = direct_shapes(
         C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V)
-    Kp = group * _round_up(Kg, KV_w * V)
+    Kgp, CSv, left, trans = _dw_layout(Cg * S, Kg, group, R, P * Q, Hp * Q, V)
+    Kp = group * Kgp
+    o1, o2 = _dw_extra(Kp * R * _round_up(Cg * S, T_w), K * Cg * R * S, left, V)
     KgT = _channel_pad(Kg, T_f, KV_f, pos_f, V)
     wpt = group * R * Cg * S * KgT + (P * Q * KgT if pos_f else 0)
     if columns:
@@ -190,7 +254,7 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
         eb, wft, dxp = K * S * Hb * W, group * R * Kg * S * CgT + (H * W * CgT if pos_x else 0), 0
     return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, wpt + V,
             min(P * Q, POSITION_BLOCK) * Kp, V,
-            Kp * R * _round_up(Cg * S, T_w) + K * Cg * R * S, Kp, eb + 4 * V + V, wft + V,
+            o2 + trans, Kp, eb + 4 * V + V, wft + V,
             dxp + V)
 
 
@@ -392,18 +456,20 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     if N == 0:
         return
     KVV = KV * V
-    Kgp = _round_up(Kg, KVV)
-    Kp = group * Kgp
-    nkb = Kgp // KVV
     Hp = H + 2 * pad_h
     HpQ = Hp * Q
     CSg = Cg * S
+    _, _, Km, Tl, KVl = _dw_tiles(CSg, Kg, group, R, PQ, HpQ, V)
+    Kgp, CSv, left, trans = _dw_layout(CSg, Kg, group, R, PQ, HpQ, V)
+    Kp = group * Kgp
+    nkb = _round_up(Km, KVV) // KVV
     CSp = _round_up(CSg, T)
     esz = C * S * HpQ
     e, dycl = _aligned(e, V), _aligned(dycl, V)
     CgRS = Cg * R * S
     dwt_size = Kp * R * CSp
-    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < dwt_size + K * CgRS
+    o1, o2 = _dw_extra(dwt_size, K * CgRS, left, V)
+    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < o2 + trans
             or dbacc.size < Kp or e.size < esz + _e_slack(HpQ, V)):
         raise ValueError("conv_backward_direct: scratch too small")
     if starts[0] != 0 or starts[-1] != N:
@@ -414,10 +480,21 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     # channels-last just before its tiles, which find it in the L1 cache (and continue their
     # chains across blocks): a whole chunk turned at once went through L3, which slowed the
     # weight gradient of large outputs (cifar10_quick's first layer) measurably.
+    # The last Kg - Km channels (Tl > 0, one group): tiles of Tl channels, broadcast from
+    # dycl, by KVl vectors of rows (c, s) of the widened input transposed (et: positions by
+    # CSv), summed into lsum (rows (r, channel) of CSv); the same chains.
+    lsum, et = dwt[o1:o1 + left], dwt[o2:o2 + trans]
+    Kr = Kg - Km
+    KrT = _round_up(Kr, Tl) if Tl > 0 else 0
     for part in range(starts.size - 1):
         n0, n1 = starts[part], starts[part + 1]
         for n in range(n0, n1):
             widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
+            if Tl > 0:
+                for j in range(0, HpQ, V):
+                    for cs0 in range(0, CSg, V):
+                        transpose_block(et, j * CSv + cs0, CSv, e, cs0 * HpQ + j, HpQ,
+                                        min(V, CSg - cs0), min(V, HpQ - j), et, 0, False)
             dbacc[:Kp] = 0
             for p0 in range(0, PQ, POSITION_BLOCK):
                 _channels_last(dy, n, p0, min(POSITION_BLOCK, PQ - p0), dycl, dbacc, bias, Kg,
@@ -435,8 +512,14 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
                                      CSg - cs0, KVV, n > n0 or p0 > 0,
                                      e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + j0,
-                                     HpQ, 0, 1, dycl, (j0 - p0) * Kp + blk * KVV, 0, Kp, 1,
-                                     steps)
+                                     HpQ, 0, 1, dycl, (j0 - p0) * Kp + gr * Kgp + kb * KVV, 0,
+                                     Kp, 1, steps)
+                    for t0 in range(0, KrT, max(Tl, 1)):
+                        for v0 in range(0, CSg, KVl * V):
+                            _tile_unit(Tl, KVl, lsum, (r * KrT + t0) * CSv + v0, CSv, Kr - t0,
+                                       CSg - v0, n > n0 or p0 > 0,
+                                       dycl, (j0 - p0) * Kp + Km + t0, 0, Kp,
+                                       et, (j0 + r * dil_h * Q) * CSv + v0, 0, CSv, 1, steps)
             if bias:
                 for gr in range(group):
                     for kk in range(Kg):
@@ -451,7 +534,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
             for kb in range(nkb):
                 blk = gr * nkb + kb
                 k0 = gr * Kg + kb * KVV
-                kn = min(KVV, Kg - kb * KVV)
+                kn = min(KVV, Km - kb * KVV)
                 for c in range(Cg):
                     for r in range(R):
                         base = (blk * R + r) * CSp + c * S
@@ -460,6 +543,12 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                                 transpose_block(dwk, (k0 + kk0) * CgRS + (c * R + r) * S + s0,
                                                 CgRS, dwt, (base + s0) * KVV + kk0, KVV,
                                                 min(V, S - s0), min(V, kn - kk0), dwk, 0, False)
+        for t in range(Kr):
+            for r in range(R):
+                for c in range(Cg):
+                    for s in range(S):
+                        dwk[(Km + t) * CgRS + (c * R + r) * S + s] = \
+                            lsum[(r * KrT + t) * CSv + c * S + s]
         dw = dws[part * dw_step:part * dw_step + K * CgRS]
         for i in range(K * CgRS):
             dw[i] += dwk[i]

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "gpu_check.sh", "kernel_ab.py",
-         "large_batch.py", "machine_scaling.py", "many_cores.sh", "rank_stress.py",
+         "large_batch.py", "layer_rates.py", "machine_scaling.py", "many_cores.sh",
+         "rank_stress.py",
          "rank_time.py", "revision_ab.py", "scale_model.py", "staleness.py", "step_tail.py",
          "torch_baseline.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
@@ -63,7 +64,8 @@ def test_revision_ab_pairs_a_checkout_with_the_installed_package(mnist_dir, tmp_
     """The same code on both sides (this checkout as the base, a folder of its files): the
     two processes train to the same weights."""
     text = run("revision_ab.py", "--base", ROOT, "--pairs", "1", "--rounds", "2", "--steps",
-               "1", "--workers", "threads", "--data-dir", mnist_dir, cwd=tmp_path)
+               "1", "--workers", "threads", "--clock", "cpu", "--data-dir", mnist_dir,
+               cwd=tmp_path)
     [base_ms, own_ms, ratio] = numbers(r"(\d+\.\d+) ms, working tree (\d+\.\d+) ms per step; "
                                        r"working tree x(\d+\.\d+) as fast", text)
     assert base_ms > 0 and own_ms > 0 and ratio > 0
@@ -72,7 +74,7 @@ def test_revision_ab_pairs_a_checkout_with_the_installed_package(mnist_dir, tmp_
 
 def test_kernel_ab_gives_the_same_bits_on_the_same_kernels(tmp_path):
     text = run("kernel_ab.py", "--base", ROOT, "--layers", "lenet-pool2", "--samples", "4",
-               "--rounds", "3", cwd=tmp_path)
+               "--rounds", "3", "--clock", "cpu", cwd=tmp_path)
     rows = [line for line in text.splitlines() if line.strip().startswith("lenet-pool2")]
     assert len(rows) == 2 and all(line.endswith("same bits: yes") for line in rows)
     assert all(x > 0 for x in numbers(r"speed x(\d+\.\d+)", text))
@@ -118,6 +120,19 @@ def test_call_size_times_every_layer_at_each_size(mnist_dir, tmp_path):
                                     r"(\d+\.\d+)", text)
     assert 0 < empty < alone and share > 0
     assert "16 worker threads making such calls run at most" in text
+
+
+def test_layer_rates_gives_each_pass_of_each_layer(mnist_dir, tmp_path):
+    text = run("layer_rates.py", "mnist", "--rounds", "1", "--steps", "1", "--data-dir",
+               mnist_dir, cwd=tmp_path)
+    [matmul, step, rate, share] = numbers(r"matmul (\d+\.\d+) GFLOP/s; engine step "
+                                          r"(\d+\.\d+) ms, (\d+\.\d+) GFLOP/s = (\d+)%", text)
+    assert min(matmul, step, rate, share) > 0
+    for layer in LENET_LAYERS:
+        rows = [x for x in text.splitlines() if x.split()[:1] == [layer]]
+        assert [row.split()[1] for row in rows] == ["forward", "backward"]
+        # Convolution and InnerProduct give a rate, the others none.
+        assert all(("GFLOP/s" in row) == (layer[:2] in ("co", "ip")) for row in rows)
 
 
 def test_scale_model_predicts_from_measured_layer_times(mnist_dir, tmp_path):

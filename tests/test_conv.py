@@ -185,6 +185,16 @@ def test_split_invariance_lenet_conv2():
         check_split_invariance(layer, [data((5, 20, 12, 12))], cut=cut)
 
 
+def test_last_channels_of_the_weight_gradient_keep_their_parts():
+    """Where the output channels are not whole vectors, the weight gradient runs its last
+    channels in tiles of channels by vectors of rows (c, s) (kernels.conv._dw_tiles): each
+    part still gets what a call with that part alone gives, bitwise."""
+    shape = (3, 6, 14, 12)
+    layer = build(conv_text("kernel_size: 3 pad: 1", 40), [shape])
+    assert K._dw_tiles(6 * 3, 40, 1, 3, 14 * 12, 16 * 12, 16)[3] > 0
+    check_parts(layer, [data(shape)], (0, 1, 3))
+
+
 def conv_ref_grads(x, w, dy, stride=(1, 1), pad=(0, 0), dilation=(1, 1), group=1):
     """dx, dw, db of sum(conv_ref(x, w, b) * dy), from the same shifted slices as conv_ref:
     each tap's slice of the padded input meets dy."""
@@ -218,6 +228,9 @@ LARGE = [
      dict(pad=(2, 2), dilation=(2, 2))),
     (36, "kernel_size: 2 dilation: 2 group: 3", (2, 9, 6, 7),
      dict(dilation=(2, 2), group=3)),
+    # 40 channels, not whole float32 vectors: the weight gradient's last 8 in tiles of
+    # channels by vectors of rows (c, s), over two blocks of positions, with padding.
+    (40, "kernel_size: 3 pad: 1", (2, 6, 14, 12), dict(pad=(1, 1))),
     (24, "kernel_size: 1", (2, 40, 5, 6), {}),   # through GEMM, a small plane
     (24, "kernel_size: 1", (2, 40, 15, 14), {}),
     (36, "kernel_size: 3 pad: 1", (2, 160, 7, 7), dict(pad=(1, 1))),   # through GEMM
