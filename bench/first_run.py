@@ -25,14 +25,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
-    clock = time.perf_counter()
-    phases = []
-
-    def phase(name):
-        nonlocal clock
-        now = time.perf_counter()
-        phases.append((name, now - clock))
-        clock = now
+    marks = [("start", time.perf_counter())]   # (phase ended, when)
+    phase = lambda name: marks.append((name, time.perf_counter()))   # noqa: E731
 
     listener = Compiles()
     event.register("numba:compile", listener)
@@ -57,8 +51,8 @@ def main(argv=None):
     event.unregister("numba:compile", listener)
     listener.report(args.top)
     print()
-    for name, seconds in phases:
-        print(f"{name:24s} {seconds:7.2f} s")
+    for (_, before), (name, after) in zip(marks, marks[1:]):
+        print(f"{name:24s} {after - before:7.2f} s")
     print(f"cache: {os.environ['NUMBA_CACHE_DIR']}")
 
 
