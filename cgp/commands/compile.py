@@ -4,9 +4,6 @@ holds or when an entry is stale (cgp.runtime's SourceStamp, Numba's index: the s
 Numba's version, the CPU), or the compile processes (cgp.runtime.compile).
 """
 import time
-from dataclasses import replace
-
-from threadpoolctl import threadpool_limits
 
 
 def add_compile(sub):
@@ -34,39 +31,24 @@ def cmd_compile(args, log=print):
     from cgp.commands.timing import compile_notice
     from cgp.options import solver_file
     from cgp.prototxt import read_solver
-    from cgp.runtime.compile import cache_folder, precompile
+    from cgp.runtime.compile import cache_folder, exercise, precompile
     from cgp.train import RunConfig
 
     if args.model is None and args.solver is None:
         args.model = "mnist"
     path = solver_file(args)
     sp = read_solver(path)
+    # Two workers: as processes (the default on Linux) they also wait on kernels of their
+    # own (cgp.runtime.spin), compiled in the second call.
     config = RunConfig(threads=2, data_dir=args.data_dir, download=False, progress=False)
     started = time.perf_counter()
-    shared = precompile(sp, path, config, log, args.processes)
-    with compile_notice(log) as compiling:   # what the processes left, or everything
+    compiled = precompile(sp, path, config, log, args.processes)   # in one or more processes
+    with compile_notice(log) as compiling:   # what precompile did not: the workers' own
         exercise(sp, path, config)
     seconds = time.perf_counter() - started
-    if shared or compiling.count:
+    if compiled or compiling.count:
         log(f"cgp compile: {path}: kernels compiled in {seconds:.1f} s, cached in "
             f"{cache_folder()}")
     else:
         log(f"cgp compile: {path}: every kernel was in the cache already ({cache_folder()})")
     return 0
-
-
-def exercise(sp, path, config):
-    """Calls every kernel that training `sp` with `config` calls: each test net once and two
-    training iterations, on a Trainer that writes nothing. Two workers at least: workers
-    as processes wait on kernels of their own (cgp.runtime.spin)."""
-    from cgp.train import Trainer
-
-    trainer = Trainer(sp, path, replace(config, threads=max(2, config.threads), progress=False),
-                      log=lambda line: None)
-    try:
-        with threadpool_limits(limits=1):
-            for i in range(len(trainer.test_nets)):
-                trainer.test(i)
-            trainer.steps(2)
-    finally:
-        trainer.close()
