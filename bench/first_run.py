@@ -28,8 +28,9 @@ def main(argv=None):
     marks = [("start", time.perf_counter())]   # (phase ended, when)
     phase = lambda name: marks.append((name, time.perf_counter()))   # noqa: E731
 
-    listener = Compiles()
+    listener, llvm = Compiles(), Held()
     event.register("numba:compile", listener)
+    event.register("numba:llvm_lock", llvm)   # LLVM's share: held while LLVM works
     import cgp.cli   # noqa: F401  (imports cgp as `cgp train` does)
     from cgp.models import solver_path
     from cgp.prototxt import read_solver
@@ -49,11 +50,30 @@ def main(argv=None):
     finally:
         trainer.close()
     event.unregister("numba:compile", listener)
+    event.unregister("numba:llvm_lock", llvm)
     listener.report(args.top)
+    print(f"of which LLVM (numba:llvm_lock held) {llvm.seconds:.1f} s")
     print()
     for (_, before), (name, after) in zip(marks, marks[1:]):
         print(f"{name:24s} {after - before:7.2f} s")
     print(f"cache: {os.environ['NUMBA_CACHE_DIR']}")
+
+
+class Held(event.Listener):
+    """The seconds inside an event's start and end (a lock held), nested ones once."""
+
+    def __init__(self):
+        self.depth, self.started, self.seconds = 0, 0.0, 0.0
+
+    def on_start(self, ev):
+        if self.depth == 0:
+            self.started = time.perf_counter()
+        self.depth += 1
+
+    def on_end(self, ev):
+        self.depth -= 1
+        if self.depth == 0:
+            self.seconds += time.perf_counter() - self.started
 
 
 class Compiles(event.Listener):
