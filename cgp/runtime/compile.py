@@ -102,13 +102,14 @@ def _compile_here(sp, solver_path, config, log):
 
 
 def exercise(sp, solver_path, config):
-    """Calls every kernel that training `sp` with `config` calls: each test net once and two
-    training iterations, on a Trainer that writes nothing (no snapshot, no log)."""
+    """Calls every kernel that training `sp` with `config` calls: one batch of each test net
+    and two training iterations, on a Trainer that writes nothing (no snapshot, no log)."""
     from threadpoolctl import threadpool_limits
 
     from cgp.train import Trainer
 
-    trainer = Trainer(sp, solver_path, replace(config, progress=False), log=lambda line: None)
+    trainer = Trainer(one_test_batch(sp), solver_path, replace(config, progress=False),
+                      log=lambda line: None)
     try:
         with threadpool_limits(limits=1):
             for i in range(len(trainer.test_nets)):
@@ -116,6 +117,16 @@ def exercise(sp, solver_path, config):
             trainer.steps(2)
     finally:
         trainer.close()
+
+
+def one_test_batch(sp):
+    """A copy of SolverParameter `sp` whose test passes are one batch each: a whole pass
+    calls no other kernel, and on one thread a large net's could take minutes."""
+    short = type(sp)()
+    short.CopyFrom(sp)
+    for i in range(len(short.test_iter)):
+        short.test_iter[i] = 1
+    return short
 
 
 def cache_folder():
@@ -203,8 +214,9 @@ def _compile_in_child(sp, solver_path, config, claims):
         os.dup2(devnull, 2)
         Share(claims).install()
         from cgp.train import Trainer
-        trainer = Trainer(sp, solver_path, replace(config, threads=1, download=False,
-                                                   progress=False), log=lambda line: None)
+        trainer = Trainer(one_test_batch(sp), solver_path,
+                          replace(config, threads=1, download=False, progress=False),
+                          log=lambda line: None)
         try:
             for i in range(len(trainer.test_nets)):
                 _try(trainer.test, i)
