@@ -15,6 +15,7 @@ from cgp.errors import CgpError, shorten  # noqa: E402
 from cgp.options import (EPILOG, EQUIVALENCE_THREADS, add_device_option,  # noqa: E402
                          add_run_options, add_snapshot_options, check_threads, solver_file,
                          thread_list, worker_kind, worker_list)
+from cgp.commands.compile import add_compile  # noqa: E402
 from cgp.commands.plot import add_plot  # noqa: E402
 from cgp.commands.timing import add_time, compile_notice  # noqa: E402
 from cgp.tools.speedup import add_bench  # noqa: E402
@@ -485,6 +486,7 @@ def build_parser():
         "results are bitwise identical for any thread count.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train(sub)
+    add_compile(sub)
     add_launch(sub)
     add_equivalence(sub)
     add_bench(sub)

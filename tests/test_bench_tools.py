@@ -14,11 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "gpu_check.sh", "kernel_ab.py",
-         "large_batch.py", "layer_rates.py", "machine_scaling.py", "many_cores.sh",
-         "rank_stress.py",
-         "rank_time.py", "revision_ab.py", "scale_model.py", "staleness.py", "step_tail.py",
-         "torch_baseline.py"}
+TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "first_run.py", "gpu_check.sh",
+         "gpu_memory.py", "kernel_ab.py", "large_batch.py", "layer_rates.py",
+         "machine_scaling.py", "many_cores.sh", "rank_stress.py", "rank_time.py",
+         "revision_ab.py", "scale_model.py", "staleness.py", "step_tail.py", "torch_baseline.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
 
 

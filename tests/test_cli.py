@@ -209,19 +209,28 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 def test_first_run_compiles_in_processes_to_the_same_bits(tmp_path, mnist_dir):
     """On an empty kernel cache, cgp train has processes compile the net's kernels first: the
     run itself then compiles none, and ends on the same weights as a run whose process
-    compiled its own kernels (--compile-processes 1: none). A second run starts none."""
+    compiled its own kernels (--compile-processes 1: none) because it ran on a CPU of other
+    features (NUMBA_CPU_FEATURES, by which Numba keys its cache entries): the cache holds
+    nothing such a CPU may run. That run's two workers are processes: it compiles before it
+    forks them (its start-up line after the compiling), else each would compile its own.
+    A second run starts none."""
+    import llvmlite.binding as llvm
+
+    features = llvm.get_host_cpu_features().flatten()
+    other = features.replace("+rdrnd", "-rdrnd") if "+rdrnd" in features else features + ",+rdrnd"
     (tmp_path / "net.prototxt").write_text(TINY_NET)
     (tmp_path / "solver.prototxt").write_text(
         'net: "net.prototxt"\nbase_lr: 0.01\nmomentum: 0.9\nlr_policy: "fixed"\nmax_iter: 3\n'
         'random_seed: 7\nsnapshot_prefix: "snap"\n')
 
     def train(cache, prefix, one_core=False):
+        moved = {"NUMBA_CPU_FEATURES": other} if one_core else {}
         return subprocess.run(
             [sys.executable, "-m", "cgp", "train", "--solver", "solver.prototxt", "--data-dir",
              str(mnist_dir), "--snapshot-prefix", prefix, "--no-log", "--compile-processes",
-             "1" if one_core else "2"],
+             "1" if one_core else "2", "--threads", "2" if one_core else "1"],
             capture_output=True, text=True, cwd=tmp_path,
-            env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / cache)})
+            env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / cache), **moved})
 
     shared = train("cache", "shared")
     assert shared.returncode == 0, shared.stdout + shared.stderr
@@ -230,9 +239,35 @@ def test_first_run_compiles_in_processes_to_the_same_bits(tmp_path, mnist_dir):
     assert "compiling kernels (first run only" not in shared.stdout   # the run compiled none
     again = train("cache", "again")
     assert again.returncode == 0 and "compil" not in again.stdout, again.stdout
-    alone = train("cache-alone", "alone", one_core=True)
+    alone = train("cache", "alone", one_core=True)   # the same cache, another CPU
     assert alone.returncode == 0, alone.stdout + alone.stderr
-    assert "processes" not in alone.stdout and "compiling kernels (first run" in alone.stdout
+    assert "compiling kernels in" not in alone.stdout
+    assert alone.stdout.index("compiling kernels (first run") < alone.stdout.index("cgp: solver")
     weights = [(tmp_path / f"{p}_iter_3.caffemodel").read_bytes()
                for p in ("shared", "again", "alone")]
     assert weights[0] == weights[1] == weights[2]
+
+
+def test_compile_ahead_serves_train(tmp_path, mnist_dir):
+    """`cgp compile` fills an empty kernel cache so that `cgp train` compiles nothing; asked
+    again, it finds every kernel there. (What makes the cache miss: a CPU of other features
+    in test_first_run_compiles_in_processes_to_the_same_bits, an edit of cgp's sources in
+    tests/test_runtime.py.)"""
+    (tmp_path / "net.prototxt").write_text(TINY_NET)
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 2\n'
+        'random_seed: 7\nsnapshot_prefix: "snap"\n')
+
+    def cgp(*args):
+        out = subprocess.run([sys.executable, "-m", "cgp", *args, "--solver", "solver.prototxt",
+                              "--data-dir", str(mnist_dir)], capture_output=True, text=True,
+                             cwd=tmp_path, env={**os.environ,
+                                                "NUMBA_CACHE_DIR": str(tmp_path / "cache")})
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    ahead = cgp("compile", "--processes", "0")
+    assert "compiling kernels (first run" in ahead and "kernels compiled in" in ahead
+    assert "every kernel was in the cache already" in cgp("compile")
+    trained = cgp("train", "--no-log", "--compile-processes", "0", "--threads", "2")
+    assert "compil" not in trained and "Optimization Done" in trained, trained

@@ -135,7 +135,8 @@ def test_plot_without_matplotlib_says_so(runs, tmp_path):
 
 def test_compile_notice_counts_kernels():
     """Each kernel compiled in the block is counted as it comes, the notice said once, the
-    count every `every`, and the total with its time at the end."""
+    count and the kernel compiling now every `every`, and the total with its time at the
+    end."""
     from numba import njit
 
     from cgp.commands.timing import COMPILING, compile_notice
@@ -150,5 +151,5 @@ def test_compile_notice_counts_kernels():
         kernels[0](2)    # compiled already: no event
     assert notice.count == 3 and notice.seconds > 0
     assert lines[0] == COMPILING
-    assert re.fullmatch(r"compiling kernels: 2 so far, \d+ s", lines[1])
+    assert re.fullmatch(r"compiling kernels: 2 so far, \d+ s; now kernels\..*<lambda>", lines[1])
     assert re.fullmatch(r"compiled 3 kernels in \d+\.\d s \(cached for later runs\)", lines[2])

@@ -8,7 +8,10 @@ Each layer's time is the sum over the calls.
 import time
 from contextlib import contextmanager
 
-COMPILING = "compiling kernels (first run only; cached afterwards)"
+COMPILING = ("compiling kernels (first run only: for these sources, this Numba and this CPU; "
+             "cached afterwards; `cgp compile` does it ahead of time)")
+# A progress line at least this often while kernels compile (and every `every` kernels).
+PROGRESS_SECONDS = 5.0
 
 
 def add_time(sub):
@@ -53,12 +56,14 @@ def denormals(flush):
 @contextmanager
 def compile_notice(log, prefix="cgp.", every=10):
     """Inside the block, says with log when Numba compiles (rather than loads from its cache)
-    kernels from modules whose name starts with `prefix`: COMPILING at the first, the count
-    and the seconds so far at every `every`-th, and at the end how many took how long. How
-    many will compile is known only once they have (a kernel compiles the kernels it calls,
-    each counted), so no total is given while they do. Numba announces exactly those
-    compilations with its "numba:compile" event; cache hits raise no event. Yields the listener, whose `seconds`
-    is the compile time so far, for a speed that leaves it out (Trainer.clock)."""
+    kernels from modules whose name starts with `prefix`: COMPILING at the first; at every
+    `every`-th, or PROGRESS_SECONDS after the last line, the count and the seconds so far
+    and the kernel that compiles now; at the end how many took how long. How many will
+    compile is known only once they have (a kernel compiles the kernels it calls, each
+    counted), so no total is given while they do. Numba announces exactly those
+    compilations with its "numba:compile" event; cache hits raise no event. Yields the
+    listener, whose `seconds` is the compile time so far, for a speed that leaves it out
+    (Trainer.clock)."""
     from numba.core import event
 
     class Listener(event.Listener):
@@ -66,22 +71,28 @@ def compile_notice(log, prefix="cgp.", every=10):
         seconds = 0.0      # seconds spent compiling, anything (nested compiles once)
         depth = 0
         started = 0.0
+        said = 0.0         # when the last progress line was logged
 
         def on_start(self, ev):
             # Numba compiles under one lock: the events of a process nest, never overlap.
+            now = time.perf_counter()
             if self.depth == 0:
-                self.started = time.perf_counter()
+                self.started = now
             self.depth += 1
             dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
-            module = getattr(getattr(dispatcher, "py_func", None), "__module__", "") or ""
+            py_func = getattr(dispatcher, "py_func", None)
+            module = getattr(py_func, "__module__", "") or ""
             if not module.startswith(prefix):
                 return
             if self.count == 0:
                 log(COMPILING)
+                self.said = now
             self.count += 1
-            if self.count % every == 0:
+            if self.count % every == 0 or now - self.said >= PROGRESS_SECONDS:
+                self.said = now
                 log(f"compiling kernels: {self.count} so far, "
-                    f"{self.seconds + time.perf_counter() - self.started:.0f} s")
+                    f"{self.seconds + now - self.started:.0f} s; now "
+                    f"{module.removeprefix(prefix)}.{py_func.__qualname__}")
 
         def on_end(self, ev):
             self.depth -= 1

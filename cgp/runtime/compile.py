@@ -45,14 +45,22 @@ STALLED_SECONDS = 300
 def precompile(sp, solver_path, config, log, processes=None):
     """Compiles the kernels that training `sp` (a SolverParameter) with RunConfig `config`
     calls, in `processes` processes (None: one per core, on FEWEST cores or more), unless the
-    cache holds them already (by its marker) or there is no use: fewer than 2, a GPU, no
-    fork(), MPI ranks (each would start its own). Returns the number of kernels compiled."""
+    cache holds them already (by its marker) or there is no use: a GPU, no fork(), MPI ranks
+    (each would start its own). With fewer than 2 processes, where the run's workers are
+    forked processes, in this process before they are forked: each worker would otherwise
+    compile every kernel it runs, as many compiles as workers (a cold LeNet run on 2 workers
+    took 56 s of CPU against 31 s on one; bench/README.md). Returns the number of kernels
+    compiled."""
+    from cgp.runtime.procs import forks
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     if processes is None:
         processes = cores if cores >= FEWEST else 0
     processes = min(processes, MOST)
     ranks = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
-    if processes < 2 or config.device != "cpu" or not hasattr(os, "fork") or ranks > 1:
+    here = processes < 2 and forks(config.workers, config.threads)
+    if (processes < 2 and not here) or config.device != "cpu" or not hasattr(os, "fork") \
+            or ranks > 1:
         return 0
     folder = cache_folder()
     if folder is None:
@@ -60,19 +68,65 @@ def precompile(sp, solver_path, config, log, processes=None):
     marker = folder / f"cgp-compiled-{cache_key(sp, solver_path, config)}"
     if marker.exists():
         return 0
-    import tempfile
-    with tempfile.TemporaryDirectory(prefix="cgp-compile-") as claims:
-        count, seconds, finished = _share_out(sp, solver_path, config, Path(claims),
-                                              processes, log)
-    if count:
-        log(f"compiled {count} kernels in {processes} processes in {seconds:.1f} s "
-            "(cached for later runs)")
+    if here:
+        count, finished = _compile_here(sp, solver_path, config, log), True
+    else:
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="cgp-compile-") as claims:
+            count, seconds, finished = _share_out(sp, solver_path, config, Path(claims),
+                                                  processes, log)
+        if count:
+            log(f"compiled {count} kernels in {processes} processes in {seconds:.1f} s "
+                "(cached for later runs)")
     if finished:
         try:
             marker.write_text("")
         except OSError:
             pass   # a cache folder that cannot be written: Numba says so itself
     return count
+
+
+def _compile_here(sp, solver_path, config, log):
+    """Compiles, in this process, what training `sp` calls (exercise, on one thread); says
+    how far it is as a first run does (compile_notice). Returns the kernels compiled. An
+    error is left to the run, which meets it again and reports it."""
+    from cgp.commands.timing import compile_notice
+
+    with compile_notice(log) as notice:
+        try:
+            exercise(sp, solver_path, replace(config, threads=1, workers="threads",
+                                              heartbeat=None))
+        except Exception:   # noqa: BLE001  (the run raises it again, as its own)
+            pass
+    return notice.count
+
+
+def exercise(sp, solver_path, config):
+    """Calls every kernel that training `sp` with `config` calls: one batch of each test net
+    and two training iterations, on a Trainer that writes nothing (no snapshot, no log)."""
+    from threadpoolctl import threadpool_limits
+
+    from cgp.train import Trainer
+
+    trainer = Trainer(one_test_batch(sp), solver_path, replace(config, progress=False),
+                      log=lambda line: None)
+    try:
+        with threadpool_limits(limits=1):
+            for i in range(len(trainer.test_nets)):
+                trainer.test(i)
+            trainer.steps(2)
+    finally:
+        trainer.close()
+
+
+def one_test_batch(sp):
+    """A copy of SolverParameter `sp` whose test passes are one batch each: a whole pass
+    calls no other kernel, and on one thread a large net's could take minutes."""
+    short = type(sp)()
+    short.CopyFrom(sp)
+    for i in range(len(short.test_iter)):
+        short.test_iter[i] = 1
+    return short
 
 
 def cache_folder():
@@ -87,9 +141,10 @@ def cache_folder():
 
 def cache_key(sp, solver_path, config):
     """What the compiled kernels depend on, hashed: the nets (their text after reading),
-    the settings that shape the calls, cgp's compiled sources, Numba and the CPU."""
+    the settings that shape the calls, cgp's compiled sources, Numba and the CPU (Numba's)."""
     import llvmlite.binding as llvm
     import numba
+    from numba.core import config as numba_config
 
     from cgp.runtime import compiled_sources, sources_hash
     from cgp.training.solver_files import solver_nets
@@ -99,7 +154,10 @@ def cache_key(sp, solver_path, config):
     for part in ([str(train[0])] + [str(t[0]) for t in tests]
                  + [str(config.chunks), str(config.staleness), config.denormals,
                     config.workers, sources_hash(compiled_sources()), numba.__version__,
-                    llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()]):
+                    # The CPU that Numba compiles for, as its cache index keys it:
+                    # NUMBA_CPU_NAME and NUMBA_CPU_FEATURES where set, else the host's.
+                    numba_config.CPU_NAME or llvm.get_host_cpu_name(),
+                    numba_config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()]):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:24]
 
@@ -156,8 +214,9 @@ def _compile_in_child(sp, solver_path, config, claims):
         os.dup2(devnull, 2)
         Share(claims).install()
         from cgp.train import Trainer
-        trainer = Trainer(sp, solver_path, replace(config, threads=1, download=False,
-                                                   progress=False), log=lambda line: None)
+        trainer = Trainer(one_test_batch(sp), solver_path,
+                          replace(config, threads=1, download=False, progress=False),
+                          log=lambda line: None)
         try:
             for i in range(len(trainer.test_nets)):
                 _try(trainer.test, i)

@@ -7,6 +7,8 @@ Only the order of additions matters for bitwise results, never which thread adds
 each kernel call handles a column range [lo, hi) of every buffer (or rows [j0, j1) of a
 factored gradient), and any cut gives the same sums.
 """
+import functools
+
 from numba import literally, njit
 
 from cgp.runtime.simd import SHAPES, VECTOR_BYTES, choose, folded_tile, lanes
@@ -82,7 +84,6 @@ def outer_stack_size(k):
     return levels * OUTER_LEVEL
 
 
-@njit(cache=True, nogil=True)
 def outer_tree_sum(a, b, J, L, starts, j0, j1, stack, out):
     """A factored gradient's tree sum. Chunk c's gradient is G_c = A_c^T @ B_c, where A_c and
     B_c are rows starts[c]:starts[c + 1] of A (M, J) and B (M, L), held row-major in the flat
@@ -98,27 +99,56 @@ def outer_tree_sum(a, b, J, L, starts, j0, j1, stack, out):
     last levels), and goes to out. So a chunk's product is stored once, in the L1 cache, and
     the sums cost no pass of their own.
     stack: outer_stack_size(k) elements for k chunks, on a cache line (a tile stored across
-    two lines costs two stores)."""
-    T, KV = choose(j1 - j0, L, lanes(a.itemsize), True)
-    # One tile shape per compiled loop, given as a constant: a shape chosen inside the loop
-    # costs a dispatch per tile, which for chunks of a few rows takes longer than the tile.
-    # The cases are tile.SHAPES (checked at import below).
-    if T == 12 and KV == 2:
-        _outer_blocks(12, 2, a, b, J, L, starts, j0, j1, stack, out)
-    elif T == 8 and KV == 2:
-        _outer_blocks(8, 2, a, b, J, L, starts, j0, j1, stack, out)
-    elif T == 6 and KV == 2:
-        _outer_blocks(6, 2, a, b, J, L, starts, j0, j1, stack, out)
-    elif T == 8 and KV == 3:
-        _outer_blocks(8, 3, a, b, J, L, starts, j0, j1, stack, out)
-    elif T == 6 and KV == 4:
-        _outer_blocks(6, 4, a, b, J, L, starts, j0, j1, stack, out)
-    elif T == 3 and KV == 4:
-        _outer_blocks(3, 4, a, b, J, L, starts, j0, j1, stack, out)
+    two lines costs two stores).
+    The tile shape is chosen here, in Python, and only its compiled loop is called: one
+    compiled function holding the loops of all six shapes cost a first run 12 s of LLVM
+    on 2 cores, where a net uses one or two of them (bench/README.md, the first run)."""
+    _OUTER[_shape(j1 - j0, L, a.itemsize)](a, b, J, L, starts, j0, j1, stack, out)
 
 
-if SHAPES != ((12, 2), (8, 2), (6, 2), (8, 3), (6, 4), (3, 4)):
-    raise ImportError("outer_tree_sum's cases must list tile.SHAPES")
+@functools.lru_cache(maxsize=None)
+def _shape(rows, L, itemsize):
+    """The register tile (T, KV) of outer_tree_sum's loop for blocks of `rows` rows of L."""
+    T, KV = choose(rows, L, lanes(itemsize), True)
+    return int(T), int(KV)
+
+
+# One compiled loop per tile shape, each given its shape as a constant: a shape chosen inside
+# the loop costs a dispatch per tile, which for chunks of a few rows takes longer than the tile.
+@njit(cache=True, nogil=True)
+def _outer_12x2(a, b, J, L, starts, j0, j1, stack, out):
+    _outer_blocks(12, 2, a, b, J, L, starts, j0, j1, stack, out)
+
+
+@njit(cache=True, nogil=True)
+def _outer_8x2(a, b, J, L, starts, j0, j1, stack, out):
+    _outer_blocks(8, 2, a, b, J, L, starts, j0, j1, stack, out)
+
+
+@njit(cache=True, nogil=True)
+def _outer_6x2(a, b, J, L, starts, j0, j1, stack, out):
+    _outer_blocks(6, 2, a, b, J, L, starts, j0, j1, stack, out)
+
+
+@njit(cache=True, nogil=True)
+def _outer_8x3(a, b, J, L, starts, j0, j1, stack, out):
+    _outer_blocks(8, 3, a, b, J, L, starts, j0, j1, stack, out)
+
+
+@njit(cache=True, nogil=True)
+def _outer_6x4(a, b, J, L, starts, j0, j1, stack, out):
+    _outer_blocks(6, 4, a, b, J, L, starts, j0, j1, stack, out)
+
+
+@njit(cache=True, nogil=True)
+def _outer_3x4(a, b, J, L, starts, j0, j1, stack, out):
+    _outer_blocks(3, 4, a, b, J, L, starts, j0, j1, stack, out)
+
+
+_OUTER = {(12, 2): _outer_12x2, (8, 2): _outer_8x2, (6, 2): _outer_6x2, (8, 3): _outer_8x3,
+          (6, 4): _outer_6x4, (3, 4): _outer_3x4}
+if tuple(_OUTER) != SHAPES:
+    raise ImportError("outer_tree_sum's loops must list simd.SHAPES")
 
 
 @njit(cache=True, nogil=True)
