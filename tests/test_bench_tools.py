@@ -2,6 +2,7 @@
 process of its own as a user runs it, and what it prints must make sense; bench/many_cores.sh
 is checked as a plan (every command it would run exists and takes its options)."""
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -264,3 +265,16 @@ def test_many_cores_plan_runs_only_tools_that_take_its_options(tmp_path):
     assert tools == {"machine_scaling.py", "step_tail.py", "call_size.py", "staleness.py",
                      "rank_time.py"}
     assert (tmp_path / "out" / "machine.txt").is_file()
+
+
+def test_gpu_memory_runs_a_net_through_the_device_step_on_the_host():
+    """bench/gpu_memory.py, which bench/gpu_check.sh runs on a GPU: with NumPy in CuPy's
+    place it trains the net through the device step and says so in its one JSON line."""
+    from conftest import CAFFE_DIR
+    net = CAFFE_DIR / "prototxt" / "lenet.prototxt"
+    done = subprocess.run([sys.executable, str(BENCH / "gpu_memory.py"), str(net), "--batch", "4",
+                           "--iters", "1", "--device", "numpy"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (line["step"], line["batch"], line["device"]) == ("DeviceStep", 4, "numpy")
