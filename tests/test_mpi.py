@@ -115,18 +115,26 @@ def kill_a_rank(command, cwd, started, rank):
     """Runs `python COMMAND` on 3 mpirun ranks, kills rank `rank` with SIGKILL once rank 0
     prints a line that starts with `started`, and checks that the job ends within 10 s,
     non-zero, with a message that names the rank."""
-    job = start_ranks(3, command, cwd, started)
+    err = signal_a_rank(command, cwd, started, rank, signal.SIGKILL, 10)
+    assert re.search(rf"rank {rank} .*signal 9", " ".join(err.split())), err
+
+
+def signal_a_rank(command, cwd, started, rank, signum, within, **env):
+    """Runs `python COMMAND` on 3 mpirun ranks (env: more of their environment), sends
+    signum to rank `rank` once rank 0 prints a line that starts with `started`, and checks
+    that the job ends within `within` seconds, non-zero; returns its stderr."""
+    job = start_ranks(3, command, cwd, started, **env)
     try:
         ranks = rank_pids(job.pid)
         assert len(ranks) == 3
-        os.kill(ranks[rank], signal.SIGKILL)
-        killed = time.monotonic()
-        out, err = job.communicate(timeout=30)
-        assert time.monotonic() - killed < 10
+        os.kill(ranks[rank], signum)
+        sent = time.monotonic()
+        _, err = job.communicate(timeout=3 * within)
+        assert time.monotonic() - sent < within
     finally:
         job.kill()
     assert job.returncode != 0
-    assert re.search(rf"rank {rank} .*signal 9", " ".join(err.split())), err
+    return err
 
 
 def test_a_stopped_rank_ends_the_job_with_one_message(tmp_path, mnist_dir):
@@ -134,18 +142,8 @@ def test_a_stopped_rank_ends_the_job_with_one_message(tmp_path, mnist_dir):
     others wait CGP_HANG_SECONDS (3 here), ask every rank whether it answers, and end the job
     once it has not for 5 s (cgp.comm.mpi.ANSWER_WAIT_SECONDS): within 20 s, non-zero, with
     one message that names the stopped rank."""
-    job = start_ranks(3, train_lenet(mnist_dir), tmp_path, "Iteration 100 ",
-                      CGP_HANG_SECONDS="3")
-    try:
-        ranks = rank_pids(job.pid)
-        assert len(ranks) == 3
-        os.kill(ranks[1], signal.SIGSTOP)
-        stopped = time.monotonic()
-        out, err = job.communicate(timeout=60)
-        assert time.monotonic() - stopped < 20
-    finally:
-        job.kill()
-    assert job.returncode != 0
+    err = signal_a_rank(train_lenet(mnist_dir), tmp_path, "Iteration 100 ", 1, signal.SIGSTOP,
+                        20, CGP_HANG_SECONDS="3")
     assert len(re.findall(r"rank 1 has not answered for 5 s", err)) == 1, err
 
 
