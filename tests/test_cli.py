@@ -13,6 +13,19 @@ def cgp(*args, cwd=None):
                           text=True, cwd=cwd)
 
 
+def cgp_in_process(args, cwd, monkeypatch, capsys):
+    """What `python -m cgp ARGS` in cwd does, run by cgp.cli.main in this process (a second
+    or more less than a process of its own, which imports numpy, Numba and MPI)."""
+    from cgp import cli
+    monkeypatch.chdir(cwd)
+    try:
+        status = cli.main(list(args))
+    except SystemExit as e:   # argparse's own errors
+        status = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out.out, out.err)
+
+
 def assert_user_error(out, *fragments):
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
@@ -132,13 +145,14 @@ LENET_NET = "models/lenet_train_test.prototxt"
     (("test", "--model", "no_net.prototxt", "--weights", "w"), "model 'no_net.prototxt' not found"),
 ])
 def test_numbers_out_of_range_are_refused_before_anything_runs(args, message, mnist_dir,
-                                                                 tmp_path):
+                                                                 tmp_path, monkeypatch, capsys):
     """A count or seed out of range is a user mistake: one message naming the flag, exit
     status 2, nothing written (a seed too large for a snapshot used to fail only when the
-    first snapshot was written, after the training)."""
+    first snapshot was written, after the training). In this process: the tests above run
+    `python -m cgp` itself."""
     root = Path(__file__).resolve().parents[1]
-    out = cgp(*[str(root / a) if a == LENET_NET else a for a in args],
-              "--data-dir", str(mnist_dir), cwd=tmp_path)
+    out = cgp_in_process([str(root / a) if a == LENET_NET else a for a in args]
+                         + ["--data-dir", str(mnist_dir)], tmp_path, monkeypatch, capsys)
     assert_user_error(out, message)
     assert list(tmp_path.iterdir()) == []
 
