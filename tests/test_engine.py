@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ from cgp.prototxt import parse_net
 from cgp.runtime import fpenv
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.pool import Pool
-from cgp.runtime.procs import make_pool
+from cgp.runtime.procs import forks, make_pool
 from cgp.runtime.reduce import OUTER_PAD, sum_rows
 from cgp.runtime.simd import SHAPES, choose
 from cgp.solver import Solver
@@ -620,14 +621,25 @@ def test_subnormals_flushed_or_kept_alike_for_any_thread_count():
     assert not np.array_equal(grads[True, 1], grads[False, 1])
 
 
+@pytest.fixture(scope="module")
+def one_thread_runs():
+    """(model, chunks) -> the 1-thread run, which both kinds of workers share: one worker
+    runs in the caller, as plain sequential code (cgp.runtime.procs.forks)."""
+    return {}
+
+
 @pytest.mark.parametrize("workers", ["threads", "processes"])
 @pytest.mark.parametrize("model,chunks", [("mnist", 16), ("mnist", 7), ("cifar10", 16)])
-def test_bitwise_identical_for_any_thread_count(model, chunks, workers, mnist_dir, cifar_dir):
+def test_bitwise_identical_for_any_thread_count(model, chunks, workers, mnist_dir, cifar_dir,
+                                                one_thread_runs):
     data = mnist_dir if model == "mnist" else cifar_dir
     sp = solver(model, test_iter=[1])
-    outcomes = [train_run(sp, None, RunConfig(threads=t, chunks=chunks, data_dir=str(data),
-                                              workers=workers), 3)
-                for t in THREADS]
+    config = RunConfig(chunks=chunks, data_dir=str(data), workers=workers)
+    assert THREADS[0] == 1 and not forks(workers, 1)
+    if (model, chunks) not in one_thread_runs:
+        one_thread_runs[model, chunks] = train_run(sp, None, replace(config, threads=1), 3)
+    outcomes = [one_thread_runs[model, chunks]] + [
+        train_run(sp, None, replace(config, threads=t), 3) for t in THREADS[1:]]
     rows, ok = compare(outcomes)
     assert ok, rows
     assert all(np.isfinite(o.losses).all() for o in outcomes)
