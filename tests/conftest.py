@@ -35,6 +35,18 @@ def cifar_dir(tmp_path_factory):
     return write_cifar(tmp_path_factory.mktemp("cifar10"))
 
 
+def quick_solver(folder, model="mnist", **fields):
+    """folder/solver.prototxt: the bundled model's solver (what `cgp train MODEL` runs) with
+    its tests on one batch instead of the whole test set (LeNet's 100 batches take longer than
+    its first iterations), for runs whose test results no assertion reads; `fields` as
+    bundled.solver's. Returns its path."""
+    from cgp.prototxt import format_message
+    from bundled import solver
+    path = Path(folder) / "solver.prototxt"
+    path.write_text(format_message(solver(model, **{"test_iter": [1], **fields})))
+    return path
+
+
 def run_cgp(args, cwd, ranks=0, pythonpath=(), timeout=600):
     """`python -m cgp ARGS` in cwd, in one process or on `ranks` mpirun ranks (0: without
     MPI, even inside an MPI test's environment); pythonpath: folders put before PYTHONPATH."""

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import quick_solver
+
 
 def cgp(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "cgp", *args], capture_output=True,
@@ -94,8 +96,9 @@ def test_bad_thread_list():
 
 def test_train_small_run_end_to_end(tmp_path, mnist_dir):
     """A whole `cgp train` run: progress lines, a test, snapshots, the summary."""
-    out = cgp("train", "mnist", "--iters", "4", "--threads", "2", "--data-dir", str(mnist_dir),
-              "--snapshot-prefix", str(tmp_path / "snap"), cwd=tmp_path)
+    out = cgp("train", "--solver", str(quick_solver(tmp_path)), "--iters", "4", "--threads", "2",
+              "--data-dir", str(mnist_dir), "--snapshot-prefix", str(tmp_path / "snap"),
+              cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "subnormals flushed to zero" in out.stdout    # the default, said at start-up
     assert "Iteration 0 (" in out.stdout and "lr = 0.01" in out.stdout

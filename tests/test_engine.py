@@ -35,6 +35,7 @@ from cgp.solver import Solver
 from cgp.train import RunConfig, Trainer
 
 from bundled import solver
+from conftest import quick_solver
 
 THREADS = (1, 2, 3, 4, 7, 16)
 
@@ -647,7 +648,7 @@ def test_bitwise_identical_for_any_thread_count(model, chunks, workers, mnist_di
 
 
 def test_chunk_count_changes_only_rounding(mnist_dir):
-    sp = solver("mnist")
+    sp = solver("mnist", test_iter=[1])   # the test's figures are not compared
     one = train_run(sp, None, RunConfig(chunks=1, data_dir=str(mnist_dir)), 2)
     many = train_run(sp, None, RunConfig(chunks=16, data_dir=str(mnist_dir)), 2)
     np.testing.assert_allclose(one.losses, many.losses, rtol=1e-5)
@@ -671,10 +672,11 @@ def test_resume_from_snapshot_is_bitwise_identical(tmp_path, mnist_dir, threads)
     assert whole.last_test == resumed.last_test
 
 
-def test_equivalence_command_passes(mnist_dir):
-    out = subprocess.run([sys.executable, "-m", "cgp", "equivalence", "mnist", "--threads",
-                          ",".join(map(str, THREADS)), "--iters", "2", "--data-dir", str(mnist_dir)],
-                         capture_output=True, text=True)
+def test_equivalence_command_passes(mnist_dir, tmp_path):
+    lenet = str(quick_solver(tmp_path))   # `mnist`, testing on one batch
+    out = subprocess.run([sys.executable, "-m", "cgp", "equivalence", "--solver", lenet,
+                          "--threads", ",".join(map(str, THREADS)), "--iters", "2", "--data-dir",
+                          str(mnist_dir)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bitwise identical across thread counts: yes" in out.stdout
     assert "float32 engine vs float64 reference" in out.stdout and "ok" in out.stdout
@@ -908,7 +910,7 @@ def test_affinity_pins_workers_and_changes_nothing(mnist_dir):
     import os
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no thread affinity on this OS")
-    sp = solver("mnist")
+    sp = solver("mnist", test_iter=[1])   # the test's figures are not compared
     plain = train_run(sp, None, RunConfig(threads=2, workers="threads",
                                           data_dir=str(mnist_dir)), 2)
     for workers in ("threads", "processes"):
