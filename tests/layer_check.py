@@ -26,6 +26,16 @@ def build(text, bottom_shapes, phase=caffe_pb2.TRAIN, index=0, name="layer"):
     return layer
 
 
+def rand(shape, seed=0):
+    """float64 values that float32 holds exactly, so copies compare exactly."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(float)
+
+
+def blob_names(field, count):
+    """A layer's `count` bottoms or tops (field "bottom" or "top"): 'bottom: "b0" ...'."""
+    return " ".join(f'{field}: "{field[0]}{i}"' for i in range(count))
+
+
 def random_params(layer, dtype=np.float64, seed=0, scale=0.5):
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal(s) * scale).astype(dtype) for s in layer.param_shapes()]

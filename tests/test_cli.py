@@ -7,10 +7,25 @@ from pathlib import Path
 
 import pytest
 
+from conftest import quick_solver
+
 
 def cgp(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "cgp", *args], capture_output=True,
                           text=True, cwd=cwd)
+
+
+def cgp_in_process(args, cwd, monkeypatch, capsys):
+    """What `python -m cgp ARGS` in cwd does, run by cgp.cli.main in this process (a second
+    or more less than a process of its own, which imports numpy, Numba and MPI)."""
+    from cgp import cli
+    monkeypatch.chdir(cwd)
+    try:
+        status = cli.main(list(args))
+    except SystemExit as e:   # argparse's own errors
+        status = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out.out, out.err)
 
 
 def assert_user_error(out, *fragments):
@@ -81,8 +96,9 @@ def test_bad_thread_list():
 
 def test_train_small_run_end_to_end(tmp_path, mnist_dir):
     """A whole `cgp train` run: progress lines, a test, snapshots, the summary."""
-    out = cgp("train", "mnist", "--iters", "4", "--threads", "2", "--data-dir", str(mnist_dir),
-              "--snapshot-prefix", str(tmp_path / "snap"), cwd=tmp_path)
+    out = cgp("train", "--solver", str(quick_solver(tmp_path)), "--iters", "4", "--threads", "2",
+              "--data-dir", str(mnist_dir), "--snapshot-prefix", str(tmp_path / "snap"),
+              cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "subnormals flushed to zero" in out.stdout    # the default, said at start-up
     assert "Iteration 0 (" in out.stdout and "lr = 0.01" in out.stdout
@@ -132,13 +148,14 @@ LENET_NET = "models/lenet_train_test.prototxt"
     (("test", "--model", "no_net.prototxt", "--weights", "w"), "model 'no_net.prototxt' not found"),
 ])
 def test_numbers_out_of_range_are_refused_before_anything_runs(args, message, mnist_dir,
-                                                                 tmp_path):
+                                                                 tmp_path, monkeypatch, capsys):
     """A count or seed out of range is a user mistake: one message naming the flag, exit
     status 2, nothing written (a seed too large for a snapshot used to fail only when the
-    first snapshot was written, after the training)."""
+    first snapshot was written, after the training). In this process: the tests above run
+    `python -m cgp` itself."""
     root = Path(__file__).resolve().parents[1]
-    out = cgp(*[str(root / a) if a == LENET_NET else a for a in args],
-              "--data-dir", str(mnist_dir), cwd=tmp_path)
+    out = cgp_in_process([str(root / a) if a == LENET_NET else a for a in args]
+                         + ["--data-dir", str(mnist_dir)], tmp_path, monkeypatch, capsys)
     assert_user_error(out, message)
     assert list(tmp_path.iterdir()) == []
 

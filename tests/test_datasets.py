@@ -74,6 +74,13 @@ def md5(path):
 
 # ---------------------------------------------------------------- fixtures
 
+def refused_naming(path, match, load, *args):
+    """load(*args) raises a DataError that matches and names path, the file at fault."""
+    with pytest.raises(DataError, match=match) as info:
+        load(*args)
+    assert str(path) in str(info.value)
+
+
 @pytest.fixture(autouse=True)
 def clean_env(tmp_path, monkeypatch):
     """No test sees the user's CGP_DATA_DIR or fills the user's real cache."""
@@ -147,33 +154,25 @@ def test_idx_truncated(tmp_path, compress):
     data = idx_bytes(np.zeros((2, 3, 4), np.uint8))[:-4]
     path = tmp_path / "short-idx3-ubyte"
     path.write_bytes(gzip.compress(data) if compress else data)
-    with pytest.raises(DataError, match="truncated: expected 24 bytes of data, found 20") as info:
-        read_idx(path)
-    assert str(path) in str(info.value)
+    refused_naming(path, "truncated: expected 24 bytes of data, found 20", read_idx, path)
 
 
 def test_idx_truncated_header(tmp_path):
     path = tmp_path / "header"
     path.write_bytes(bytes([0, 0, 8, 3]) + (2).to_bytes(4, "big"))
-    with pytest.raises(DataError, match="truncated") as info:
-        read_idx(path)
-    assert str(path) in str(info.value)
+    refused_naming(path, "truncated", read_idx, path)
 
 
 def test_idx_trailing_bytes(tmp_path):
     path = tmp_path / "long"
     path.write_bytes(idx_bytes(np.zeros(5, np.uint8)) + b"junk")
-    with pytest.raises(DataError, match="4 unexpected bytes after the 5 bytes") as info:
-        read_idx(path)
-    assert str(path) in str(info.value)
+    refused_naming(path, "4 unexpected bytes after the 5 bytes", read_idx, path)
 
 
 def test_idx_wrong_magic(tmp_path):
     path = tmp_path / "notidx"
     path.write_bytes(b"\x12\x34\x56\x78" + bytes(20))
-    with pytest.raises(DataError, match="0x12345678") as info:
-        read_idx(path)
-    assert str(path) in str(info.value)
+    refused_naming(path, "0x12345678", read_idx, path)
 
 
 def test_idx_unsupported_type(tmp_path):
@@ -199,9 +198,7 @@ def test_idx_corrupt_gzip(tmp_path, damage):
         data[-6] ^= 0xFF  # inside the CRC/size trailer
     path = tmp_path / "broken.gz"
     path.write_bytes(bytes(data))
-    with pytest.raises(DataError, match="corrupt gzip") as info:
-        read_idx(path)
-    assert str(path) in str(info.value)
+    refused_naming(path, "corrupt gzip", read_idx, path)
 
 
 def test_idx_missing_file(tmp_path):
@@ -234,17 +231,27 @@ def test_mnist_label_out_of_range(tmp_path):
     write_mnist(tmp_path, compress=False)
     path = tmp_path / "t10k-labels-idx1-ubyte"
     path.write_bytes(idx_bytes(np.array([1, 10, 2], np.uint8)))
-    with pytest.raises(DataError, match="label 10 at index 1 is out of range") as info:
-        mnist.load("test", tmp_path)
-    assert str(path) in str(info.value)
+    refused_naming(path, "label 10 at index 1 is out of range", mnist.load, "test", tmp_path)
 
 
-def test_mnist_missing_file_and_bad_split(tmp_path):
+@pytest.mark.parametrize("dataset, write, gone, listed, message", [
+    (mnist, write_mnist, "train-labels-idx1-ubyte.gz", "train-labels-idx1-ubyte[.gz]",
+     "train-labels-idx1-ubyte"),
+    (cifar10, write_cifar, "data_batch_4.bin", "data_batch_4.bin",
+     "data_batch_4.bin: CIFAR-10 batch file not found")], ids=["mnist", "cifar10"])
+def test_a_missing_file_is_named(dataset, write, gone, listed, message, tmp_path):
+    """A file of the train split gone: listed as missing, and named by the load that needs
+    it; the test split does not need it."""
+    write(tmp_path)
+    (tmp_path / gone).unlink()
+    assert dataset.missing(tmp_path) == [listed]
+    with pytest.raises(DataError, match=message):
+        dataset.load("train", tmp_path)
+    dataset.load("test", tmp_path)
+
+
+def test_mnist_bad_split(tmp_path):
     write_mnist(tmp_path)
-    (tmp_path / "train-labels-idx1-ubyte.gz").unlink()
-    assert mnist.missing(tmp_path) == ["train-labels-idx1-ubyte[.gz]"]
-    with pytest.raises(DataError, match="train-labels-idx1-ubyte"):
-        mnist.load("train", tmp_path)
     with pytest.raises(DataError, match="unknown MNIST split 'val'"):
         mnist.load("val", tmp_path)
 
@@ -300,9 +307,8 @@ def test_cifar_bad_size(tmp_path, size):
     write_cifar(tmp_path)
     path = tmp_path / "test_batch.bin"
     path.write_bytes(bytes(size))
-    with pytest.raises(DataError, match="not a positive multiple of the 3073-byte") as info:
-        cifar10.load("test", tmp_path)
-    assert str(path) in str(info.value)
+    refused_naming(path, "not a positive multiple of the 3073-byte", cifar10.load, "test",
+                   tmp_path)
 
 
 def test_cifar_label_out_of_range(tmp_path):
@@ -310,18 +316,7 @@ def test_cifar_label_out_of_range(tmp_path):
     path = tmp_path / "data_batch_3.bin"
     images = np.zeros((2, 3, 32, 32), np.uint8)
     path.write_bytes(cifar_bytes(images, np.array([0, 12], np.uint8)))
-    with pytest.raises(DataError, match="label 12 of record 1 is out of range") as info:
-        cifar10.load("train", tmp_path)
-    assert str(path) in str(info.value)
-
-
-def test_cifar_missing_batch_is_named(tmp_path):
-    write_cifar(tmp_path)
-    (tmp_path / "data_batch_4.bin").unlink()
-    assert cifar10.missing(tmp_path) == ["data_batch_4.bin"]
-    with pytest.raises(DataError, match="data_batch_4.bin: CIFAR-10 batch file not found"):
-        cifar10.load("train", tmp_path)
-    cifar10.load("test", tmp_path)  # the other split does not need it
+    refused_naming(path, "label 12 of record 1 is out of range", cifar10.load, "train", tmp_path)
 
 
 def test_cifar_pickled_version_is_refused(tmp_path):

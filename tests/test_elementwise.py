@@ -4,17 +4,8 @@ import numpy as np
 import pytest
 
 from cgp.errors import NetError
-from layer_check import (backward, build, check_forward, check_gradients,
-                         check_split_invariance, forward)
-
-
-def rand(shape, seed=0):
-    """float64 values that float32 holds exactly, so copies compare exactly."""
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(float)
-
-
-def bottoms_text(count):
-    return " ".join(f'bottom: "b{i}"' for i in range(count))
+from layer_check import (backward, blob_names, build, check_forward, check_gradients,
+                         check_split_invariance, forward, rand)
 
 
 # -- Concat -----------------------------------------------------------------------------------
@@ -27,7 +18,7 @@ def bottoms_text(count):
     ("", [(3, 2, 2)], 1),                                        # one bottom: a copy
 ])
 def test_concat(param, shapes, axis):
-    layer = build(f'type: "Concat" {bottoms_text(len(shapes))} top: "y" {param}', shapes)
+    layer = build(f'type: "Concat" {blob_names("bottom", len(shapes))} top: "y" {param}', shapes)
     xs = [rand(s, i) for i, s in enumerate(shapes)]
     want = list(shapes[0])
     want[axis] = sum(s[axis] for s in shapes)
@@ -39,7 +30,7 @@ def test_concat(param, shapes, axis):
 
 def test_concat_skips_bottoms_without_gradient():
     shapes = [(2, 1, 3), (2, 2, 3)]
-    layer = build(f'type: "Concat" {bottoms_text(2)} top: "y"', shapes)
+    layer = build(f'type: "Concat" {blob_names("bottom", 2)} top: "y"', shapes)
     xs = [rand(s, i) for i, s in enumerate(shapes)]
     dy = rand((2, 3, 3), 5)
     _, (dx0, dx1), _ = backward(layer, xs, [], [dy], propagate=[False, True])
@@ -57,7 +48,7 @@ def test_concat_skips_bottoms_without_gradient():
 ])
 def test_concat_errors(param, shapes, message):
     with pytest.raises(NetError, match=message):
-        build(f'type: "Concat" {bottoms_text(len(shapes))} top: "y" {param}', shapes)
+        build(f'type: "Concat" {blob_names("bottom", len(shapes))} top: "y" {param}', shapes)
 
 
 # -- Eltwise ----------------------------------------------------------------------------------
@@ -66,7 +57,7 @@ E = (3, 2, 2, 2)
 
 
 def eltwise(param, count=3):
-    return build(f'type: "Eltwise" {bottoms_text(count)} top: "y" {param}', [E] * count)
+    return build(f'type: "Eltwise" {blob_names("bottom", count)} top: "y" {param}', [E] * count)
 
 
 @pytest.mark.parametrize("param, reference", [
@@ -89,7 +80,7 @@ def test_eltwise(param, reference):
 
 
 def test_eltwise_two_bottoms_prod_gradient():
-    layer = build(f'type: "Eltwise" {bottoms_text(2)} top: "y" '
+    layer = build(f'type: "Eltwise" {blob_names("bottom", 2)} top: "y" '
                   'eltwise_param { operation: PROD }', [E, E])
     a, b, dy = rand(E, 1), rand(E, 2), rand(E, 3)
     _, (da, db), _ = backward(layer, [a, b], [], [dy])
@@ -99,7 +90,7 @@ def test_eltwise_two_bottoms_prod_gradient():
 
 def test_eltwise_max_ties_follow_caffe():
     # The first pair's tie goes to bottom 1; a later bottom must be strictly greater.
-    layer = build(f'type: "Eltwise" {bottoms_text(3)} top: "y" '
+    layer = build(f'type: "Eltwise" {blob_names("bottom", 3)} top: "y" '
                   'eltwise_param { operation: MAX }', [(1, 4)] * 3)
     a = np.array([[1.0, 2.0, 0.0, 5.0]])
     b = np.array([[1.0, 1.0, 3.0, 0.0]])
@@ -121,7 +112,7 @@ def test_eltwise_max_ties_follow_caffe():
 ])
 def test_eltwise_errors(param, shapes, message):
     with pytest.raises(NetError, match=message):
-        build(f'type: "Eltwise" {bottoms_text(len(shapes))} top: "y" {param}', shapes)
+        build(f'type: "Eltwise" {blob_names("bottom", len(shapes))} top: "y" {param}', shapes)
 
 
 # -- Flatten and Reshape ----------------------------------------------------------------------

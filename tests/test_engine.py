@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,13 +28,14 @@ from cgp.prototxt import parse_net
 from cgp.runtime import fpenv
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.pool import Pool
-from cgp.runtime.procs import make_pool
+from cgp.runtime.procs import forks, make_pool
 from cgp.runtime.reduce import OUTER_PAD, sum_rows
 from cgp.runtime.simd import SHAPES, choose
 from cgp.solver import Solver
 from cgp.train import RunConfig, Trainer
 
 from bundled import solver
+from conftest import quick_solver
 
 THREADS = (1, 2, 3, 4, 7, 16)
 
@@ -620,14 +622,25 @@ def test_subnormals_flushed_or_kept_alike_for_any_thread_count():
     assert not np.array_equal(grads[True, 1], grads[False, 1])
 
 
+@pytest.fixture(scope="module")
+def one_thread_runs():
+    """(model, chunks) -> the 1-thread run, which both kinds of workers share: one worker
+    runs in the caller, as plain sequential code (cgp.runtime.procs.forks)."""
+    return {}
+
+
 @pytest.mark.parametrize("workers", ["threads", "processes"])
 @pytest.mark.parametrize("model,chunks", [("mnist", 16), ("mnist", 7), ("cifar10", 16)])
-def test_bitwise_identical_for_any_thread_count(model, chunks, workers, mnist_dir, cifar_dir):
+def test_bitwise_identical_for_any_thread_count(model, chunks, workers, mnist_dir, cifar_dir,
+                                                one_thread_runs):
     data = mnist_dir if model == "mnist" else cifar_dir
     sp = solver(model, test_iter=[1])
-    outcomes = [train_run(sp, None, RunConfig(threads=t, chunks=chunks, data_dir=str(data),
-                                              workers=workers), 3)
-                for t in THREADS]
+    config = RunConfig(chunks=chunks, data_dir=str(data), workers=workers)
+    assert THREADS[0] == 1 and not forks(workers, 1)
+    if (model, chunks) not in one_thread_runs:
+        one_thread_runs[model, chunks] = train_run(sp, None, replace(config, threads=1), 3)
+    outcomes = [one_thread_runs[model, chunks]] + [
+        train_run(sp, None, replace(config, threads=t), 3) for t in THREADS[1:]]
     rows, ok = compare(outcomes)
     assert ok, rows
     assert all(np.isfinite(o.losses).all() for o in outcomes)
@@ -635,7 +648,7 @@ def test_bitwise_identical_for_any_thread_count(model, chunks, workers, mnist_di
 
 
 def test_chunk_count_changes_only_rounding(mnist_dir):
-    sp = solver("mnist")
+    sp = solver("mnist", test_iter=[1])   # the test's figures are not compared
     one = train_run(sp, None, RunConfig(chunks=1, data_dir=str(mnist_dir)), 2)
     many = train_run(sp, None, RunConfig(chunks=16, data_dir=str(mnist_dir)), 2)
     np.testing.assert_allclose(one.losses, many.losses, rtol=1e-5)
@@ -659,10 +672,11 @@ def test_resume_from_snapshot_is_bitwise_identical(tmp_path, mnist_dir, threads)
     assert whole.last_test == resumed.last_test
 
 
-def test_equivalence_command_passes(mnist_dir):
-    out = subprocess.run([sys.executable, "-m", "cgp", "equivalence", "mnist", "--threads",
-                          ",".join(map(str, THREADS)), "--iters", "2", "--data-dir", str(mnist_dir)],
-                         capture_output=True, text=True)
+def test_equivalence_command_passes(mnist_dir, tmp_path):
+    lenet = str(quick_solver(tmp_path))   # `mnist`, testing on one batch
+    out = subprocess.run([sys.executable, "-m", "cgp", "equivalence", "--solver", lenet,
+                          "--threads", ",".join(map(str, THREADS)), "--iters", "2", "--data-dir",
+                          str(mnist_dir)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bitwise identical across thread counts: yes" in out.stdout
     assert "float32 engine vs float64 reference" in out.stdout and "ok" in out.stdout
@@ -896,7 +910,7 @@ def test_affinity_pins_workers_and_changes_nothing(mnist_dir):
     import os
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no thread affinity on this OS")
-    sp = solver("mnist")
+    sp = solver("mnist", test_iter=[1])   # the test's figures are not compared
     plain = train_run(sp, None, RunConfig(threads=2, workers="threads",
                                           data_dir=str(mnist_dir)), 2)
     for workers in ("threads", "processes"):

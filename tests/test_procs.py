@@ -18,6 +18,7 @@ from cgp.errors import CgpError, NetError
 from cgp.runtime.memory import aligned_zeros
 from cgp.runtime.procs import ProcessPool
 from cgp.train import RunConfig, Trainer
+from conftest import quick_solver
 from test_engine import solver
 
 pytestmark = pytest.mark.skipif(not procs.available(), reason="worker processes need fork()")
@@ -39,7 +40,7 @@ def test_updates_in_processes_keep_every_history_and_pass(mnist_dir):
     """The update runs in whichever process takes each slice: Adam's two histories and the
     sum of iter_size passes must be shared, or the bits differ from threads."""
     sp = solver("mnist", type="Adam", base_lr=0.001, momentum=0.9, momentum2=0.999,
-                lr_policy="fixed", iter_size=2)
+                lr_policy="fixed", iter_size=2, test_iter=[1])   # compare() reads no test
     outcomes = [train_run(sp, None, RunConfig(threads=t, chunks=5, data_dir=str(mnist_dir),
                                               workers=w), 3)
                 for w, t in [("threads", 1), ("processes", 2), ("processes", 3)]]
@@ -379,11 +380,13 @@ def test_commands_take_workers(mnist_dir, tmp_path):
                              capture_output=True, text=True, cwd=tmp_path)
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
-    text = cgp("equivalence", "mnist", "--threads", "1,3", "--iters", "2",
+    lenet = str(quick_solver(tmp_path))   # `mnist`, testing on one batch
+    text = cgp("equivalence", "--solver", lenet, "--threads", "1,3", "--iters", "2",
                "--workers", "threads,processes")
     assert "bitwise identical across thread counts, in threads and in processes: yes" in text
     assert text.count(" processes  ") == 2
-    text = cgp("train", "mnist", "--threads", "2", "--workers", "processes", "--iters", "2")
+    text = cgp("train", "--solver", lenet, "--threads", "2", "--workers", "processes", "--iters",
+               "2")
     assert "on 2 process(es)" in text and "trained to iteration 2" in text
     model = str(solver("mnist").net)
     weights = str(tmp_path / "snapshots" / "lenet_iter_2.caffemodel")

@@ -5,17 +5,8 @@ import pytest
 
 from cgp.errors import NetError
 from cgp.layers import Chunk
-from layer_check import (backward, build, check_forward, check_gradients,
-                         check_split_invariance, forward)
-
-
-def rand(shape, seed=0):
-    """float64 values that float32 holds exactly, so copies compare exactly."""
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(float)
-
-
-def tops_text(count):
-    return " ".join(f'top: "t{i}"' for i in range(count))
+from layer_check import (backward, blob_names, build, check_forward, check_gradients,
+                         check_split_invariance, forward, rand)
 
 
 # -- Slice -------------------------------------------------------------------------------------
@@ -29,7 +20,7 @@ def tops_text(count):
     ("", (3, 5, 2), 1, 1, []),                                             # one top: a copy
 ])
 def test_slice(param, shape, tops, axis, points):
-    layer = build(f'type: "Slice" bottom: "x" {tops_text(tops)} {param}', [shape])
+    layer = build(f'type: "Slice" bottom: "x" {blob_names("top", tops)} {param}', [shape])
     x = rand(shape)
     want = np.split(x, points, axis=axis)
     assert layer.top_shapes == [w.shape for w in want]
@@ -49,7 +40,7 @@ def test_slice(param, shape, tops, axis, points):
 ])
 def test_slice_refused(param, tops, message):
     with pytest.raises(NetError, match=message):
-        build(f'type: "Slice" bottom: "x" {tops_text(tops)} {param}', [(4, 4, 2)])
+        build(f'type: "Slice" bottom: "x" {blob_names("top", tops)} {param}', [(4, 4, 2)])
 
 
 # -- Crop --------------------------------------------------------------------------------------

@@ -4,11 +4,7 @@ crops, mirrors, dropout, iter_size, test passes, at another thread count), the C
 snapshot of a real `cgp train`, and readers that turn any bad input into one DataError."""
 import os
 import re
-import selectors
 import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +17,7 @@ from cgp.snapshot import (copy_weights, read_caffemodel, read_solverstate, write
                           write_solverstate)
 from cgp.solver import SOLVER_TYPES
 from cgp.train import RunConfig, Trainer, fmt
+from conftest import CAFFE_DIR, RunningCgp
 
 HYPER = {"SGD": "momentum: 0.9", "Nesterov": "momentum: 0.9", "AdaGrad": "delta: 1e-6",
          "RMSProp": "rms_decay: 0.95", "AdaDelta": "momentum: 0.95 delta: 1e-6",
@@ -350,7 +347,6 @@ def fuzz_inputs(mnist_dir, tmp_path, caffe):
 
 
 def test_fuzz_readers_raise_only_data_errors(mnist_dir, tmp_path):
-    from conftest import CAFFE_DIR
     caffe = CAFFE_DIR / "lenet" if (CAFFE_DIR / "lenet").is_dir() else None
     t, seeds = fuzz_inputs(mnist_dir, tmp_path, caffe)
     rng = np.random.default_rng(2024)
@@ -388,47 +384,18 @@ def test_signals_snapshot_a_real_training_run(tiny_solver_file, mnist_dir, tmp_p
     whole process group, as a terminal sends them: forked workers leave them to the main
     process, and end with it."""
     import psutil
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cgp", "train", "--solver", str(tiny_solver_file), "--data-dir",
-         str(mnist_dir), "--threads", "2", "--workers", workers], cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    out, pending = [], [b""]
-
-    def wait_for(text, timeout=120):
-        """Read output lines until one contains text (bounded: a poll loop with a deadline)."""
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=1):
-                    continue
-                chunk = os.read(proc.stdout.fileno(), 1 << 16)
-                if not chunk:
-                    break
-                *lines, pending[0] = (pending[0] + chunk).split(b"\n")
-                out.extend(line.decode() + "\n" for line in lines)
-                if any(text in line.decode() for line in lines):
-                    return
-        raise AssertionError(f"no '{text}' in the output:\n{''.join(out)}")
-
-    try:
-        wait_for("Iteration 2 (")
-        children = psutil.Process(proc.pid).children()
+    with RunningCgp(["train", "--solver", tiny_solver_file, "--data-dir", mnist_dir,
+                     "--threads", "2", "--workers", workers], tmp_path) as run:
+        run.wait_for("Iteration 2 (")
+        children = psutil.Process(run.pid).children()
         assert len(children) == (1 if workers == "processes" else 0)
-        os.killpg(proc.pid, signal.SIGHUP)
-        wait_for("Snapshotting solver state")
-        wait_for("Iteration")                     # still training
-        os.killpg(proc.pid, signal.SIGINT)
-        wait_for("Optimization stopped early")
-        rest, _ = proc.communicate(timeout=60)
-        out.append((pending[0] + rest).decode())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = "".join(out)
-    assert proc.returncode == 0, text
+        os.killpg(run.pid, signal.SIGHUP)
+        run.wait_for("Snapshotting solver state")
+        run.wait_for("Iteration")                     # still training
+        os.killpg(run.pid, signal.SIGINT)
+        run.wait_for("Optimization stopped early")
+        text = run.finish()
+    assert run.proc.returncode == 0, text
     assert "Traceback" not in text
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
     snaps = sorted((tmp_path / "snaps").glob("tiny_iter_*.solverstate"),
