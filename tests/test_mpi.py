@@ -313,9 +313,8 @@ def test_lars_and_warmup_give_one_hash_across_ranks(mnist_dir):
 
 def test_a_shared_window_and_mpi_collectives_give_the_same_bits(tmp_path, mnist_dir,
                                                                monkeypatch):
-    """Ranks that all share the node exchange the partial sums and the new weights through a
-    shared memory window (the equivalence tests above check it against one process);
-    CGP_MPI_WINDOWS=0 takes the path of ranks on several nodes, MPI's collectives. On 3 ranks
+    """Ranks that all share the node exchange the partial sums through a shared memory
+    window (the equivalence tests above check it against one process); CGP_MPI_WINDOWS=0 takes the path of ranks on several nodes, MPI's collectives. On 3 ranks
     (16 chunks: 2, 3 and 2 subtrees, merged across ranks) both end on the same weights, and the
     start-up line names the path taken; a value other than 0 or 1 is refused."""
     common = ["mnist", "--data-dir", str(mnist_dir), "--iters", "3"]

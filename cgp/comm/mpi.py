@@ -15,20 +15,19 @@ every rank (an all-gather). No rank gathers everything: per step a rank sends an
 about two gradients' worth where its range is one subtree.
 
 Where every rank of the job is on one node (chosen once, at start-up; CGP_MPI_WINDOWS=0 says
-no), the same sums and parameters go through memory that the ranks all map instead of MPI's
-transport, which copied them into its buffers and out again (NodeArea, an MPI-3 shared
-window): after its run a rank copies its partial sums of the other ranks' columns into its
-segment, and after a barrier each owner adds up every rank's, read in place, in the same
-tree; after the update each rank copies its columns of the parameters into its segment, and
-after a barrier reads the others'. The exchange is then the main thread's: there is nothing
-left to overlap, and no hand-over to the exchange thread and back.
+no), the same sums go through memory that the ranks all map instead of MPI's transport,
+which copied them into its buffers and out again (NodeArea, an MPI-3 shared window): after
+its run a rank copies its partial sums of the other ranks' columns into its segment, and
+after a barrier each owner adds up every rank's, read in place, in the same tree. The
+exchange is then the main thread's: there is nothing left to overlap, and no hand-over to
+the exchange thread and back. (The parameters' all-gather stays MPI's: see share().)
 
-The exchange overlaps backward: a thread of the rank's main process watches the engine's
-counters and sends each bucket of columns (about BUCKET) as soon as its reduction tasks have
-run, while the calls still run backward through earlier layers; it also gathers the ranks'
-shares of each sum over the batch (BatchNorm), which the engine's Sync tasks await. Buckets
-are fixed, so the bits never move. Only the main process of a rank calls MPI: its worker
-processes, forked before, compute.
+On MPI's collectives, the exchange overlaps backward: a thread of the rank's main process
+watches the engine's counters and sends each bucket of columns (about BUCKET) as soon as its
+reduction tasks have run, while the calls still run backward through earlier layers. On
+either path, the thread gathers the ranks' shares of each sum over the batch (BatchNorm), which the engine's Sync
+tasks await. Buckets are fixed, so the bits never move. Only the main process of a rank
+calls MPI: its worker processes, forked before, compute.
 
 Waiting (see DESIGN.md, "MPI waits"): Open MPI's blocking calls spin on the CPU until the
 other ranks arrive, taking a core from the rank's own workers and from the other ranks. So
@@ -398,11 +397,10 @@ class MPICommunicator:
         self._idle.set()
         self._hurry = threading.Event()   # the run's tasks are done: look now
         self._error = None
-        # Ranks that all share this node exchange the partial sums and the new parameters
-        # through memory they all map (NodeArea), without copies through MPI's transport:
-        # chosen once, here; a job across nodes keeps MPI's collectives (the staged path).
+        # Ranks that all share this node exchange the partial sums through memory they all
+        # map (NodeArea), without copies through MPI's transport: chosen once, here; a job
+        # across nodes keeps MPI's collectives (the staged path).
         self._node = None
-        self._areas = {}   # (n, dtype) -> the NodeArea of share()
         if windows_wanted():
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
             if node.Get_size() == self.size:
@@ -674,36 +672,16 @@ class MPICommunicator:
 
     # -- after the update ------------------------------------------------------------------
     def share(self, params):
-        """Every rank's columns of params to every rank: through the node's shared window
-        (each writes its own, a barrier, each reads the others'), else MPI's all-gather."""
+        """Every rank's columns of params to every rank: MPI's all-gather. (Through the
+        node's shared window, a copy in, a barrier and a copy out took more CPU than the
+        all-gather's one copy: 0.44 against 0.33 ms a LeNet step; bench/README.md.)"""
         started = time.perf_counter()
-        columns = self.columns(len(params))
-        if self._node is not None:
-            area = self._share_area(len(params), params.dtype)
-            mine = columns[self.rank]
-            slot = area.next_slot()
-            area.segments[self.rank][slot, 0, mine.start:mine.stop] = params[mine.start:mine.stop]
-            self._barrier(area)
-            for q, theirs in enumerate(columns):
-                if q != self.rank:
-                    params[theirs.start:theirs.stop] = \
-                        area.segments[q][slot, 0, theirs.start:theirs.stop]
-        else:
-            counts, displs = _counts(columns)
-            self._complete([self._post(self.comm.Iallgatherv, self.MPI.IN_PLACE,
-                                       [params, (counts, displs), _mpi_type(self.MPI, params)])])
+        counts, displs = _counts(self.columns(len(params)))
+        self._complete([self._post(self.comm.Iallgatherv, self.MPI.IN_PLACE,
+                                   [params, (counts, displs), _mpi_type(self.MPI, params)])])
         took = time.perf_counter() - started
         self.clock["busy"] += took
         self.clock["exposed"] += took
-
-    def _share_area(self, n, dtype):
-        """The shared window of share(n parameters): one row of n per rank, made at the first
-        share (every rank shares at the same point)."""
-        key = (n, np.dtype(dtype))
-        if key not in self._areas:
-            with self._lock:
-                self._areas[key] = NodeArea(self.MPI, self._node, [1] * self.size, n, dtype)
-        return self._areas[key]
 
     def gather(self, array, parts):
         self._gather(self.comm, array, parts)
