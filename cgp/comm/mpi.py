@@ -24,10 +24,10 @@ the exchange thread and back. (The parameters' all-gather stays MPI's: see share
 
 On MPI's collectives, the exchange overlaps backward: a thread of the rank's main process
 watches the engine's counters and sends each bucket of columns (about BUCKET) as soon as its
-reduction tasks have run, while the calls still run backward through earlier layers. On
-either path, the thread gathers the ranks' shares of each sum over the batch (BatchNorm), which the engine's Sync
-tasks await. Buckets are fixed, so the bits never move. Only the main process of a rank
-calls MPI: its worker processes, forked before, compute.
+reduction tasks have run, while the calls still run backward through earlier layers.
+Buckets are fixed, so the bits never move. On either path, the thread gathers the ranks'
+shares of each sum over the batch (BatchNorm), which the engine's Sync tasks await. Only the
+main process of a rank calls MPI: its worker processes, forked before, compute.
 
 Waiting (see DESIGN.md, "MPI waits"): Open MPI's blocking calls spin on the CPU until the
 other ranks arrive, taking a core from the rank's own workers and from the other ranks. So
@@ -304,17 +304,20 @@ class Exchange:
             if hi - lo >= BUCKET or lo == 0:   # the spans tile the columns
                 self.buckets.append(Bucket(lo, hi, tasks, self))
                 tasks = []
-        # Where every rank is on this node: the shared window of the partial sums (NodeArea,
-        # set by the communicator), and every rank's partial sums of this rank's columns, in
-        # chunk order, as the tree's last additions take them.
-        self.area = None
-        self.gathered = np.empty((self.everyone, len(columns[rank])), bufs.dtype)
+        # Where every rank is on this node: the shared window of the partial sums (use()).
+        self.area = self.scratch = None
         itemsize = bufs.dtype.itemsize
         # Bytes this rank sends to and receives from the others per exchange.
         self.sent = sum(int(b.send_counts.sum() - b.send_counts[rank]) for b in self.buckets) \
             * itemsize
         self.received = sum(int(b.recv_counts.sum() - b.recv_counts[rank])
                             for b in self.buckets) * itemsize
+
+    def use(self, area):
+        """Exchanges through area, the node's shared window (NodeArea), from now on: with
+        scratch for the tree's additions whose left side is not written yet."""
+        self.area = area
+        self.scratch = np.empty((self.everyone, len(self.columns[self.rank])), self.bufs.dtype)
 
     def publish(self):
         """Copies this rank's partial sums of the other ranks' columns into its segment of
@@ -340,7 +343,7 @@ class Exchange:
         try:
             for dst, src in self.pairs:
                 out = rows[dst] if written[dst] else (
-                    result[mine.start:mine.stop] if dst == 0 else self.gathered[dst])
+                    result[mine.start:mine.stop] if dst == 0 else self.scratch[dst])
                 np.add(rows[dst], rows[src], out=out)
                 rows[dst], written[dst] = out, True
         finally:
@@ -467,8 +470,8 @@ class MPICommunicator:
                                            self.pool.flush, spans)
         if self._node is not None:
             with self._lock:
-                ex.area = NodeArea(self.MPI, self._node, [len(p) for p in ex.nodes], n,
-                                   bufs.dtype)
+                ex.use(NodeArea(self.MPI, self._node, [len(p) for p in ex.nodes], n,
+                                bufs.dtype))
         self.exchanges.append(ex)
         return reduction
 
@@ -673,8 +676,8 @@ class MPICommunicator:
     # -- after the update ------------------------------------------------------------------
     def share(self, params):
         """Every rank's columns of params to every rank: MPI's all-gather. (Through the
-        node's shared window, a copy in, a barrier and a copy out took more CPU than the
-        all-gather's one copy: 0.44 against 0.33 ms a LeNet step; bench/README.md.)"""
+        node's shared window, a copy in, a barrier and a copy out took no less CPU than the
+        all-gather's one copy: bench/README.md, "Ranks on one node".)"""
         started = time.perf_counter()
         counts, displs = _counts(self.columns(len(params)))
         self._complete([self._post(self.comm.Iallgatherv, self.MPI.IN_PLACE,
