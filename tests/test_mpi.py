@@ -15,6 +15,7 @@ import pytest
 from cgp import models
 from cgp.comm.local import merge_pairs, reference_reduce, subtrees
 from cgp.commands.equivalence import run
+from cgp.errors import CgpError
 from cgp.runtime.reduce import merge_rows, tree_sum
 from cgp.snapshot import read_caffemodel
 from cgp.train import RunConfig
@@ -309,3 +310,25 @@ def test_lars_and_warmup_give_one_hash_across_ranks(mnist_dir):
     status = run(sp, None, RunConfig(data_dir=str(mnist_dir)), [1, 2], 5, log=lines.append,
                  ranks=[1, 3])
     assert status == 0, "\n".join(lines)
+
+
+def test_a_shared_window_and_mpi_collectives_give_the_same_bits(tmp_path, mnist_dir,
+                                                               monkeypatch):
+    """Ranks that all share the node exchange the partial sums through a shared memory
+    window (the equivalence tests above check it against one process); CGP_MPI_WINDOWS=0 takes the path of ranks on several nodes, MPI's collectives. On 3 ranks
+    (16 chunks: 2, 3 and 2 subtrees, merged across ranks) both end on the same weights, and the
+    start-up line names the path taken; a value other than 0 or 1 is refused."""
+    common = ["mnist", "--data-dir", str(mnist_dir), "--iters", "3"]
+    ends = []
+    for windows, words in (("1", "through a shared memory window"),
+                           ("0", "through MPI's collectives")):
+        monkeypatch.setenv("CGP_MPI_WINDOWS", windows)
+        assert mpi.windows_wanted() == (windows == "1")
+        done = train(3, [*common, "--snapshot-prefix", f"w{windows}/w"], tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert f"the ranks exchange {words}" in done.stdout, done.stdout
+        ends.append(weights(tmp_path / f"w{windows}" / "w_iter_3.caffemodel"))
+    assert np.array_equal(ends[0], ends[1])
+    monkeypatch.setenv("CGP_MPI_WINDOWS", "yes")
+    with pytest.raises(CgpError, match="CGP_MPI_WINDOWS=yes"):
+        mpi.windows_wanted()

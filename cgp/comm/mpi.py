@@ -14,12 +14,20 @@ the solver's history of those alone (about 1/R of it); the updated parameters th
 every rank (an all-gather). No rank gathers everything: per step a rank sends and receives
 about two gradients' worth where its range is one subtree.
 
-The exchange overlaps backward: a thread of the rank's main process watches the engine's
-counters and sends each bucket of columns (about BUCKET) as soon as its reduction tasks have
-run, while the calls still run backward through earlier layers; it also gathers the ranks'
-shares of each sum over the batch (BatchNorm), which the engine's Sync tasks await. Buckets
-are fixed, so the bits never move. Only the main process of a rank calls MPI: its worker
-processes, forked before, compute.
+Where every rank of the job is on one node (chosen once, at start-up; CGP_MPI_WINDOWS=0 says
+no), the same sums go through memory that the ranks all map instead of MPI's transport,
+which copied them into its buffers and out again (NodeArea, an MPI-3 shared window): after
+its run a rank copies its partial sums of the other ranks' columns into its segment, and
+after a barrier each owner adds up every rank's, read in place, in the same tree. The
+exchange is then the main thread's: there is nothing left to overlap, and no hand-over to
+the exchange thread and back. (The parameters' all-gather stays MPI's: see share().)
+
+On MPI's collectives, the exchange overlaps backward: a thread of the rank's main process
+watches the engine's counters and sends each bucket of columns (about BUCKET) as soon as its
+reduction tasks have run, while the calls still run backward through earlier layers.
+Buckets are fixed, so the bits never move. On either path, the thread gathers the ranks'
+shares of each sum over the batch (BatchNorm), which the engine's Sync tasks await. Only the
+main process of a rank calls MPI: its worker processes, forked before, compute.
 
 Waiting (see DESIGN.md, "MPI waits"): Open MPI's blocking calls spin on the CPU until the
 other ranks arrive, taking a core from the rank's own workers and from the other ranks. So
@@ -162,6 +170,16 @@ STALL_FACTOR = 10
 _PING, _PONG = 1, 2   # the tags of the question and the answer
 
 
+def windows_wanted():
+    """Whether ranks that share one node may exchange through a shared window: yes, unless
+    CGP_MPI_WINDOWS=0 asks for MPI's collectives (the path of ranks on several nodes)."""
+    text = os.environ.get("CGP_MPI_WINDOWS", "1")
+    if text not in ("0", "1"):
+        raise CgpError(f"CGP_MPI_WINDOWS={text}: 1 (shared windows where every rank is on "
+                       "this node, the default) or 0 (MPI's collectives)")
+    return text == "1"
+
+
 def hang_seconds():
     """HANG_SECONDS, or CGP_HANG_SECONDS where set (a positive number of seconds)."""
     text = os.environ.get("CGP_HANG_SECONDS")
@@ -180,16 +198,18 @@ class Layout(NamedTuple):
     """How a rank shares its node: ranks on the node, workers per rank, the cores this rank
     takes (cgp.runtime.pool.cores_of_this_process: mpirun's binding, else the node's cores
     shared out among its ranks) and the node's. Each rank runs its workers and one exchange
-    thread, which sleeps between its looks."""
+    thread, which sleeps between its looks. `shared`: whether the ranks exchange through a
+    window of memory they all map (every rank on this node), else MPI's collectives."""
     ranks_here: int
     workers: int
     cores: int
     node_cores: int
+    shared: bool = False
 
     @classmethod
-    def of(cls, workers):
+    def of(cls, workers, shared=False):
         return cls(ranks_on_this_node(), workers, cores_of_this_process(),
-                   os.cpu_count() or 1)
+                   os.cpu_count() or 1, shared)
 
     def spare_core(self):
         """Whether the rank has a core for its exchange thread beside its workers'."""
@@ -200,7 +220,9 @@ class Layout(NamedTuple):
         threads = self.ranks_here * (self.workers + 1)
         text = (f"{self.ranks_here} rank(s) on this node, each {self.workers} worker(s) and "
                 f"an exchange thread, on {self.cores} of the node's {self.node_cores} cores "
-                f"(its share: mpirun's binding, else the cores over the ranks)")
+                f"(its share: mpirun's binding, else the cores over the ranks); the ranks "
+                + ("exchange through a shared memory window" if self.shared
+                   else "exchange through MPI's collectives"))
         if self.ranks_here * self.workers > self.node_cores:
             text += (f"; warning: {self.ranks_here} ranks x {self.workers} workers exceed the "
                      f"{self.node_cores} cores: workers that wait sleep at once instead of "
@@ -235,6 +257,30 @@ class Bucket:
                 at += len(piece)
 
 
+class NodeArea:
+    """Memory that every rank of the node maps (an MPI-3 shared window, Win.Allocate_shared
+    on the node's communicator): per rank, a segment of two slots of rows[rank] rows of
+    `width` elements. A rank writes only its own segment and reads the others' in place.
+    The slots alternate from one use to the next, so that a rank may write its next slot
+    while another still reads its last: each use ends with a barrier that every rank enters
+    after it has read, and the slot written two uses on is behind that barrier."""
+
+    def __init__(self, MPI, node, rows, width, dtype):
+        dtype = np.dtype(dtype)
+        self.win = MPI.Win.Allocate_shared(2 * rows[node.rank] * width * dtype.itemsize,
+                                           dtype.itemsize, comm=node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)   # for Sync(): the memory barrier MPI asks for
+        self.segments = [np.ndarray((2, rows[q], width), dtype,
+                                    buffer=self.win.Shared_query(q)[0])
+                         for q in range(node.size)]
+        self.slot = 1
+
+    def next_slot(self):
+        """The slot of this use (the other one than the last)."""
+        self.slot ^= 1
+        return self.slot
+
+
 class Exchange:
     """One reduction's exchange, laid out once, in buckets of columns (Bucket): what this
     rank sends each owner (the partial sums of its subtrees, owner by owner, node by node)
@@ -258,12 +304,52 @@ class Exchange:
             if hi - lo >= BUCKET or lo == 0:   # the spans tile the columns
                 self.buckets.append(Bucket(lo, hi, tasks, self))
                 tasks = []
+        # Where every rank is on this node: the shared window of the partial sums (use()).
+        self.area = self.scratch = None
         itemsize = bufs.dtype.itemsize
         # Bytes this rank sends to and receives from the others per exchange.
         self.sent = sum(int(b.send_counts.sum() - b.send_counts[rank]) for b in self.buckets) \
             * itemsize
         self.received = sum(int(b.recv_counts.sum() - b.recv_counts[rank])
                             for b in self.buckets) * itemsize
+
+    def use(self, area):
+        """Exchanges through area, the node's shared window (NodeArea), from now on: with
+        scratch for the tree's additions whose left side is not written yet."""
+        self.area = area
+        self.scratch = np.empty((self.everyone, len(self.columns[self.rank])), self.bufs.dtype)
+
+    def publish(self):
+        """Copies this rank's partial sums of the other ranks' columns into its segment of
+        the shared window (the next slot)."""
+        mine = self.columns[self.rank]
+        out = self.area.segments[self.rank][self.area.next_slot()]
+        for j, row in enumerate(self.rows):
+            out[j, :mine.start] = self.bufs[row, :mine.start]
+            out[j, mine.stop:] = self.bufs[row, mine.stop:]
+
+    def finish_shared(self, result):
+        """Once every rank has published (a barrier after publish()): adds every rank's
+        partial sums of this rank's columns up the tree into result, as finish() does with
+        those received, but reading them in place: each addition's left side is copied only
+        where it is first written (the root's straight into result), one float addition an
+        element as merge_rows makes it."""
+        mine = self.columns[self.rank]
+        rows = [self.bufs[self.rows[j], mine.start:mine.stop] if q == self.rank
+                else self.area.segments[q][self.area.slot, j, mine.start:mine.stop]
+                for q, nodes in enumerate(self.nodes) for j in range(len(nodes))]
+        written = [False] * len(rows)
+        state = fpenv.set_flush(self.flush)
+        try:
+            for dst, src in self.pairs:
+                out = rows[dst] if written[dst] else (
+                    result[mine.start:mine.stop] if dst == 0 else self.scratch[dst])
+                np.add(rows[dst], rows[src], out=out)
+                rows[dst], written[dst] = out, True
+        finally:
+            fpenv.restore(state)
+        if not written[0]:   # one rank: nothing to add
+            result[mine.start:mine.stop] = rows[0]
 
     def finish(self, bucket, result):
         """Adds every rank's partial sums of this rank's part of a bucket up the tree, in the
@@ -314,7 +400,17 @@ class MPICommunicator:
         self._idle.set()
         self._hurry = threading.Event()   # the run's tasks are done: look now
         self._error = None
-        self.layout = Layout.of(pool.threads)
+        # Ranks that all share this node exchange the partial sums through memory they all
+        # map (NodeArea), without copies through MPI's transport: chosen once, here; a job
+        # across nodes keeps MPI's collectives (the staged path).
+        self._node = None
+        if windows_wanted():
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            if node.Get_size() == self.size:
+                self._node = node
+            else:
+                node.Free()
+        self.layout = Layout.of(pool.threads, self._node is not None)
         threading.Thread(target=self._serve, name="cgp-exchange", daemon=True).start()
         # Seconds spent communicating, summed over runs (cgp bench): `busy`, from the first
         # bucket's posting to the last's finish less the waits for the next bucket's sums,
@@ -370,25 +466,46 @@ class MPICommunicator:
                 spans.append((f.offset + j0 * f.L, f.offset + j1 * f.L))
         result = aligned_zeros(n, bufs.dtype, self.pool.shared_memory)
         reduction = Reduction(self.pool, tasks, spans, result)
-        reduction.exchange = Exchange(bufs, chunks, self, self.columns(n), self.pool.flush,
-                                      spans)
-        self.exchanges.append(reduction.exchange)
+        ex = reduction.exchange = Exchange(bufs, chunks, self, self.columns(n),
+                                           self.pool.flush, spans)
+        if self._node is not None:
+            with self._lock:
+                ex.use(NodeArea(self.MPI, self._node, [len(p) for p in ex.nodes], n,
+                                bufs.dtype))
+        self.exchanges.append(ex)
         return reduction
 
     def start(self, engine):
         """The thread takes this run's sums over the batch and buckets as the run makes them
         (after settle(), the engine's counters reset)."""
-        if engine.syncs or engine.backward:
+        if engine.syncs or (engine.backward and engine.reduction.exchange.area is None):
             self._hurry.clear()
             self._idle.clear()
             self._runs.put(engine)
 
     def exchange(self, reduction):
-        """Waits until the thread has exchanged and finished every bucket of the run."""
+        """Waits until the thread has exchanged and finished every bucket of the run; where
+        every rank is on this node, publishes this rank's partial sums in the shared window,
+        and once every rank has (a barrier), adds up its columns' from the window."""
         started = time.perf_counter()
         self.settle()
+        ex = reduction.exchange
+        if ex.area is not None:
+            ex.publish()
+            self._barrier(ex.area)
+            ex.finish_shared(reduction.result)
+            self.clock["busy"] += time.perf_counter() - started
         self.clock["exposed"] += time.perf_counter() - started
         self.clock["steps"] += 1
+
+    def _barrier(self, area):
+        """Every rank has written its segment of area: the memory barriers around a barrier
+        that MPI asks for before a rank reads another's writes."""
+        with self._lock:
+            area.win.Sync()
+        self._complete([self._post(self.comm.Ibarrier)])
+        with self._lock:
+            area.win.Sync()
 
     def settle(self):
         """Waits until the thread has exchanged every run started; raises its error. Every
@@ -425,8 +542,8 @@ class MPICommunicator:
             self._until(lambda: engine.reached[s] >= len(engine.groups), poll=POLL_SECONDS)
             self._gather(self._lane, engine.sums[i][k][0], engine.parts)
             engine.gathered[s] = 1
-        if not engine.backward:
-            return
+        if not engine.backward or engine.reduction.exchange.area is not None:
+            return   # a shared window's exchange is exchange()'s own
         reduction, requests = engine.reduction, []
         ex = reduction.exchange
         if not self.layout.spare_core():
@@ -558,6 +675,9 @@ class MPICommunicator:
 
     # -- after the update ------------------------------------------------------------------
     def share(self, params):
+        """Every rank's columns of params to every rank: MPI's all-gather. (Through the
+        node's shared window, a copy in, a barrier and a copy out took no less CPU than the
+        all-gather's one copy: bench/README.md, "Ranks on one node".)"""
         started = time.perf_counter()
         counts, displs = _counts(self.columns(len(params)))
         self._complete([self._post(self.comm.Iallgatherv, self.MPI.IN_PLACE,
