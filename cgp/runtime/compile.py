@@ -34,10 +34,10 @@ from pathlib import Path
 # More processes than this share out too few kernels (LeNet's training calls 28 from
 # Python) to be worth a Trainer each.
 MOST = 8
-# Below this many cores the processes are not started unless asked for: on 2 cores the
-# functions that several kernels call, compiled in each process that needs them, cost more
-# than the second core gives (bench/README.md, the first run's compile).
-FEWEST = 4
+# Below this many cores the processes are not started unless asked for. On 2 quiet cores
+# two processes cut a cold LeNet run from 26 - 28 s to 18 - 21 s (bench/README.md, the first
+# run's compile); where other jobs hold the cores, they gain little.
+FEWEST = 2
 # A process that has claimed or finished nothing for this long is stopped.
 STALLED_SECONDS = 300
 
