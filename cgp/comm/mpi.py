@@ -32,7 +32,8 @@ main process of a rank calls MPI: its worker processes, forked before, compute.
 Waiting (see DESIGN.md, "MPI waits"): Open MPI's blocking calls spin on the CPU until the
 other ranks arrive, taking a core from the rank's own workers and from the other ranks. So
 every call here is non-blocking, and its wait (MPICommunicator._complete) looks at it for
-SPIN_SECONDS, then sleeps between looks, the naps growing to NAP_SECONDS. The two threads of
+SPIN_SECONDS (longer where the rank's workers have cores of their own), then sleeps between
+looks, the naps growing to NAP_SECONDS. The two threads of
 a rank never call MPI at once (one lock, held for each call alone, never across a wait): two
 threads in Open MPI's progress engine at once crashed now and then (a segmentation fault in
 the shared-memory transport's polling, under Waitall), and with the lock the rank runs on
@@ -154,8 +155,13 @@ POLL_SECONDS = 0.0002
 
 # A wait for the other ranks: looks at its requests for SPIN_SECONDS (the other ranks are
 # often there already), then sleeps between looks, the naps doubling from the first to the
-# second of NAP_SECONDS: a rank that waits leaves its core to the ranks it waits for.
+# second of NAP_SECONDS: a rank that waits leaves its core to the ranks it waits for. Where
+# the rank's workers each have a core of their own (Layout.own_cores), the core it would
+# leave serves no other rank: it looks for OWN_CORE_SPIN_SECONDS, since a nap's wake-up
+# came late by up to NAP_SECONDS[1] in each of a step's waits (LeNet on 2 x 1: 1.0 ms of
+# communication a step against 0.5 ms; bench/README.md).
 SPIN_SECONDS = 0.00005
+OWN_CORE_SPIN_SECONDS = 0.002
 NAP_SECONDS = (0.00005, 0.0005)
 
 # A wait of HANG_SECONDS (CGP_HANG_SECONDS overrides it) asks every other rank whether it still
@@ -214,6 +220,10 @@ class Layout(NamedTuple):
     def spare_core(self):
         """Whether the rank has a core for its exchange thread beside its workers'."""
         return self.workers + 1 <= self.cores
+
+    def own_cores(self):
+        """Whether each of the rank's workers has a core of its own."""
+        return self.workers <= self.cores
 
     def describe(self):
         """The start-up line's words: the layout, and a warning where it oversubscribes."""
@@ -411,6 +421,7 @@ class MPICommunicator:
             else:
                 node.Free()
         self.layout = Layout.of(pool.threads, self._node is not None)
+        self._spin = OWN_CORE_SPIN_SECONDS if self.layout.own_cores() else SPIN_SECONDS
         threading.Thread(target=self._serve, name="cgp-exchange", daemon=True).start()
         # Seconds spent communicating, summed over runs (cgp bench): `busy`, from the first
         # bucket's posting to the last's finish less the waits for the next bucket's sums,
@@ -593,7 +604,8 @@ class MPICommunicator:
             return call(*args, **kwargs)
 
     def _complete(self, requests, stall=True):
-        """Returns once every request (a list) is complete: looks for SPIN_SECONDS, then naps
+        """Returns once every request (a list) is complete: looks for a while (SPIN_SECONDS or
+        OWN_CORE_SPIN_SECONDS, by the layout), then naps
         between looks (see the module); past hang_seconds, finds out whether a rank hangs
         (and with `stall`, ends a job that waits for ever on ranks that all answer)."""
         Testall = self.MPI.Request.Testall
@@ -604,7 +616,7 @@ class MPICommunicator:
                 if Testall(requests):
                     return
             now = time.monotonic()
-            if now - started < SPIN_SECONDS:
+            if now - started < self._spin:
                 continue
             with self._lock:
                 self._answer()
