@@ -2,8 +2,7 @@
 engine and the loop's units (cgp.training: tests, display, snapshots, signals; the memory
 check and the divergence message). Then the loop: the steps up to the next test, snapshot
 or the end, each followed by the display and the signals' agreed request; at a boundary,
-the test or the snapshot. The Solver does the arithmetic and knows nothing about threads;
-the Engine runs the chunks; this module only sequences them.
+the test or the snapshot. The Solver does the arithmetic, the Engine runs the chunks.
 
 Every source of randomness is a pure function of (seed, iteration, ...), and the data
 position is a pure function of the iteration, so a run resumed from a snapshot
