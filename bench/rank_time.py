@@ -171,8 +171,8 @@ def main():
             threads = {"main": layout[0], "exchange": layout[0] if layout[0] > 1 else 0}
             for cls in CLASSES:
                 cpu, delay, vol, invol = per[cls]
-                if not (cpu or delay or vol or invol):
-                    continue
+                if not (cpu or delay or vol or invol or threads.get(cls)):
+                    continue   # a class the layout has none of (a rank's threads: shown)
                 blocked = ""
                 if cls in threads:   # one such thread per rank: its wall time is known
                     blocked = f"{1e3 * (threads[cls] * wall - cpu - delay):.2f}"
