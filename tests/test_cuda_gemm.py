@@ -2,13 +2,15 @@
 in a process of its own (NUMBA_ENABLE_CUDASIM must be set before Numba starts): against
 NumPy in float64, and one part's (rows', columns') bits the same alone as among others, in
 float32. Tiny shapes: the simulator runs every thread of a block in Python. The GPU runs
-the same checks compiled (tests/test_gpu.py)."""
+the same checks compiled (test_the_cuda_gemm_on_the_gpu)."""
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from test_device import GPU
 
 CHECKS = r'''
 import numpy as np
@@ -58,17 +60,6 @@ def has_cuda():
     return cuda_kernels()[0]
 
 
-def has_cupy_gpu():
-    import importlib.util
-    if importlib.util.find_spec("cupy") is None:
-        return False
-    import cupy
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return False
-
-
 @pytest.mark.skipif(not has_cuda(), reason="needs a GPU and Numba's CUDA target (NVVM)")
 def test_the_cuda_gemm_on_the_gpu():
     """The simulator's checks, compiled by NVVM and run on the GPU (bench/gpu_check.sh)."""
@@ -77,7 +68,7 @@ def test_the_cuda_gemm_on_the_gpu():
     assert done.returncode == 0 and done.stdout.split() == ["ok", "16"], done.stderr[-3000:]
 
 
-@pytest.mark.skipif(not has_cupy_gpu(), reason="needs CuPy and a GPU")
+@GPU
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_cublas_gives_a_chunk_the_same_bits_among_16(dtype):
     """Whether cuBLAS qualifies for all of a device's chunks in one launch: a chunk's
