@@ -40,7 +40,7 @@ def add_train(sub):
     add_snapshot_options(p)
     p.add_argument("--compile-processes", type=int, default=None, metavar="N",
                    help="compile a first run's kernels in N processes before training (default: "
-                        "one per core where there are 4 or more, at most 8; 0: the training "
+                        "one per core where there are 2 or more, at most 8; 0: the training "
                         "compiles its own)")
     p.add_argument("--heartbeat", default=None, metavar="FILE",
                    help="rank 0 rewrites FILE as training progresses (what `cgp launch` "

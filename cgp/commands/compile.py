@@ -23,7 +23,7 @@ def add_compile(sub):
                    help="folder holding the data set (overrides CGP_DATA_DIR and the bundled copy)")
     p.add_argument("--processes", type=int, default=None, metavar="N",
                    help="share the compiling out among N forked processes (default: one per "
-                        "core where there are 4 or more, at most 8)")
+                        "core where there are 2 or more, at most 8)")
     p.set_defaults(run=cmd_compile)
 
 
