@@ -18,7 +18,8 @@ BENCH = ROOT / "bench"
 TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "first_run.py", "gpu_check.sh",
          "gpu_memory.py", "kernel_ab.py", "large_batch.py", "layer_rates.py",
          "machine_scaling.py", "many_cores.sh", "rank_stress.py", "rank_time.py",
-         "revision_ab.py", "scale_model.py", "staleness.py", "step_tail.py", "torch_baseline.py"}
+         "revision_ab.py", "scale_model.py", "staleness.py", "step_phases.py", "step_tail.py",
+         "torch_baseline.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
 
 
@@ -133,6 +134,23 @@ def test_layer_rates_gives_each_pass_of_each_layer(mnist_dir, tmp_path):
         assert [row.split()[1] for row in rows] == ["forward", "backward"]
         # Convolution and InnerProduct give a rate, the others none.
         assert all(("GFLOP/s" in row) == (layer[:2] in ("co", "ip")) for row in rows)
+
+
+def test_step_phases_splits_the_step_into_its_phases(mnist_dir, tmp_path):
+    """The layers, the factored and plain sums, the update and the data each have a line,
+    and the phases add up to the step timed with the wrappers."""
+    text = run("step_phases.py", "mnist", "--steps", "2", "--rounds", "1", "--data-dir",
+               mnist_dir, cwd=tmp_path)
+    [step, timed, _, layers, rest] = numbers(
+        r"step (\d+\.\d+) ms as trained, (\d+\.\d+) ms with the wrappers \(([+-]\d+\.\d+)\); "
+        r"the layers (\d+\.\d+) ms, the rest (\d+\.\d+) ms", text)
+    assert min(step, timed, layers, rest) > 0
+    phases = {line[:36].strip(): float(line[36:].split()[0]) for line in text.splitlines()
+              if line.startswith("  ") and not line.split()[0] == "phase"}
+    for name in ("layers forward", "layers backward", "outer_tree_sum (ip factors)",
+                 "tree_sum (chunk buffers)", "update kernel", "data transform"):
+        assert phases[name] > 0, name
+    assert sum(phases.values()) == pytest.approx(timed, rel=0.02, abs=0.02)
 
 
 def test_scale_model_predicts_from_measured_layer_times(mnist_dir, tmp_path):
