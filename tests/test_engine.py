@@ -15,8 +15,8 @@ import psutil
 import pytest
 from numba import njit
 
-from cgp.comm.local import (FactoredGrad, LocalCommunicator, ReferenceCommunicator, blocks,
-                      reference_reduce, split, sum_block, uncovered)
+from cgp.comm.local import (ALONE, FactoredGrad, LocalCommunicator, ReferenceCommunicator,
+                            blocks, reference_reduce, split, sum_block, uncovered)
 from cgp.engine import Call, Engine, Sum, chunk_bounds, group_size
 from cgp.commands.equivalence import compare, train_run
 from cgp.errors import CgpError, NetError
@@ -63,12 +63,15 @@ def test_tree_reduction_matches_reference_bitwise(threads):
         cut = LocalCommunicator(pool).plan(bufs.copy(), (), cuts=(70000, 5, 33000, 0))
         pool.close()
         assert np.array_equal(got, want) and np.array_equal(cut(), want)
-        width = sum_block(k)   # columns per task, fewer the more chunks each column sums
+        # Columns per task, fewer the more chunks each column sums; ALONE times as many on
+        # one worker, which has nothing to balance.
+        width = sum_block(k, ALONE if threads == 1 else 1)
         assert [lo for lo, _ in cut.spans] == [
             a for lo, hi in ((0, 5), (5, 33000), (33000, 70000), (70000, 70001))
             for a in range(lo, hi, width)]
     # About SUM_ELEMENTS chunk-gradient elements a task, in whole tiles of the kernel.
     assert [sum_block(k) for k in (1, 2, 16, 33, 200)] == [131072, 65536, 8192, 3072, 1024]
+    assert sum_block(16, ALONE) == 131072
     assert blocks(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert split([(0, 10), (12, 20)], (7, 0, 3, 12, 15, 7)) == [(0, 3), (3, 7), (7, 10),
                                                                 (12, 15), (15, 20)]

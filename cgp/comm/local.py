@@ -33,6 +33,11 @@ BLOCK = 1 << 15  # columns per task: large enough to amortise a call, small enou
 SUM_ELEMENTS = 1 << 17
 # Rows of a factored gradient per task: a multiple of every register tile's height.
 ROW_GRAIN = 24
+# With one worker nothing needs balancing, and each task costs the interpreter's work of a
+# task (about 10 µs in a LeNet step, its data out of the caches): tasks this many times as large.
+# LeNet's step then has 6 reduction tasks in place of 29, and its sums and updates after the
+# calls take 0.2 ms less (bench/README.md, "Outside the layers").
+ALONE = 16
 
 
 class FactoredGrad(NamedTuple):
@@ -53,9 +58,10 @@ def blocks(size, block=BLOCK):
     return [(lo, min(lo + block, size)) for lo in range(0, size, block)]
 
 
-def sum_block(chunks):
-    """Columns per tree-sum task over `chunks` rows: about SUM_ELEMENTS elements, whole TILEs."""
-    return max(TILE, SUM_ELEMENTS // chunks // TILE * TILE)
+def sum_block(chunks, scale=1):
+    """Columns per tree-sum task over `chunks` rows: about scale * SUM_ELEMENTS elements,
+    whole TILEs."""
+    return max(TILE, scale * SUM_ELEMENTS // chunks // TILE * TILE)
 
 
 def uncovered(size, factored):
@@ -246,17 +252,19 @@ class LocalCommunicator:
         """The reduction of bufs and factored (as in reduce), cut into its tasks once, for a
         caller that reduces the same buffers every iteration (the engine): a Reduction.
         cuts: columns where a task must end besides every sum_block columns (the engine's
-        layer boundaries, so that no task waits for a layer whose columns it does not sum)."""
+        layer boundaries, so that no task waits for a layer whose columns it does not sum).
+        Tasks are ALONE times as large on a pool of one worker. Any cut gives the same sums."""
         sums, stacks = self._worker_scratch(bufs.shape[0], bufs.dtype)
+        scale = ALONE if self.pool.threads == 1 else 1
         tasks, spans = [], []  # each task a function of the worker that runs it (whose
                                # scratch it uses), and the columns it sums
         for lo, hi in split(uncovered(bufs.shape[1], factored), cuts):
-            for a, b in blocks(hi - lo, sum_block(bufs.shape[0])):
+            for a, b in blocks(hi - lo, sum_block(bufs.shape[0], scale)):
                 tasks.append(lambda w, lo=lo + a, hi=lo + b: tree_sum(bufs, lo, hi, sums[w]))
                 spans.append((lo + a, lo + b))
         for f in factored:
             out = bufs[0, f.offset:f.offset + f.J * f.L]
-            rows = max(ROW_GRAIN, BLOCK // f.L // ROW_GRAIN * ROW_GRAIN)
+            rows = max(ROW_GRAIN, scale * BLOCK // f.L // ROW_GRAIN * ROW_GRAIN)
             for j0, j1 in blocks(f.J, rows):
                 tasks.append(lambda w, f=f, out=out, j0=j0, j1=j1: outer_tree_sum(
                     f.a, f.b, f.J, f.L, f.starts, j0, j1, stacks[w], out))
