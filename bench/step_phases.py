@@ -13,7 +13,9 @@ step (monkeypatched into this process only), timed exclusive of the phases it ca
 round first times --steps steps without the wrappers (the step as trained), then as many
 with them. What the wrappers cost is the difference between the two step times, printed
 too; it lands in the phases that call wrapped functions (the engine's and the pool's own
-Python). Medians over the rounds.
+Python). The steps without the wrappers also give the run's tail, from the end of its last
+call to the end of the run (one worker runs the tasks in turn: the reduction's sums and
+the update in them), timed by three clock readings a step. Medians over the rounds.
 """
 import argparse
 import time
@@ -112,14 +114,27 @@ def main():
                       log=lambda line: None)
     phases = Phases()
     instrument(trainer, phases)
-    plain, wrapped, table = [], [], []
+    engine, tail = trainer.engine, [0.0, 0.0]   # [end of the latest call, the tails' sum]
+    call, run = engine._call, engine.pool.run
+
+    def call_then_mark(*args):
+        call(*args)
+        tail[0] = time.thread_time()
+
+    def run_then_tail(*args, **kwargs):
+        run(*args, **kwargs)
+        tail[1] += time.thread_time() - tail[0]
+    engine._call, engine.pool.run = call_then_mark, run_then_tail
+    plain, wrapped, tails, table = [], [], [], []
     with threadpool_limits(limits=1):
         trainer.steps(5)   # warm-up: compilation, first touches, bound calls
         for _ in range(args.rounds):
             phases.on = False
+            tail[1] = 0.0
             started = time.thread_time()
             trainer.steps(args.steps)
             plain.append((time.thread_time() - started) / args.steps)
+            tails.append(tail[1] / args.steps)
             phases.seconds.clear()
             phases.calls.clear()
             phases.on = True
@@ -138,6 +153,8 @@ def main():
           f"{args.rounds} rounds of {args.steps} steps: step {step:.3f} ms as trained, "
           f"{timed:.3f} ms with the wrappers ({timed - step:+.3f}); the layers {layers:.3f} "
           f"ms, the rest {timed - layers:.3f} ms ({(timed - layers) / timed:.1%})")
+    print(f"  the run's tail after its last call, as trained: {np.median(tails) * 1e3:.3f} ms "
+          f"(rounds {' '.join(f'{t * 1e3:.3f}' for t in tails)})")
     print(f"  {'phase':34s} {'ms':>7s} {'step':>6s} {'calls':>6s}")
     for name in sorted(names, key=lambda n: -ms[n]):
         print(f"  {name:34s} {ms[name]:7.3f} {ms[name] / timed:6.1%} {calls[name]:6.1f}")

@@ -145,8 +145,10 @@ def test_step_phases_splits_the_step_into_its_phases(mnist_dir, tmp_path):
         r"step (\d+\.\d+) ms as trained, (\d+\.\d+) ms with the wrappers \(([+-]\d+\.\d+)\); "
         r"the layers (\d+\.\d+) ms, the rest (\d+\.\d+) ms", text)
     assert min(step, timed, layers, rest) > 0
+    [tail] = numbers(r"the run's tail after its last call, as trained: (\d+\.\d+) ms", text)
+    assert 0 < tail < step
     phases = {line[:36].strip(): float(line[36:].split()[0]) for line in text.splitlines()
-              if line.startswith("  ") and not line.split()[0] == "phase"}
+              if line.startswith("  ") and line.split()[0] not in ("phase", "the")}
     for name in ("layers forward", "layers backward", "outer_tree_sum (ip factors)",
                  "tree_sum (chunk buffers)", "update kernel", "data transform"):
         assert phases[name] > 0, name
