@@ -69,6 +69,12 @@ POSITION_BLOCK = 128
 # the shipped nets' layers run both ways, bench/README.md: _dw_by_lanes).
 LANE_M, LANE_N = 4, 5
 LANE_CALL = 6
+# One more tile shape for _convolve_rows' channel tiles, beside SHAPES: ROWS_T channels by
+# ROWS_KV vectors of positions, and its speed as in SPEEDS_UNIT. Channel counts that are
+# multiples of 10 fill it where SHAPES' T (12, 8, 6, 3) pad them: LeNet's conv1, 20 channels,
+# ran as 24 in tiles of 8. Compiled at that call site alone.
+ROWS_T, ROWS_KV = 10, 2
+ROWS_SPEED = 0.97
 
 
 @njit(cache=True, nogil=True)
@@ -196,14 +202,17 @@ def _rows_tiles(Ko, PQo, Qo, R, dil, shift, Hi, V):
     padding 2: a tile of one row skips 15 % of it, one of four rows nothing). The estimated
     time: the multiply-adds of every tile over the kernel rows it runs, over the shape's
     speed (SPEEDS_UNIT: both ways the T operands lie side by side). Ties go to channel tiles,
-    which need no transposition."""
+    which need no transposition. Channel tiles also come in (ROWS_T, ROWS_KV)."""
     best_t, best_kv, best_pos, best = 0, 0, False, -1.0
-    for i in range(len(SHAPES)):
-        T, KV = SHAPES[i]
+    for i in range(len(SHAPES) + 1):
+        T, KV = SHAPES[i] if i < len(SHAPES) else (ROWS_T, ROWS_KV)
+        speed = SPEEDS_UNIT[i] if i < len(SHAPES) else ROWS_SPEED
         for positions in (False, True):
+            if positions and i == len(SHAPES):
+                continue
             span = T if positions else KV * V
             channels = _round_up(Ko, KV * V if positions else T)
-            cost = _tile_rows(PQo, span, Qo, R, dil, shift, Hi) * span * channels / SPEEDS_UNIT[i]
+            cost = _tile_rows(PQo, span, Qo, R, dil, shift, Hi) * span * channels / speed
             if best < 0 or cost < best:
                 best_t, best_kv, best_pos, best = T, KV, positions, cost
     return best_t, best_kv, best_pos
@@ -358,12 +367,18 @@ def _convolve_rows(e, e_off, row_len, r_step, wt, wt_off, KoT, out, out_off, Ko,
                 transpose_block(out, out_off + k0 * PQo + j0, PQo, ycl, j0 * KoT + k0, KoT,
                                 min(V, PQo - j0), min(V, Ko - k0), ycl, 0, False)
         return
+    extra = T == ROWS_T and KV == ROWS_KV
     for j0 in range(0, PQo, KVV):
         r0, r1 = _kernel_rows(j0, min(j0 + KVV, PQo), Qo, R, dil, shift, Hi)
         for k0 in range(0, Ko, T):
-            _tile_unit(T, KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0, False,
-                       wt, wt_off + r0 * steps * KoT + k0, steps * KoT, KoT,
-                       e, e_off + r0 * r_step + j0, r_step, row_len, r1 - r0, steps)
+            if extra:
+                tile(ROWS_T, ROWS_KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0,
+                     False, wt, wt_off + r0 * steps * KoT + k0, 1, steps * KoT, KoT,
+                     e, e_off + r0 * r_step + j0, r_step, row_len, r1 - r0, steps)
+            else:
+                _tile_unit(T, KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0, False,
+                           wt, wt_off + r0 * steps * KoT + k0, steps * KoT, KoT,
+                           e, e_off + r0 * r_step + j0, r_step, row_len, r1 - r0, steps)
 
 
 @njit(cache=True, nogil=True)

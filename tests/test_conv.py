@@ -417,6 +417,30 @@ def test_small_planes_with_long_reductions_run_through_gemm(num_output, fields, 
     assert ("e" in layer.scratch_shapes(1)) != gemm
 
 
+def test_extra_channel_tiles_give_the_same_bits():
+    """_convolve_rows' extra channel tile (ROWS_T, ROWS_KV), which LeNet's conv1 and conv2 take
+    (20 and 50 channels), gives the bits of SHAPES' tiles: one chain per element either way.
+    Positions not whole vectors, channels not whole tiles, kernel rows left out at the edges
+    (padding 1)."""
+    assert K.direct_shapes(1, 28, 28, 20, 5, 5, 0, 0, 1, 1, 1, 16)[:3] == (K.ROWS_T, K.ROWS_KV,
+                                                                         False)
+    Ko, R, steps, Qo, Hi = 23, 3, 4, 13, 9   # Hi + 2 rows of padding, Qo wide
+    PQo = Hi * Qo
+    rng = np.random.default_rng(2)
+    KoT = 32
+    e = rng.standard_normal(R * Qo + steps * (Hi + 2) * Qo + PQo + 256).astype(np.float32)
+    wt = rng.standard_normal(R * steps * KoT + 32).astype(np.float32)
+    results = []
+    for T, KV in ((K.ROWS_T, K.ROWS_KV), (8, 2), (12, 2), (6, 4)):
+        out = np.full(Ko * PQo, np.nan, np.float32)
+        K._convolve_rows(e, 0, (Hi + 2) * Qo, Qo, wt, 0, KoT, out, 0, Ko, PQo, R, steps, Qo, 1,
+                         1, Hi, T, KV, False, out, 16)
+        results.append(out)
+    assert not np.isnan(results[0]).any()
+    for other in results[1:]:
+        assert np.array_equal(other, results[0])
+
+
 def test_tile_rows_counts_every_tile():
     """The kernel rows that the tiles of a convolution run, counted from the edges in, are
     the sum over every tile, for paddings up to beyond the kernel, dilations, and tiles of
