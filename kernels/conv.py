@@ -75,6 +75,13 @@ LANE_CALL = 6
 # ran as 24 in tiles of 8. Compiled at that call site alone.
 ROWS_T, ROWS_KV = 10, 2
 ROWS_SPEED = 0.97
+# Kernels DW_S wide (5: LeNet's and cifar10's): the weight gradient's main tiles of 3 or 4
+# vectors of channels take the S rows (c, s) of one input channel and kernel row, T = S, and
+# so store the gradient in w's order, channels innermost (_dw_kernel_row): no rows padded to
+# whole tiles, and one transposition per part into w's layout instead of one per kernel row
+# and channel (LeNet's conv2 x1.08, cifar10_quick's conv3 x1.06; with 2 vectors, 10
+# accumulators, cifar10_quick's conv2 ran x0.96, and keeps its tiles).
+DW_S = 5
 
 
 @njit(cache=True, nogil=True)
@@ -525,6 +532,21 @@ def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_
 
 
 @njit(cache=True, nogil=True)
+def _dw_kernel_row(KV, out, out_off, accumulate, e, e_off, e_ts, dycl, d_off, d_step, steps):
+    """tile(DW_S, KV, ...) of the weight gradient (see conv_backward_direct), KV 3 or 4: the
+    DW_S rows (c, s) of one input channel and kernel row by KV vectors of channels, stored at
+    out_off, rows of KV vectors; the shapes given as constants, so that only these two
+    compile."""
+    KVV = KV * lanes(out.itemsize)
+    if KV == 3:
+        tile(DW_S, 3, out, out_off, KVV, DW_S, KVV, accumulate, e, e_off, e_ts, 0, 1,
+             dycl, d_off, 0, d_step, 1, steps)
+    else:
+        tile(DW_S, 4, out, out_off, KVV, DW_S, KVV, accumulate, e, e_off, e_ts, 0, 1,
+             dycl, d_off, 0, d_step, 1, steps)
+
+
+@njit(cache=True, nogil=True)
 def _channels_last(dy, n, j0, jn, dycl, dbacc, add, Kg, Kgp, V):
     """Positions j0 to j0 + jn - 1 of sample n of dy (N, K, P, Q), C-contiguous, with channels
     innermost: dycl[(j - j0)*Kp + gr*Kgp + kk] = dy[n, gr*Kg + kk, j] (flat positions j,
@@ -599,8 +621,10 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
             _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, V)
         return
     bias = dbs.size > 0
+    by_rows = S == DW_S and KV >= 3
     # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
-    # chain over the part's samples, then positions. Each block of positions is turned
+    # chain over the part's samples, then positions (by_rows: the S rows of one input channel
+    # and kernel row per tile, stored in w's order; DW_S). Each block of positions is turned
     # channels-last just before its tiles, which find it in the L1 cache (and continue their
     # chains across blocks): a whole chunk turned at once went through L3, which slowed the
     # weight gradient of large outputs (cifar10_quick's first layer) measurably.
@@ -632,12 +656,19 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                     for gr in range(group):
                         for kb in range(nkb):
                             blk = gr * nkb + kb
+                            d_off = (j0 - p0) * Kp + gr * Kgp + kb * KVV
+                            if by_rows:
+                                for c in range(Cg):
+                                    _dw_kernel_row(KV, dwt, ((blk * Cg + c) * R + r) * S * KVV,
+                                                   n > n0 or p0 > 0, e,
+                                                   (gr * CSg + c * S) * HpQ + r * dil_h * Q + j0,
+                                                   HpQ, dycl, d_off, Kp, steps)
+                                continue
                             for cs0 in range(0, CSg, T):
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
                                      CSg - cs0, KVV, n > n0 or p0 > 0,
                                      e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + j0,
-                                     HpQ, 0, 1, dycl, (j0 - p0) * Kp + gr * Kgp + kb * KVV, 0,
-                                     Kp, 1, steps)
+                                     HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
                     for t0 in range(0, KrT, max(Tl, 1)):
                         for v0 in range(0, CSg, KVl * V):
                             _tile_unit(Tl, KVl, lsum, (r * KrT + t0) * CSv + v0, CSv, Kr - t0,
@@ -659,6 +690,13 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                 blk = gr * nkb + kb
                 k0 = gr * Kg + kb * KVV
                 kn = min(KVV, Km - kb * KVV)
+                if by_rows:   # rows (c, r, s) already: one transposition
+                    for i0 in range(0, CgRS, V):
+                        for kk0 in range(0, kn, V):
+                            transpose_block(dwk, (k0 + kk0) * CgRS + i0, CgRS,
+                                            dwt, (blk * CgRS + i0) * KVV + kk0, KVV,
+                                            min(V, CgRS - i0), min(V, kn - kk0), dwk, 0, False)
+                    continue
                 for c in range(Cg):
                     for r in range(R):
                         base = (blk * R + r) * CSp + c * S

@@ -195,6 +195,32 @@ def test_last_channels_of_the_weight_gradient_keep_their_parts():
     check_parts(layer, [data(shape)], (0, 1, 3))
 
 
+def test_weight_gradient_by_kernel_rows_keeps_parts_and_values():
+    """Kernels DW_S wide whose weight gradient has 3 or 4 vectors of channels (LeNet's conv2,
+    cifar10_quick's conv3) tile it by kernel row (kernels.conv._dw_kernel_row): each part gets
+    what a call with that part alone gives, bitwise, and on small integers (exact sums) the
+    float64 reference's values exactly, both groups of a grouped layer included."""
+    V = 16
+    for num_output, fields, shape, kw in [
+            (50, "kernel_size: 5", (5, 20, 12, 12), {}),
+            (64, "kernel_size: 5 pad: 2", (3, 32, 8, 8), dict(pad=(2, 2))),
+            (96, "kernel_size: 5 pad: 1 group: 2", (3, 4, 7, 9), dict(pad=(1, 1), group=2))]:
+        layer = build(conv_text(fields, num_output), [shape])
+        Cg, Kg = layer.C // layer.group, layer.K // layer.group
+        _, KV, Km, _, _ = K._dw_tiles(Cg * 5, Kg, layer.group, 5, layer.P * layer.Q,
+                                      (layer.H + 2 * layer.pad_h) * layer.Q, V)
+        assert layer._direct() and layer.S == K.DW_S and KV >= 3 and Km > 0
+        check_parts(layer, [data(shape)], (0, 1, shape[0]))
+        rng = np.random.default_rng(4)
+        x = rng.integers(-3, 4, shape).astype(np.float32)
+        w, b = (rng.integers(-3, 4, p.shape).astype(np.float32) for p in random_params(layer))
+        dy = rng.integers(-3, 4, layer.top_shapes[0]).astype(np.float32)
+        _, _, (dw, db) = backward(layer, [x], [w, b], [dy])
+        _, want_dw, want_db = conv_ref_grads(x.astype(np.float64), w.astype(np.float64),
+                                             dy.astype(np.float64), **kw)
+        assert np.array_equal(dw, want_dw) and np.array_equal(db, want_db)
+
+
 def conv_ref_grads(x, w, dy, stride=(1, 1), pad=(0, 0), dilation=(1, 1), group=1):
     """dx, dw, db of sum(conv_ref(x, w, b) * dy), from the same shifted slices as conv_ref:
     each tap's slice of the padded input meets dy."""
