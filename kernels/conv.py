@@ -75,13 +75,14 @@ LANE_CALL = 6
 # ran as 24 in tiles of 8. Compiled at that call site alone.
 ROWS_T, ROWS_KV = 10, 2
 ROWS_SPEED = 0.97
-# Kernels DW_S wide (5: LeNet's and cifar10's): the weight gradient's main tiles of 3 or 4
+# Kernels DW_S wide (5: LeNet's and cifar10's): the weight gradient's main tiles of DW_KV
 # vectors of channels take the S rows (c, s) of one input channel and kernel row, T = S, and
-# so store the gradient in w's order, channels innermost (_dw_kernel_row): no rows padded to
-# whole tiles, and one transposition per part into w's layout instead of one per kernel row
-# and channel (LeNet's conv2 x1.08, cifar10_quick's conv3 x1.06; with 2 vectors, 10
-# accumulators, cifar10_quick's conv2 ran x0.96, and keeps its tiles).
-DW_S = 5
+# so store the gradient in w's order, channels innermost: no rows padded to whole tiles, and
+# one transposition per part into w's layout instead of one per kernel row and channel
+# (LeNet's conv2, 48 channels in 3 vectors: x1.07). One shape, compiled alone: with 4
+# vectors (cifar10_quick's conv3) it ran x1.06 too, but each shape adds about a second to a
+# cold run's compile; with 2 (its conv2: 10 accumulators) x0.96.
+DW_S, DW_KV = 5, 3
 
 
 @njit(cache=True, nogil=True)
@@ -532,21 +533,6 @@ def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_
 
 
 @njit(cache=True, nogil=True)
-def _dw_kernel_row(KV, out, out_off, accumulate, e, e_off, e_ts, dycl, d_off, d_step, steps):
-    """tile(DW_S, KV, ...) of the weight gradient (see conv_backward_direct), KV 3 or 4: the
-    DW_S rows (c, s) of one input channel and kernel row by KV vectors of channels, stored at
-    out_off, rows of KV vectors; the shapes given as constants, so that only these two
-    compile."""
-    KVV = KV * lanes(out.itemsize)
-    if KV == 3:
-        tile(DW_S, 3, out, out_off, KVV, DW_S, KVV, accumulate, e, e_off, e_ts, 0, 1,
-             dycl, d_off, 0, d_step, 1, steps)
-    else:
-        tile(DW_S, 4, out, out_off, KVV, DW_S, KVV, accumulate, e, e_off, e_ts, 0, 1,
-             dycl, d_off, 0, d_step, 1, steps)
-
-
-@njit(cache=True, nogil=True)
 def _channels_last(dy, n, j0, jn, dycl, dbacc, add, Kg, Kgp, V):
     """Positions j0 to j0 + jn - 1 of sample n of dy (N, K, P, Q), C-contiguous, with channels
     innermost: dycl[(j - j0)*Kp + gr*Kgp + kk] = dy[n, gr*Kg + kk, j] (flat positions j,
@@ -589,8 +575,8 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     PQ = P * Q
     Kg = K // group
     V = lanes(x.itemsize)
-    _, _, _, T, KV, _, _, _, _ = direct_shapes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w,
-                                               group, V)
+    _, _, _, T, KV, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
+                                                              dil_h, dil_w, group, V)
     if N == 0:
         return
     KVV = KV * V
@@ -618,13 +604,14 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dwt, pad_h, pad_w, dil_h,
                   dil_w, V)
         if need_dx:
-            _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, V)
+            _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x,
+                            KV_x, pos_x, columns, V)
         return
     bias = dbs.size > 0
-    by_rows = S == DW_S and KV >= 3
+    by_rows = S == DW_S and KV == DW_KV
     # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
     # chain over the part's samples, then positions (by_rows: the S rows of one input channel
-    # and kernel row per tile, stored in w's order; DW_S). Each block of positions is turned
+    # and kernel row per tile, stored in w's order; DW_S, DW_KV). Each block of positions is turned
     # channels-last just before its tiles, which find it in the L1 cache (and continue their
     # chains across blocks): a whole chunk turned at once went through L3, which slowed the
     # weight gradient of large outputs (cifar10_quick's first layer) measurably.
@@ -659,10 +646,10 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                             d_off = (j0 - p0) * Kp + gr * Kgp + kb * KVV
                             if by_rows:
                                 for c in range(Cg):
-                                    _dw_kernel_row(KV, dwt, ((blk * Cg + c) * R + r) * S * KVV,
-                                                   n > n0 or p0 > 0, e,
-                                                   (gr * CSg + c * S) * HpQ + r * dil_h * Q + j0,
-                                                   HpQ, dycl, d_off, Kp, steps)
+                                    tile(DW_S, DW_KV, dwt, ((blk * Cg + c) * R + r) * S * KVV,
+                                         KVV, S, KVV, n > n0 or p0 > 0,
+                                         e, (gr * CSg + c * S) * HpQ + r * dil_h * Q + j0,
+                                         HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
                                 continue
                             for cs0 in range(0, CSg, T):
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
@@ -715,16 +702,15 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         for i in range(K * CgRS):
             dw[i] += dwk[i]
     if need_dx:
-        _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, V)
+        _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
+                        pos_x, columns, V)
 
 
 @njit(cache=True, nogil=True)
-def _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, V):
-    """conv_backward_direct's dx, through columns or by gathering (direct_shapes)."""
-    C, H, W = dx.shape[1], dx.shape[2], dx.shape[3]
-    K, _, R, S = w.shape
-    _, _, _, _, _, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
-                                                             dil_h, dil_w, group, V)
+def _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
+                    pos_x, columns, V):
+    """conv_backward_direct's dx, through columns or by gathering, as direct_shapes says
+    (its shapes passed in: working them out again here compiled them again)."""
     eb, wft = _aligned(eb, V), _aligned(wft, V)
     if columns:
         _dx_columns(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,

@@ -196,20 +196,20 @@ def test_last_channels_of_the_weight_gradient_keep_their_parts():
 
 
 def test_weight_gradient_by_kernel_rows_keeps_parts_and_values():
-    """Kernels DW_S wide whose weight gradient has 3 or 4 vectors of channels (LeNet's conv2,
-    cifar10_quick's conv3) tile it by kernel row (kernels.conv._dw_kernel_row): each part gets
-    what a call with that part alone gives, bitwise, and on small integers (exact sums) the
-    float64 reference's values exactly, both groups of a grouped layer included."""
+    """Kernels DW_S wide whose weight gradient has DW_KV vectors of channels (LeNet's conv2)
+    tile it by kernel row (kernels.conv.DW_S): each part gets what a call with that part
+    alone gives, bitwise, and on small integers (exact sums) the float64 reference's values
+    exactly, with padding, and both groups of a grouped layer."""
     V = 16
     for num_output, fields, shape, kw in [
             (50, "kernel_size: 5", (5, 20, 12, 12), {}),
-            (64, "kernel_size: 5 pad: 2", (3, 32, 8, 8), dict(pad=(2, 2))),
-            (96, "kernel_size: 5 pad: 1 group: 2", (3, 4, 7, 9), dict(pad=(1, 1), group=2))]:
+            (48, "kernel_size: 5 pad: 2", (3, 8, 8, 9), dict(pad=(2, 2))),
+            (96, "kernel_size: 5 pad: 1 group: 2", (3, 8, 7, 9), dict(pad=(1, 1), group=2))]:
         layer = build(conv_text(fields, num_output), [shape])
         Cg, Kg = layer.C // layer.group, layer.K // layer.group
         _, KV, Km, _, _ = K._dw_tiles(Cg * 5, Kg, layer.group, 5, layer.P * layer.Q,
                                       (layer.H + 2 * layer.pad_h) * layer.Q, V)
-        assert layer._direct() and layer.S == K.DW_S and KV >= 3 and Km > 0
+        assert layer._direct() and layer.S == K.DW_S and KV == K.DW_KV and Km > 0
         check_parts(layer, [data(shape)], (0, 1, shape[0]))
         rng = np.random.default_rng(4)
         x = rng.integers(-3, 4, shape).astype(np.float32)
