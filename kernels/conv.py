@@ -9,7 +9,9 @@ along the vectors, stored straight into NCHW, or, where tiles of fewer output ro
 of the padding (small padded images), with output channels along the vectors and the tiles
 transposed into NCHW; the weight gradient with output channels along the vectors, from dy
 transposed (where the channels are not whole vectors, the last few along T instead, by
-vectors of the input's rows: _dw_tiles); and the input gradient either the same way as the
+vectors of the input's rows: _dw_tiles), or, where channels and rows fill those tiles
+poorly (one input channel: LeNet's conv1), as dot products along the positions kept in
+lanes (_dw_lanes); and the input gradient either the same way as the
 forward pass (gathering, for padded layers) or, where the output is clearly smaller than the
 input, through one sample's column matrix, which is then added into dx row by row. Other
 strides run im2col and one BLAS GEMM per sample (cgp.runtime.blas), as do stride-1 layers on
@@ -25,8 +27,10 @@ A zero product leaves a sum as it is (a sum that starts from +0 is never -0), so
 result changes; only where an operand is infinite or NaN does a left-out product, which would
 have been NaN, not spread.
 The weight gradient is kept per part (the engine's chunks; a call may cover several), each
-element one chain over the part's samples in order, then positions, so it depends on the
-part's composition; chunk boundaries are fixed by the batch size and the chunk count, never
+element one chain over the part's samples in order, then positions (by lanes: V chains, lane
+l over the positions l, l + V, ... of each sample, samples in order, summed in a fixed tree
+at the part's end; V is fixed by the dtype, not by the CPU), so it depends on the part's
+composition; chunk boundaries are fixed by the batch size and the chunk count, never
 by threads, timing or memory addresses, so the result is the same for any thread count and
 any number of parts per call. Tile shapes, buffer alignment and the CPU's vector width change
 the speed, never a result.
@@ -39,7 +43,8 @@ nothing from forward but its input, as in Caffe. (Keeping every sample's copy fr
 to backward instead measured no faster.) Backward adds a block of one sample's dy
 transposed (POSITION_BLOCK positions by K, K rounded up to whole vectors), and where the
 weight gradient runs its last channels along T, one sample's widened input transposed (about
-e's size, in dwt): no buffer grows with the chunk.
+e's size, in dwt); by lanes, the lane sums (V per weight and bias, K and C*S padded to
+lane_tile's shape) in dwt instead, and no dy block: no buffer grows with the chunk.
 
 Dimension letters: N samples in the chunk, C input channels, K output channels (filters),
 G groups (C/G and K/G channels per group), H W input height and width, P Q output height and
@@ -52,12 +57,32 @@ from numba import njit
 
 from cgp.runtime.blas import gemm
 from cgp.kernels.elementwise import copy
-from cgp.runtime.simd import (SHAPES, SPEEDS_STRIDED, SPEEDS_UNIT, T_MAX, choose, lanes,
-                              shifted_copy, shifted_row_sum, tile, transpose_block)
+from cgp.runtime.simd import (SHAPES, SPEEDS_STRIDED, SPEEDS_UNIT, T_MAX, choose, lane_tile,
+                              lanes, shifted_copy, shifted_row_sum, tile, transpose_block)
 
 # Output positions per block of the weight gradient: the block of dycl that every tile of
 # the block reads stays in the L1 cache.
 POSITION_BLOCK = 128
+# The weight gradient by lanes (_dw_lanes): lane_tile's shape, LANE_M output channels by
+# LANE_N rows (c, s) of the widened input (20 accumulators, 4 + 5 operand vectors), and what
+# a call costs besides its steps, in steps (loading and storing its accumulators; fitted to
+# the shipped nets' layers run both ways, bench/README.md: _dw_by_lanes).
+LANE_M, LANE_N = 4, 5
+LANE_CALL = 6
+# One more tile shape for _convolve_rows' channel tiles, beside SHAPES: ROWS_T channels by
+# ROWS_KV vectors of positions, and its speed as in SPEEDS_UNIT. Channel counts that are
+# multiples of 10 fill it where SHAPES' T (12, 8, 6, 3) pad them: LeNet's conv1, 20 channels,
+# ran as 24 in tiles of 8. Compiled at that call site alone.
+ROWS_T, ROWS_KV = 10, 2
+ROWS_SPEED = 0.97
+# Kernels DW_S wide (5: LeNet's and cifar10's): the weight gradient's main tiles of DW_KV
+# vectors of channels take the S rows (c, s) of one input channel and kernel row, T = S, and
+# so store the gradient in w's order, channels innermost: no rows padded to whole tiles, and
+# one transposition per part into w's layout instead of one per kernel row and channel
+# (LeNet's conv2, 48 channels in 3 vectors: x1.07). One shape, compiled alone: with 4
+# vectors (cifar10_quick's conv3) it ran x1.06 too, but each shape adds about a second to a
+# cold run's compile; with 2 (its conv2: 10 accumulators) x0.96.
+DW_S, DW_KV = 5, 3
 
 
 @njit(cache=True, nogil=True)
@@ -185,14 +210,17 @@ def _rows_tiles(Ko, PQo, Qo, R, dil, shift, Hi, V):
     padding 2: a tile of one row skips 15 % of it, one of four rows nothing). The estimated
     time: the multiply-adds of every tile over the kernel rows it runs, over the shape's
     speed (SPEEDS_UNIT: both ways the T operands lie side by side). Ties go to channel tiles,
-    which need no transposition."""
+    which need no transposition. Channel tiles also come in (ROWS_T, ROWS_KV)."""
     best_t, best_kv, best_pos, best = 0, 0, False, -1.0
-    for i in range(len(SHAPES)):
-        T, KV = SHAPES[i]
+    for i in range(len(SHAPES) + 1):
+        T, KV = SHAPES[i] if i < len(SHAPES) else (ROWS_T, ROWS_KV)
+        speed = SPEEDS_UNIT[i] if i < len(SHAPES) else ROWS_SPEED
         for positions in (False, True):
+            if positions and i == len(SHAPES):
+                continue
             span = T if positions else KV * V
             channels = _round_up(Ko, KV * V if positions else T)
-            cost = _tile_rows(PQo, span, Qo, R, dil, shift, Hi) * span * channels / SPEEDS_UNIT[i]
+            cost = _tile_rows(PQo, span, Qo, R, dil, shift, Hi) * span * channels / speed
             if best < 0 or cost < best:
                 best_t, best_kv, best_pos, best = T, KV, positions, cost
     return best_t, best_kv, best_pos
@@ -245,6 +273,9 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     Kgp, CSv, left, trans = _dw_layout(Cg * S, Kg, group, R, P * Q, Hp * Q, V)
     Kp = group * Kgp
     o1, o2 = _dw_extra(Kp * R * _round_up(Cg * S, T_w), K * Cg * R * S, left, V)
+    dwt = o2 + trans
+    if _dw_by_lanes(Cg * S, Kg, group, P * Q, V):
+        dwt = max(dwt, _lane_sums_size(Cg * S, K, R, P * Q, V))
     KgT = _channel_pad(Kg, T_f, KV_f, pos_f, V)
     wpt = group * R * Cg * S * KgT + (P * Q * KgT if pos_f else 0)
     if columns:
@@ -254,7 +285,7 @@ def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
         eb, wft, dxp = K * S * Hb * W, group * R * Kg * S * CgT + (H * W * CgT if pos_x else 0), 0
     return (C * S * Hp * Q, _e_slack(Hp * Q, V) + V, wpt + V,
             min(P * Q, POSITION_BLOCK) * Kp, V,
-            o2 + trans, Kp, eb + 4 * V + V, wft + V,
+            dwt, Kp, eb + 4 * V + V, wft + V,
             dxp + V)
 
 
@@ -344,12 +375,18 @@ def _convolve_rows(e, e_off, row_len, r_step, wt, wt_off, KoT, out, out_off, Ko,
                 transpose_block(out, out_off + k0 * PQo + j0, PQo, ycl, j0 * KoT + k0, KoT,
                                 min(V, PQo - j0), min(V, Ko - k0), ycl, 0, False)
         return
+    extra = T == ROWS_T and KV == ROWS_KV
     for j0 in range(0, PQo, KVV):
         r0, r1 = _kernel_rows(j0, min(j0 + KVV, PQo), Qo, R, dil, shift, Hi)
         for k0 in range(0, Ko, T):
-            _tile_unit(T, KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0, False,
-                       wt, wt_off + r0 * steps * KoT + k0, steps * KoT, KoT,
-                       e, e_off + r0 * r_step + j0, r_step, row_len, r1 - r0, steps)
+            if extra:
+                tile(ROWS_T, ROWS_KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0,
+                     False, wt, wt_off + r0 * steps * KoT + k0, 1, steps * KoT, KoT,
+                     e, e_off + r0 * r_step + j0, r_step, row_len, r1 - r0, steps)
+            else:
+                _tile_unit(T, KV, out, out_off + k0 * PQo + j0, PQo, Ko - k0, PQo - j0, False,
+                           wt, wt_off + r0 * steps * KoT + k0, steps * KoT, KoT,
+                           e, e_off + r0 * r_step + j0, r_step, row_len, r1 - r0, steps)
 
 
 @njit(cache=True, nogil=True)
@@ -406,6 +443,93 @@ def conv_forward_direct(x, w, b, y, e, wpt, pad_h, pad_w, dil_h, dil_w, group):
                 yk = yf[(n * K + k) * PQ:(n * K + k + 1) * PQ]
                 for j in range(PQ):
                     yk[j] += bk
+
+
+@njit(cache=True, nogil=True)
+def _dw_by_lanes(CSg, Kg, group, PQ, V):
+    """Whether the weight gradient runs by lanes (_dw_lanes) rather than in tiles: where its
+    channels and rows (c, s) fill the tiles poorly (one input channel: LeNet's conv1, 5 rows
+    of 6 by 20 channels of 32, 52 % of the multiply-adds used) and a sample has enough
+    positions to repay a lane_tile call. The estimate, per position and kernel row: the
+    tiles' padded multiply-adds over their speed (choose's; _dw_tiles' split of the last
+    channels is left out) against the lanes' padded multiply-adds, each call's steps
+    (vectors of positions) counted with LANE_CALL more. On the shipped nets it picks LeNet's
+    conv1 alone (cifar10_quick's conv1, 15 rows by 32 channels, is near even, and stays in
+    tiles)."""
+    if group > 1:
+        return False
+    T, KV = choose(CSg, Kg, V, False)
+    tiles = _tiles_cost(CSg, Kg, T, KV, V, SPEEDS_STRIDED)
+    steps = (PQ + V - 1) // V
+    by_lanes = (_round_up(Kg, LANE_M) * _round_up(CSg, LANE_N) * (steps + LANE_CALL) * V
+                / PQ)
+    return by_lanes < tiles
+
+
+@njit(cache=True, nogil=True)
+def _lane_sums_size(CSg, K, R, PQ, V):
+    """Elements of _dw_lanes' scratch: V lanes for each (channel, kernel row, row (c, s)) of
+    the padded tiles, V for each channel's bias (channels padded to LANE_M), then a row of PQ
+    ones."""
+    return (_round_up(K, LANE_M) * (R * _round_up(CSg, LANE_N) + 1)) * V + PQ
+
+
+@njit(cache=True, nogil=True)
+def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_w, dil_h,
+              dil_w, V):
+    """The weight and bias gradients of conv_backward_direct (one group) by lanes, for the
+    layers _dw_by_lanes picks: dw[k, c, r, s] is the dot product of dy[n, k] with row (c, s)
+    of the widened input at kernel row r, over the part's samples and positions, along the
+    positions: V chains per element (lane l takes the positions j = l, l + V, ... of each
+    sample, samples in order; lane_tile), summed in a fixed tree at the end of the part
+    (_lanes_total). No padding of channels to whole vectors and no transposition of dy; the
+    channels and rows (c, s) pad only to lane_tile's shape. db[k]: the same lanes over dy
+    alone (times a row of ones: a plain loop adding into lanes ran as long as all the rest).
+    sums: _lane_sums_size elements, overwritten."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    P, Q = dy.shape[2], dy.shape[3]
+    PQ = P * Q
+    Hp = H + 2 * pad_h
+    HpQ = Hp * Q
+    CSg = C * S
+    CSn = _round_up(CSg, LANE_N)
+    db_at = _round_up(K, LANE_M) * R * CSn * V
+    ones = db_at + _round_up(K, LANE_M) * V
+    sums[ones:ones + PQ] = 1
+    dyf = dy.reshape(N * K * PQ)
+    bias = dbs.size > 0
+    for part in range(starts.size - 1):
+        n0, n1 = starts[part], starts[part + 1]
+        if n1 == n0:
+            continue
+        sums[:ones] = 0
+        for n in range(n0, n1):
+            widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
+            for r in range(R):
+                # Only the positions whose kernel row r reads no padding row.
+                p_lo, p_hi = _valid_range(r * dil_h - pad_h, 1, H, P)
+                if p_hi <= p_lo:
+                    continue
+                for k0 in range(0, K, LANE_M):
+                    for cs0 in range(0, CSg, LANE_N):
+                        lane_tile(LANE_M, LANE_N, sums, ((k0 * R + r) * CSn + cs0) * V,
+                                  R * CSn * V, V, dyf, (n * K + k0) * PQ + p_lo * Q, PQ, K - k0,
+                                  e, cs0 * HpQ + (p_lo + r * dil_h) * Q, HpQ, CSg - cs0,
+                                  (p_hi - p_lo) * Q)
+            if bias:
+                for k0 in range(0, K, LANE_M):
+                    lane_tile(LANE_M, 1, sums, db_at + k0 * V, V, 0, dyf, (n * K + k0) * PQ,
+                              PQ, K - k0, sums, ones, 0, 1, PQ)
+        dw = dws[part * dw_step:part * dw_step + K * CSg * R]
+        for k in range(K):
+            for c in range(C):
+                for r in range(R):
+                    for s in range(S):
+                        dw[((k * C + c) * R + r) * S + s] += _lanes_total(
+                            sums, ((k * R + r) * CSn + c * S + s) * V, V)
+            if bias:
+                dbs[part * db_step + k] += _lanes_total(sums, db_at + k * V, V)
 
 
 @njit(cache=True, nogil=True)
@@ -474,9 +598,20 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         raise ValueError("conv_backward_direct: scratch too small")
     if starts[0] != 0 or starts[-1] != N:
         raise ValueError("conv_backward_direct: the parts must cover the samples")
+    if _dw_by_lanes(CSg, Kg, group, PQ, V):
+        if dwt.size < _lane_sums_size(CSg, K, R, PQ, V):
+            raise ValueError("conv_backward_direct: scratch too small")
+        _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dwt, pad_h, pad_w, dil_h,
+                  dil_w, V)
+        if need_dx:
+            _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x,
+                            KV_x, pos_x, columns, V)
+        return
     bias = dbs.size > 0
+    by_rows = S == DW_S and KV == DW_KV
     # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
-    # chain over the part's samples, then positions. Each block of positions is turned
+    # chain over the part's samples, then positions (by_rows: the S rows of one input channel
+    # and kernel row per tile, stored in w's order; DW_S, DW_KV). Each block of positions is turned
     # channels-last just before its tiles, which find it in the L1 cache (and continue their
     # chains across blocks): a whole chunk turned at once went through L3, which slowed the
     # weight gradient of large outputs (cifar10_quick's first layer) measurably.
@@ -508,12 +643,19 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                     for gr in range(group):
                         for kb in range(nkb):
                             blk = gr * nkb + kb
+                            d_off = (j0 - p0) * Kp + gr * Kgp + kb * KVV
+                            if by_rows:
+                                for c in range(Cg):
+                                    tile(DW_S, DW_KV, dwt, ((blk * Cg + c) * R + r) * S * KVV,
+                                         KVV, S, KVV, n > n0 or p0 > 0,
+                                         e, (gr * CSg + c * S) * HpQ + r * dil_h * Q + j0,
+                                         HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
+                                continue
                             for cs0 in range(0, CSg, T):
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
                                      CSg - cs0, KVV, n > n0 or p0 > 0,
                                      e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + j0,
-                                     HpQ, 0, 1, dycl, (j0 - p0) * Kp + gr * Kgp + kb * KVV, 0,
-                                     Kp, 1, steps)
+                                     HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
                     for t0 in range(0, KrT, max(Tl, 1)):
                         for v0 in range(0, CSg, KVl * V):
                             _tile_unit(Tl, KVl, lsum, (r * KrT + t0) * CSv + v0, CSv, Kr - t0,
@@ -535,6 +677,13 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                 blk = gr * nkb + kb
                 k0 = gr * Kg + kb * KVV
                 kn = min(KVV, Km - kb * KVV)
+                if by_rows:   # rows (c, r, s) already: one transposition
+                    for i0 in range(0, CgRS, V):
+                        for kk0 in range(0, kn, V):
+                            transpose_block(dwk, (k0 + kk0) * CgRS + i0, CgRS,
+                                            dwt, (blk * CgRS + i0) * KVV + kk0, KVV,
+                                            min(V, CgRS - i0), min(V, kn - kk0), dwk, 0, False)
+                    continue
                 for c in range(Cg):
                     for r in range(R):
                         base = (blk * R + r) * CSp + c * S
@@ -552,8 +701,16 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         dw = dws[part * dw_step:part * dw_step + K * CgRS]
         for i in range(K * CgRS):
             dw[i] += dwk[i]
-    if not need_dx:
-        return
+    if need_dx:
+        _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
+                        pos_x, columns, V)
+
+
+@njit(cache=True, nogil=True)
+def _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
+                    pos_x, columns, V):
+    """conv_backward_direct's dx, through columns or by gathering, as direct_shapes says
+    (its shapes passed in: working them out again here compiled them again)."""
     eb, wft = _aligned(eb, V), _aligned(wft, V)
     if columns:
         _dx_columns(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,

@@ -10,8 +10,8 @@ from numba import njit
 from cgp.errors import NetError
 from cgp.kernels import conv as K
 from cgp.runtime.blas import gemm
-from cgp.runtime.simd import (SHAPES, folded_tile, shifted_copy, shifted_row_sum, tile,
-                              transpose_block)
+from cgp.runtime.simd import (SHAPES, folded_tile, lane_tile, shifted_copy, shifted_row_sum,
+                              tile, transpose_block)
 from cgp.layers import Chunk, alloc_scratch
 from layer_check import (backward, build, check_forward, check_gradients,
                          check_parts, check_split_invariance, forward, random_params)
@@ -195,6 +195,32 @@ def test_last_channels_of_the_weight_gradient_keep_their_parts():
     check_parts(layer, [data(shape)], (0, 1, 3))
 
 
+def test_weight_gradient_by_kernel_rows_keeps_parts_and_values():
+    """Kernels DW_S wide whose weight gradient has DW_KV vectors of channels (LeNet's conv2)
+    tile it by kernel row (kernels.conv.DW_S): each part gets what a call with that part
+    alone gives, bitwise, and on small integers (exact sums) the float64 reference's values
+    exactly, with padding, and both groups of a grouped layer."""
+    V = 16
+    for num_output, fields, shape, kw in [
+            (50, "kernel_size: 5", (5, 20, 12, 12), {}),
+            (48, "kernel_size: 5 pad: 2", (3, 8, 8, 9), dict(pad=(2, 2))),
+            (96, "kernel_size: 5 pad: 1 group: 2", (3, 8, 7, 9), dict(pad=(1, 1), group=2))]:
+        layer = build(conv_text(fields, num_output), [shape])
+        Cg, Kg = layer.C // layer.group, layer.K // layer.group
+        _, KV, Km, _, _ = K._dw_tiles(Cg * 5, Kg, layer.group, 5, layer.P * layer.Q,
+                                      (layer.H + 2 * layer.pad_h) * layer.Q, V)
+        assert layer._direct() and layer.S == K.DW_S and KV == K.DW_KV and Km > 0
+        check_parts(layer, [data(shape)], (0, 1, shape[0]))
+        rng = np.random.default_rng(4)
+        x = rng.integers(-3, 4, shape).astype(np.float32)
+        w, b = (rng.integers(-3, 4, p.shape).astype(np.float32) for p in random_params(layer))
+        dy = rng.integers(-3, 4, layer.top_shapes[0]).astype(np.float32)
+        _, _, (dw, db) = backward(layer, [x], [w, b], [dy])
+        _, want_dw, want_db = conv_ref_grads(x.astype(np.float64), w.astype(np.float64),
+                                             dy.astype(np.float64), **kw)
+        assert np.array_equal(dw, want_dw) and np.array_equal(db, want_db)
+
+
 def conv_ref_grads(x, w, dy, stride=(1, 1), pad=(0, 0), dilation=(1, 1), group=1):
     """dx, dw, db of sum(conv_ref(x, w, b) * dy), from the same shifted slices as conv_ref:
     each tap's slice of the padded input meets dy."""
@@ -265,9 +291,77 @@ DEPTHWISE = [
      dict(stride=(2, 2), pad=(1, 1), group=24)),
 ]
 
+# Single-channel layers, whose weight gradient runs by lanes (kernels.conv._dw_lanes): LeNet's
+# conv1; channels that do not fill lane_tile's LANE_M and rows (c, s) that do not fill its
+# LANE_N, positions that are not whole vectors, and padding rows left out; two channels
+# (by lanes in float32 only). (LARGE's 16-channel layer on a 20 x 30 plane runs by lanes
+# too.)
+LANES = [
+    (20, "kernel_size: 5", (2, 1, 28, 28), {}),
+    (10, "kernel_size: 3 pad: 1", (2, 1, 21, 19), dict(pad=(1, 1))),
+    (6, "kernel_size: 5 pad: 2", (2, 1, 20, 23), dict(pad=(2, 2))),
+    (10, "kernel_size: 3 pad: 1", (2, 2, 17, 18), dict(pad=(1, 1))),
+]
+
+
+def test_lanes_take_lenet_conv1_alone_of_the_shipped_nets():
+    """The weight gradient runs by lanes for the LANES layers, and of the shipped nets' layers
+    for LeNet's conv1 alone: LeNet's conv2 and cifar10_quick's layers keep their tiles (and
+    their bits)."""
+    def by_lanes(num_output, fields, shape):
+        layer = build(conv_text(fields, num_output), [shape])
+        return K._dw_by_lanes(layer.C * layer.S, layer.K, layer.group, layer.P * layer.Q, 16)
+    assert all(by_lanes(*case[:3]) for case in LANES)
+    others = [(50, "kernel_size: 5", (1, 20, 12, 12)),
+              (32, "kernel_size: 5 pad: 2", (1, 3, 32, 32)),
+              (32, "kernel_size: 5 pad: 2", (1, 32, 16, 16)),
+              (64, "kernel_size: 5 pad: 2", (1, 32, 8, 8))]
+    assert not any(by_lanes(*case) for case in others)
+
+
+def test_lanes_keep_their_parts():
+    """By lanes, each part's weight and bias gradients are what a call with that part alone
+    gives, bitwise (the lanes are summed at each part's end), and the tops do not depend on
+    the split."""
+    for num_output, fields, shape, _ in LANES[:2]:
+        shape = (5,) + shape[1:]
+        layer = build(conv_text(fields, num_output), [shape])
+        check_parts(layer, [data(shape)], (0, 1, 3, 5))
+        check_split_invariance(layer, [data(shape)], cut=2)
+
+
+@njit
+def _lanes_product(out, a, b, m_valid, n_valid, n, V):
+    """lane_tile (4 rows of a by 5 of b, rows of n elements; out (4, 5, V)) twice, the second
+    call continuing the first's chains over the rows' second half."""
+    half = n // 2 // V * V
+    lane_tile(4, 5, out, 0, 5 * V, V, a, 0, n, m_valid, b, 0, n, n_valid, half)
+    lane_tile(4, 5, out, 0, 5 * V, V, a, half, n, m_valid, b, half, n, n_valid, n - half)
+
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("num_output, fields, shape, kw", LARGE + DEPTHWISE)
+def test_lane_tile_keeps_a_chain_per_lane(dtype):
+    """lane_tile adds element c's product into lane c mod V, continuing from out; masked
+    loads past the row's end add nothing; rows past the valid ones repeat the last. Small
+    integers make every sum exact, so the lanes can be compared with NumPy's."""
+    V = 64 // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(1)
+    n, m_valid, n_valid = 3 * V + 5, 3, 4
+    a = rng.integers(-4, 5, (4, n)).astype(dtype)
+    b = rng.integers(-4, 5, (5, n)).astype(dtype)
+    start = rng.integers(-9, 10, (4, 5, V)).astype(dtype)
+    out = start.copy()
+    _lanes_product(out.ravel(), a.ravel(), b.ravel(), m_valid, n_valid, n, V)
+    ai = np.concatenate([a[:m_valid], a[[m_valid - 1]]]).astype(np.float64)
+    bi = np.concatenate([b[:n_valid], b[[n_valid - 1]]]).astype(np.float64)
+    products = np.zeros((4, 5, -(-n // V) * V))
+    products[:, :, :n] = ai[:, None, :] * bi[None, :, :]
+    want = start + products.reshape(4, 5, -1, V).sum(axis=2)
+    assert np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("num_output, fields, shape, kw", LARGE + DEPTHWISE + LANES)
 def test_large_against_reference(num_output, fields, shape, kw, dtype):
     layer = build(conv_text(fields, num_output), [shape])
     x = data(shape)
@@ -286,7 +380,7 @@ def test_results_ignore_scratch_contents_and_alignment():
     """Scratch full of NaN, and every buffer moved by a few elements, give bitwise the same
     tops and gradients: the kernels read only what they wrote (padding lanes and tiles that
     hang over an edge are never stored), and alignment changes only the speed."""
-    for num_output, fields, shape, _ in LARGE[:5] + LARGE[-3:] + DEPTHWISE:
+    for num_output, fields, shape, _ in LARGE[:5] + LARGE[-3:] + DEPTHWISE + LANES[1:]:
         layer = build(conv_text(fields, num_output), [shape])
         x = data(shape).astype(np.float32)
         params = [p.astype(np.float32) for p in random_params(layer)]
@@ -347,6 +441,30 @@ def test_small_planes_with_long_reductions_run_through_gemm(num_output, fields, 
     layer = build(conv_text(fields, num_output), [shape])
     assert ("col" in layer.scratch_shapes(1)) == gemm
     assert ("e" in layer.scratch_shapes(1)) != gemm
+
+
+def test_extra_channel_tiles_give_the_same_bits():
+    """_convolve_rows' extra channel tile (ROWS_T, ROWS_KV), which LeNet's conv1 and conv2 take
+    (20 and 50 channels), gives the bits of SHAPES' tiles: one chain per element either way.
+    Positions not whole vectors, channels not whole tiles, kernel rows left out at the edges
+    (padding 1)."""
+    assert K.direct_shapes(1, 28, 28, 20, 5, 5, 0, 0, 1, 1, 1, 16)[:3] == (K.ROWS_T, K.ROWS_KV,
+                                                                         False)
+    Ko, R, steps, Qo, Hi = 23, 3, 4, 13, 9   # Hi + 2 rows of padding, Qo wide
+    PQo = Hi * Qo
+    rng = np.random.default_rng(2)
+    KoT = 32
+    e = rng.standard_normal(R * Qo + steps * (Hi + 2) * Qo + PQo + 256).astype(np.float32)
+    wt = rng.standard_normal(R * steps * KoT + 32).astype(np.float32)
+    results = []
+    for T, KV in ((K.ROWS_T, K.ROWS_KV), (8, 2), (12, 2), (6, 4)):
+        out = np.full(Ko * PQo, np.nan, np.float32)
+        K._convolve_rows(e, 0, (Hi + 2) * Qo, Qo, wt, 0, KoT, out, 0, Ko, PQo, R, steps, Qo, 1,
+                         1, Hi, T, KV, False, out, 16)
+        results.append(out)
+    assert not np.isnan(results[0]).any()
+    for other in results[1:]:
+        assert np.array_equal(other, results[0])
 
 
 def test_tile_rows_counts_every_tile():
@@ -554,18 +672,24 @@ def test_intrinsics_refuse_operands_of_mixed_or_other_types():
     def rows(out, src):
         shifted_row_sum(out, 0, 4, src, 0, 4, 2, 1, 0, 4, 1)
 
+    @njit
+    def lane_dots(out, a, b):
+        lane_tile(4, 5, out, 0, 0, 0, a, 0, 4, 1, b, 0, 4, 1, 4)
+
     copy(f32, f32)
     transpose(f64, f64, f64)
     cmax(f32, i32, f32, i32)
     rmax(f64, f64, i32)
     dots(f32, f32, f32)
     rows(f64, f64)
+    lane_dots(f64, f64, f64)
     for call in (lambda: copy(f32, f64), lambda: copy(i32, i32),
                  lambda: transpose(f32, f32, f64), lambda: cmax(f32, i32, f64, i32),
                  lambda: cmax(f32, f32, f32, i32), lambda: cmax(i32, i32, i32, i32),
                  lambda: rmax(f32, f64, i32), lambda: rmax(f32, f32, f32),
                  lambda: rmax(i32, i32, i32), lambda: dots(f32, f64, f32),
-                 lambda: dots(i32, i32, i32), lambda: rows(f32, f64), lambda: rows(i32, i32)):
+                 lambda: dots(i32, i32, i32), lambda: rows(f32, f64), lambda: rows(i32, i32),
+                 lambda: lane_dots(f32, f64, f32), lambda: lane_dots(i32, i32, i32)):
         with pytest.raises(TypingError):
             call()
 

@@ -2,7 +2,8 @@
 8 float64 lanes):
 - `tile`, a register-tiled multiply-accumulate (the inner loop of a matrix product), and
   `folded_tile`, which adds tiles of partial sums to its products before it stores them;
-- `dot_tile`, a register tile of dot products along contiguous rows;
+- `dot_tile`, a register tile of dot products along contiguous rows, and `lane_tile`, the
+  same kept in lanes and continued across calls (a convolution's weight gradient);
 - two data movers, `shifted_copy` (a copy of rows with zero fill) and `transpose_block`;
 - `shifted_row_sum`, rows added into rows at several shifts (a column matrix into the input
   gradient);
@@ -651,6 +652,84 @@ def stride2_row_max(typingctx, x, row, W, w_first, Q, S, rmax, rarg, out, arg_ba
                 builder.call(store_f, [builder.load(best), at(rmax_p, vty, target), one, mask])
                 arg = builder.add(builder.load(where), _splat32(builder, arg_base_, width))
                 builder.call(store_i, [arg, at(rarg_p, i32v, target), one, mask])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic(prefer_literal=True)
+def lane_tile(typingctx, M, N, out, out_off, out_ms, out_ns, a, a_off, a_ms, m_valid, b, b_off,
+              b_ns, n_valid, n):
+    """Partial dot products of M rows of a with N rows of b (M, N constants), each row n
+    elements long, kept in V lanes: for i < M, j < N,
+        out[out_off + i*out_ms + j*out_ns : +V] += lane l: a[a_off + i*a_ms + c]
+                                                   * b[b_off + j*b_ns + c], c = l, l + V, ...
+    one chain of fused multiply-adds per lane, continuing from out's value, c in order
+    (masked loads past n add nothing). Rows past m_valid (n_valid) repeat the last valid row
+    and are read, never used; all M*N vectors of out are stored. Summing a lane vector is the
+    caller's (in a fixed tree): a reduction over many calls keeps its V chains per output
+    until the end. The M + N operand vectors and M*N accumulators should fit the 32
+    registers."""
+    dtype = _float_dtype(out, a, b)
+    if (dtype is None or not isinstance(M, types.IntegerLiteral)
+            or not isinstance(N, types.IntegerLiteral)):
+        return None
+    sig = types.void(M, N, out, out_off, out_ms, out_ns, a, a_off, a_ms, m_valid, b, b_off, b_ns,
+                     n_valid, n)
+
+    def codegen(context, builder, signature, args):
+        width, vty, i32, i32v, intp, bits = _vectors(context, dtype)
+        masked_load, _ = _masked_memory(builder, vty, width, bits)
+        out_p, a_p, b_p = _pointers(context, builder, signature, args, 2, 6, 10)
+        out_off_, out_ms_, out_ns_, a_off_, a_ms_, m_valid_, b_off_, b_ns_, n_valid_, n_ = \
+            _casts(context, builder, signature, args, 3, 4, 5, 7, 8, 9, 11, 12, 13, 14)
+        n_m, n_n = M.literal_value, N.literal_value
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
+                                             f"llvm.fma.v{width}f{bits}")
+        zero = ir.Constant(vty, None)
+        one = ir.Constant(intp, 1)
+
+        def rows(off, step, valid, count):
+            # The start of each row, rows past `valid` at the last valid one.
+            last = builder.sub(valid, one)
+            return [builder.add(off, builder.mul(builder.select(
+                builder.icmp_signed("<", ir.Constant(intp, r), valid), ir.Constant(intp, r),
+                last), step)) for r in range(count)]
+
+        def at(base, offset):
+            return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
+
+        a_rows = rows(a_off_, a_ms_, m_valid_, n_m)
+        b_rows = rows(b_off_, b_ns_, n_valid_, n_n)
+        targets = [[at(out_p, builder.add(out_off_, builder.add(
+            builder.mul(ir.Constant(intp, i), out_ms_), builder.mul(ir.Constant(intp, j),
+                                                                    out_ns_))))
+            for j in range(n_n)] for i in range(n_m)]
+        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_n)]
+               for _ in range(n_m)]
+        for i in range(n_m):
+            for j in range(n_n):
+                builder.store(builder.load(targets[i][j], align=1), acc[i][j])
+
+        def step(c, load):
+            av = [load(at(a_p, builder.add(a_rows[i], c))) for i in range(n_m)]
+            for j in range(n_n):
+                bv = load(at(b_p, builder.add(b_rows[j], c)))
+                for i in range(n_m):
+                    builder.store(builder.call(fma, [av[i], bv, builder.load(acc[i][j])]),
+                                  acc[i][j])
+
+        whole = builder.udiv(n_, ir.Constant(intp, width))
+        with cgutils.for_range(builder, whole) as loop:
+            step(builder.mul(loop.index, ir.Constant(intp, width)),
+                 lambda p: builder.load(p, align=1))
+        tail = builder.mul(whole, ir.Constant(intp, width))
+        with builder.if_then(builder.icmp_signed("<", tail, n_)):
+            mask = _lanes_below(builder, builder.sub(n_, tail), width)
+            step(tail, lambda p: builder.call(masked_load, [p, ir.Constant(i32, 1), mask, zero]))
+        for i in range(n_m):
+            for j in range(n_n):
+                builder.store(builder.load(acc[i][j]), targets[i][j], align=1)
         return context.get_dummy_value()
 
     return sig, codegen
