@@ -175,7 +175,7 @@ def _share_out(sp, solver_path, config, claims, n, log):
         for _ in range(n):
             pid = os.fork()
             if pid == 0:   # the child: never returns
-                _compile_in_child(sp, solver_path, config, claims)
+                _compile_in_child(sp, solver_path, config, claims, len(children))
             children.append(pid)
         said, changed, done, finished = 0, time.perf_counter(), 0, True
         while children:
@@ -204,20 +204,31 @@ def _share_out(sp, solver_path, config, claims, n, log):
     return done, time.perf_counter() - started, finished
 
 
-def _compile_in_child(sp, solver_path, config, claims):
+def _compile_in_child(sp, solver_path, config, claims, index=0):
     """A forked process's life: train two iterations and test once with the kernels shared
-    out (Share), then exit without running the parent's exit handlers."""
+    out (Share), then exit without running the parent's exit handlers. Processes after the
+    first begin at the other end: one iteration that calls no kernel returning nothing, only
+    notes it (Share.deferring), then those kernels compiled in the reverse order, the
+    backward pass's first, while the first process compiles the test pass's forward ones."""
     status = 1
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        Share(claims).install()
+        share = Share(claims)
+        share.install()
         from cgp.train import Trainer
+        share.interpreting = True   # the set-up's sizes; see Share.__init__
         trainer = Trainer(one_test_batch(sp), solver_path,
                           replace(config, threads=1, download=False, progress=False),
                           log=lambda line: None)
+        share.interpreting = False
         try:
+            if index:
+                share.deferring = True
+                _try(trainer.steps, 1)
+                share.deferring = False
+                share.compile_deferred()
             for i in range(len(trainer.test_nets)):
                 _try(trainer.test, i)
             _try(trainer.steps, 2)
@@ -245,6 +256,17 @@ class Share:
     def __init__(self, claims, prefix="cgp."):
         self.claims, self.prefix = claims, prefix
         self.mine = set()
+        # While deferring, a kernel that returns nothing and is not this process's is not
+        # claimed but skipped, and noted with its argument types for compile_deferred.
+        self.deferring = False
+        self.deferred = {}   # (name, argument types) -> dispatcher, in the order met
+        # While interpreting, a kernel that returns a value and is another's, not ready
+        # yet, runs as Python (with whatever it calls) instead of waiting: the Trainer's
+        # set-up asks conv for its scratch sizes, whose compile would keep one process
+        # waiting seconds for the other. Where Python cannot run it, it is awaited.
+        self.interpreting = False
+        self.in_python = False   # a kernel is running as Python now
+        self.not_in_python = set()
 
     def install(self):
         from numba.core import caching
@@ -256,19 +278,23 @@ class Share:
 
         def claiming_compile(dispatcher, *args, **kws):
             name = share.name(dispatcher.py_func)
-            if name is None or share.claim(name):
-                if name is None:
-                    return compile_for_args(dispatcher, *args, **kws)
-                misses = sum(dispatcher._cache_misses.values())
-                try:
-                    entry = compile_for_args(dispatcher, *args, **kws)
-                finally:
-                    (share.claims / f"{name}.ready").touch()   # compiled, loaded or failed
-                if sum(dispatcher._cache_misses.values()) > misses:
-                    (share.claims / f"{name}.done").touch()    # compiled, not loaded
-                return entry
+            if name is None:
+                return compile_for_args(dispatcher, *args, **kws)
+            if share.in_python:   # called by a kernel that runs as Python
+                return dispatcher.py_func
+            if share.deferring and name not in share.mine and not kws \
+                    and returns_nothing(dispatcher.py_func):
+                types = tuple(dispatcher.typeof_pyval(a) for a in args)
+                share.deferred.setdefault((name, types), dispatcher)
+                return _skip
+            if share.claim(name):
+                return share.compiled(name, dispatcher,
+                                      lambda: compile_for_args(dispatcher, *args, **kws))
             if returns_nothing(dispatcher.py_func):
                 return _skip
+            if share.interpreting and name not in share.not_in_python \
+                    and not (share.claims / f"{name}.ready").exists():
+                return share.in_python_else_awaited(name, dispatcher)
             # Its claimer is compiling it now: loaded from the cache once it is there, it
             # costs no second compile (unsaved, where the claimer takes too long).
             share.wait_for(name)
@@ -280,6 +306,44 @@ class Share:
 
         Dispatcher._compile_for_args = claiming_compile
         caching.Cache.save_overload = saving_claimed
+
+    def compiled(self, name, dispatcher, compile):
+        """compile() of claimed kernel `name`, its outcome marked for the other processes
+        (ready: compiled, loaded or failed; done: compiled, not loaded)."""
+        misses = sum(dispatcher._cache_misses.values())
+        try:
+            return compile()
+        finally:
+            (self.claims / f"{name}.ready").touch()
+            if sum(dispatcher._cache_misses.values()) > misses:
+                (self.claims / f"{name}.done").touch()
+
+    def in_python_else_awaited(self, name, dispatcher):
+        """A call of kernel `name` that runs its Python function, or (where Python cannot
+        run it) awaits its claimer and runs the machine code."""
+        def call(*args):
+            self.in_python = True
+            try:
+                return dispatcher.py_func(*args)
+            except Exception:   # noqa: BLE001  (numba's own functions, say)
+                self.not_in_python.add(name)
+            finally:
+                self.in_python = False
+            return dispatcher(*args)
+        return call
+
+    def compile_deferred(self):
+        """Compiles the kernels noted while deferring that no other process has claimed,
+        the largest first (source_size); a failure leaves the kernel to the run, which
+        meets it again."""
+        noted = sorted(self.deferred.items(), key=lambda kv: -source_size(kv[1].py_func))
+        for (name, types), dispatcher in noted:
+            if self.claim(name):
+                try:
+                    self.compiled(name, dispatcher, lambda: dispatcher.compile(types))
+                except Exception:   # noqa: BLE001
+                    pass
+        self.deferred.clear()
 
     def name(self, py_func):
         """The kernel's claim name (its module and qualified name), None if not cgp's."""
@@ -310,6 +374,25 @@ class Share:
 def _skip(*args, **kws):
     """A skipped kernel's call."""
     return None
+
+
+def source_size(py_func, seen=None):
+    """The characters of a kernel's source and of the jitted functions it calls, each
+    counted once: roughly how long it takes to compile. 0 where a source cannot be read."""
+    seen = set() if seen is None else seen
+    if py_func in seen:
+        return 0
+    seen.add(py_func)
+    try:
+        size = len(inspect.getsource(py_func))
+    except (OSError, TypeError):
+        return 0
+    space = getattr(py_func, "__globals__", {})
+    for name in getattr(getattr(py_func, "__code__", None), "co_names", ()):
+        callee = getattr(space.get(name), "py_func", None)
+        if callee is not None:
+            size += source_size(callee, seen)
+    return size
 
 
 def returns_nothing(py_func):
