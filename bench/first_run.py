@@ -130,7 +130,8 @@ def timeline(model, n):
     t0 = time.perf_counter()
 
     def note(*parts):   # one write(2) a line: the processes' lines do not interleave
-        line = " ".join([str(os.getpid()), f"{time.perf_counter() - t0:.4f}", *map(str, parts)])
+        line = " ".join([str(os.getpid()), f"{time.perf_counter() - t0:.4f}",
+                         f"{time.process_time():.4f}", *map(str, parts)])
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.write(fd, (line + "\n").encode())
         os.close(fd)
@@ -185,11 +186,12 @@ def timeline(model, n):
 def report_timeline(log_path, total):
     """Per process: set-up, compiles by claimed kernel (top level, with their seconds), waits,
     skips, idle end; then the functions compiled in more than one process."""
-    lines = defaultdict(list)
+    lines, cpus, ends = defaultdict(list), {}, []
     with open(log_path) as f:
         for line in f:
-            pid, t, kind, *rest = line.split()
+            pid, t, cpu, kind, *rest = line.split()
             lines[int(pid)].append((float(t), kind, rest))
+            cpus[int(pid)] = float(cpu)
     compiled = defaultdict(lambda: defaultdict(float))   # function -> pid -> own seconds
     for pid, events in sorted(lines.items(), key=lambda kv: kv[1][0][0]):
         if not any(kind == "forked" for _, kind, _ in events):
@@ -221,7 +223,13 @@ def report_timeline(log_path, total):
         setup = next(t for t, k, _ in events if k == "trainer_done") - first
         print(f"  set-up (fork to Trainer) {setup:.2f} s, compiling {sums['compile']:.2f} s, "
               f"waiting {sums['wait']:.2f} s, {int(sums['skips'])} skips, ended {last:.2f} s, "
-              f"idle at the end {total - last:.2f} s")
+              f"idle at the end {total - last:.2f} s; CPU {cpus[pid]:.2f} s")
+        ends.append(cpus[pid])
+    # Where the processes contend with other jobs for the cores, their wall time tells
+    # little; their CPU seconds (the forked ones' from the fork) do not depend on the load,
+    # and on free cores the longest, plus its waits, is the compile's wall time.
+    print(f"\nthe processes' CPU: {', '.join(f'{c:.2f}' for c in ends)} s; "
+          f"the longest {max(ends):.2f} s, in all {sum(ends):.2f} s")
     twice = {name: by for name, by in compiled.items() if len(by) > 1}
     print(f"\ncompiled in more than one process: {len(twice)} functions, "
           f"{sum(min(by.values()) for by in twice.values()):.2f} s (the smaller share each)")

@@ -53,7 +53,8 @@ from cgp.runtime.compile import Share
 import kmod
 
 claims = Path(sys.argv[1])
-(claims / "kmod.taken").touch()   # claimed by another process
+for name in ("kmod.taken", "kmod.taken.ready"):
+    (claims / name).touch()   # claimed and compiled by another process
 share = Share(claims, prefix="kmod")
 share.install()
 share.deferring = True
@@ -99,10 +100,59 @@ def test_deferred_kernels_skip_unclaimed_then_compile_largest_first(tmp_path):
     assert seen["x"] == [3.0] * 4   # fill compiled: the call now runs it
     assert seen["signatures"] == {"fill": 1, "broken": 0, "taken": 0, "large": 1, "total": 1}
     assert set(seen["files"]) == {
-        "kmod.taken", "kmod.total", "kmod.total.ready", "kmod.total.done",
+        "kmod.taken", "kmod.taken.ready", "kmod.total", "kmod.total.ready", "kmod.total.done",
         "kmod.fill", "kmod.fill.ready", "kmod.fill.done", "kmod.large", "kmod.large.ready",
             "kmod.large.done", "kmod.broken", "kmod.broken.ready",
         "kmod.broken.done"}   # done counts a compile tried, as the claims' do
+
+
+LEAVES = '''
+import json, sys, threading, time
+from pathlib import Path
+import numpy as np
+from cgp.runtime.compile import Share
+import kmod
+
+claims = Path(sys.argv[1])
+(claims / "kmod.helper").touch()   # another process compiles a kernel of kmod now
+share = Share(claims, prefix="kmod")
+share.install()
+x = np.zeros(4)
+kmod.fill(x, 1.0)
+share.compile_deferred()           # kmod is busy: kept
+seen = {"kept": sorted(name for name, _ in share.deferred), "claimed": sorted(share.mine)}
+(claims / "kmod.helper.ready").touch()
+kmod.taken(x)
+(claims / "kmod.large").touch()    # and another now
+threading.Timer(0.3, (claims / "kmod.large.ready").touch).start()
+started = time.perf_counter()
+seen.update(x=x.tolist(), left=sorted(share.left),
+            noted=sorted(name for name, _ in share.deferred))
+share.compile_deferred(wait=True)
+seen.update(waited=time.perf_counter() - started >= 0.3)
+kmod.fill(x, 5.0)
+seen.update(after=x.tolist(), compiled=sorted(share.mine))
+print(json.dumps(seen))
+'''
+
+
+def test_a_file_another_compiles_from_is_left_to_it(tmp_path):
+    """A kernel returning nothing, of a file that another process is compiling a kernel of
+    (they share callees), is skipped and noted, not claimed, and so are the file's other
+    kernels afterwards; compile_deferred keeps them while the file is busy, or with `wait`,
+    compiles them once it is free."""
+    (tmp_path / "kmod.py").write_text(KERNELS)
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    out = subprocess.run([sys.executable, "-c", LEAVES, str(claims)],
+                         capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path),
+                              "NUMBA_CACHE_DIR": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen == {"kept": ["kmod.fill"], "claimed": [], "x": [0.0] * 4, "left": ["kmod"],
+                    "noted": ["kmod.fill", "kmod.taken"], "waited": True,
+                    "after": [5.0] * 4, "compiled": ["kmod.fill", "kmod.taken"]}
 
 
 def test_source_size_counts_callees_once(tmp_path):
@@ -158,10 +208,14 @@ def numba_only(n):
     return n + stub()
 
 
+@njit(cache=True, nogil=True)
+def numba_also(n):
+    return n - stub()
+
+
 import numpy as np
 claims = Path(sys.argv[1])
-for name in ("__main__.sizes", "__main__.numba_only"):
-    (claims / name).touch()   # another's, not ready
+(claims / "__main__.numba_only").touch()   # another's, not ready
 share = Share(claims, prefix="__main__")
 share.install()
 share.interpreting = True
@@ -170,18 +224,20 @@ got = sizes(np.int64(9), out)
 started = time.perf_counter()
 threading.Timer(0.5, (claims / "__main__.numba_only.ready").touch).start()
 awaited = numba_only(1)
+waited = time.perf_counter() - started >= 0.5
 print(json.dumps({"sizes": [int(v) for v in got], "out": int(out[0]), "awaited": awaited,
-                  "waited": time.perf_counter() - started >= 0.5,
-                  "compiled": [len(f.signatures) for f in (sizes, half, numba_only)],
+                  "waited": waited, "also": numba_also(10),
+                  "compiled": [len(f.signatures) for f in (sizes, half, numba_only, numba_also)],
                   "claimed": sorted(share.mine)}))
 '''
 
 
 def test_set_up_runs_another_process_s_kernel_as_python(tmp_path):
-    """While interpreting (a compiling process's Trainer set-up), a kernel that returns a
-    value and that another process claimed but has not compiled yet runs as Python, the
-    kernels it calls too, and nothing compiles or is claimed; one that Python cannot run is
-    awaited and then compiled (unsaved, as any awaited kernel of another's)."""
+    """While interpreting (the first compiling process's Trainer set-up), a kernel that
+    returns a value, unclaimed or another's not yet compiled, runs as Python, the kernels it
+    calls too, and nothing compiles or is claimed; one that Python cannot run is claimed
+    and compiled where no one has, else awaited and then compiled (unsaved, as any awaited
+    kernel of another's)."""
     claims = tmp_path / "claims"
     claims.mkdir()
     (tmp_path / "in_python.py").write_text(IN_PYTHON)   # a file: Numba caches its kernels
@@ -190,5 +246,5 @@ def test_set_up_runs_another_process_s_kernel_as_python(tmp_path):
                          env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stdout + out.stderr
     seen = json.loads(out.stdout.splitlines()[-1])
-    assert seen == {"sizes": [5, 27], "out": 4, "awaited": 8, "waited": True,
-                    "compiled": [0, 0, 1], "claimed": []}
+    assert seen == {"sizes": [5, 27], "out": 4, "awaited": 8, "waited": True, "also": 3,
+                    "compiled": [0, 0, 1, 1], "claimed": ["__main__.numba_also"]}

@@ -206,10 +206,12 @@ def _share_out(sp, solver_path, config, claims, n, log):
 
 def _compile_in_child(sp, solver_path, config, claims, index=0):
     """A forked process's life: train two iterations and test once with the kernels shared
-    out (Share), then exit without running the parent's exit handlers. Processes after the
-    first begin at the other end: one iteration that calls no kernel returning nothing, only
-    notes it (Share.deferring), then those kernels compiled in the reverse order, the
-    backward pass's first, while the first process compiles the test pass's forward ones."""
+    out (Share), then exit without running the parent's exit handlers. The first process
+    runs its set-up's sizes as Python (Share.interpreting) and starts the test pass's
+    kernels at once; the others compile those sizes, then begin at the other end: one
+    iteration that calls no kernel returning nothing, only notes it (Share.deferring), then
+    those kernels compiled largest first, while the first compiles the forward ones. Each
+    compiles at the end what it left to another (Share.leaves) and no one has taken."""
     status = 1
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -218,20 +220,21 @@ def _compile_in_child(sp, solver_path, config, claims, index=0):
         share = Share(claims)
         share.install()
         from cgp.train import Trainer
-        share.interpreting = True   # the set-up's sizes; see Share.__init__
+        share.interpreting = not index   # the set-up's sizes; see Share.__init__
         trainer = Trainer(one_test_batch(sp), solver_path,
                           replace(config, threads=1, download=False, progress=False),
                           log=lambda line: None)
         share.interpreting = False
         try:
             if index:
-                share.deferring = True
+                share.deferring = share.interpreting = True
                 _try(trainer.steps, 1)
-                share.deferring = False
+                share.deferring = share.interpreting = False
                 share.compile_deferred()
             for i in range(len(trainer.test_nets)):
                 _try(trainer.test, i)
             _try(trainer.steps, 2)
+            share.compile_deferred(wait=True)   # those left to another that it has not taken
         finally:
             trainer.close()
         status = 0
@@ -257,13 +260,17 @@ class Share:
         self.claims, self.prefix = claims, prefix
         self.mine = set()
         # While deferring, a kernel that returns nothing and is not this process's is not
-        # claimed but skipped, and noted with its argument types for compile_deferred.
+        # claimed but skipped, and noted with its argument types for compile_deferred; so
+        # is one of a file another process compiles from (leaves): a file's kernels share
+        # callees, which would compile in both.
         self.deferring = False
         self.deferred = {}   # (name, argument types) -> dispatcher, in the order met
-        # While interpreting, a kernel that returns a value and is another's, not ready
-        # yet, runs as Python (with whatever it calls) instead of waiting: the Trainer's
-        # set-up asks conv for its scratch sizes, whose compile would keep one process
-        # waiting seconds for the other. Where Python cannot run it, it is awaited.
+        self.left = set()    # modules whose kernels are left to another process (leaves)
+        # While interpreting, a kernel that returns a value and is not this process's nor
+        # ready runs as Python (with whatever it calls), neither claimed nor awaited: the
+        # Trainer's set-up asks conv for its scratch sizes, whose compile would keep the
+        # first process from its test pass for seconds; the others compile them. Where
+        # Python cannot run it, it is claimed (or awaited) as any other.
         self.interpreting = False
         self.in_python = False   # a kernel is running as Python now
         self.not_in_python = set()
@@ -282,19 +289,19 @@ class Share:
                 return compile_for_args(dispatcher, *args, **kws)
             if share.in_python:   # called by a kernel that runs as Python
                 return dispatcher.py_func
-            if share.deferring and name not in share.mine and not kws \
-                    and returns_nothing(dispatcher.py_func):
+            if name not in share.mine and not kws and returns_nothing(dispatcher.py_func) \
+                    and (share.deferring or share.leaves(dispatcher.py_func)):
                 types = tuple(dispatcher.typeof_pyval(a) for a in args)
                 share.deferred.setdefault((name, types), dispatcher)
                 return _skip
+            if share.interpreting and name not in share.mine | share.not_in_python \
+                    and not (share.claims / f"{name}.ready").exists():
+                return share.in_python_else_awaited(name, dispatcher)
             if share.claim(name):
                 return share.compiled(name, dispatcher,
                                       lambda: compile_for_args(dispatcher, *args, **kws))
             if returns_nothing(dispatcher.py_func):
                 return _skip
-            if share.interpreting and name not in share.not_in_python \
-                    and not (share.claims / f"{name}.ready").exists():
-                return share.in_python_else_awaited(name, dispatcher)
             # Its claimer is compiling it now: loaded from the cache once it is there, it
             # costs no second compile (unsaved, where the claimer takes too long).
             share.wait_for(name)
@@ -320,7 +327,7 @@ class Share:
 
     def in_python_else_awaited(self, name, dispatcher):
         """A call of kernel `name` that runs its Python function, or (where Python cannot
-        run it) awaits its claimer and runs the machine code."""
+        run it) the machine code, claimed and compiled, or awaited."""
         def call(*args):
             self.in_python = True
             try:
@@ -329,21 +336,51 @@ class Share:
                 self.not_in_python.add(name)
             finally:
                 self.in_python = False
-            return dispatcher(*args)
+            return dispatcher(*args)   # claimed, or awaited, now
         return call
 
-    def compile_deferred(self):
+    def leaves(self, py_func):
+        """Whether this process leaves the kernels of py_func's module to another: one that
+        was compiling a kernel of it when this process first met one it had not claimed."""
+        module = py_func.__module__
+        if module not in self.left and self.beside_another(module):
+            self.left.add(module)
+        return module in self.left
+
+    def beside_another(self, module):
+        """Whether another process is compiling a kernel of `module` now."""
+        names = {path.name for path in self.claims.iterdir()}
+        return any(name.startswith(f"{module}.") and name not in self.mine
+                   and not name.endswith((".ready", ".done")) and f"{name}.ready" not in names
+                   for name in names)
+
+    def compile_deferred(self, wait=False):
         """Compiles the kernels noted while deferring that no other process has claimed,
-        the largest first (source_size); a failure leaves the kernel to the run, which
-        meets it again."""
+        the largest first (source_size). One of a file that another process is compiling
+        from now is kept for later, or where `wait`, compiled once that is done (at most a
+        minute on): the other may take it, its callees compiled. A failure leaves the
+        kernel to the run, which meets it again."""
         noted = sorted(self.deferred.items(), key=lambda kv: -source_size(kv[1].py_func))
-        for (name, types), dispatcher in noted:
-            if self.claim(name):
-                try:
-                    self.compiled(name, dispatcher, lambda: dispatcher.compile(types))
-                except Exception:   # noqa: BLE001
-                    pass
-        self.deferred.clear()
+        self.deferred = {}
+        deadline = time.perf_counter() + 60.0
+        while noted:
+            noted = [kv for kv in noted
+                     if kv[0][0] in self.mine or not (self.claims / kv[0][0]).exists()]
+            free = [kv for kv in noted if not self.beside_another(kv[1].py_func.__module__)]
+            if noted and not free:
+                if not wait:
+                    self.deferred = dict(noted)
+                    return
+                if time.perf_counter() < deadline:
+                    time.sleep(0.02)
+                    continue
+            for (name, types), dispatcher in (free or noted)[:1]:
+                noted.remove(((name, types), dispatcher))
+                if self.claim(name):
+                    try:
+                        self.compiled(name, dispatcher, lambda: dispatcher.compile(types))
+                    except Exception:   # noqa: BLE001
+                        pass
 
     def name(self, py_func):
         """The kernel's claim name (its module and qualified name), None if not cgp's."""
