@@ -213,6 +213,11 @@ def numba_also(n):
     return n - stub()
 
 
+@njit(cache=True, nogil=True)
+def first(x):
+    return x[0]
+
+
 import numpy as np
 claims = Path(sys.argv[1])
 (claims / "__main__.numba_only").touch()   # another's, not ready
@@ -226,8 +231,9 @@ threading.Timer(0.5, (claims / "__main__.numba_only.ready").touch).start()
 awaited = numba_only(1)
 waited = time.perf_counter() - started >= 0.5
 print(json.dumps({"sizes": [int(v) for v in got], "out": int(out[0]), "awaited": awaited,
-                  "waited": waited, "also": numba_also(10),
-                  "compiled": [len(f.signatures) for f in (sizes, half, numba_only, numba_also)],
+                  "waited": waited, "also": numba_also(10), "large": first(np.ones(1 << 17)),
+                  "compiled": [len(f.signatures)
+                               for f in (sizes, half, numba_only, numba_also, first)],
                   "claimed": sorted(share.mine)}))
 '''
 
@@ -235,9 +241,9 @@ print(json.dumps({"sizes": [int(v) for v in got], "out": int(out[0]), "awaited":
 def test_set_up_runs_another_process_s_kernel_as_python(tmp_path):
     """While interpreting (the first compiling process's Trainer set-up), a kernel that
     returns a value, unclaimed or another's not yet compiled, runs as Python, the kernels it
-    calls too, and nothing compiles or is claimed; one that Python cannot run is claimed
-    and compiled where no one has, else awaited and then compiled (unsaved, as any awaited
-    kernel of another's)."""
+    calls too, and nothing compiles or is claimed; one that Python cannot run, or whose
+    arrays are large, is claimed and compiled where no one has, else awaited and then
+    compiled (unsaved, as any awaited kernel of another's)."""
     claims = tmp_path / "claims"
     claims.mkdir()
     (tmp_path / "in_python.py").write_text(IN_PYTHON)   # a file: Numba caches its kernels
@@ -247,4 +253,5 @@ def test_set_up_runs_another_process_s_kernel_as_python(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     seen = json.loads(out.stdout.splitlines()[-1])
     assert seen == {"sizes": [5, 27], "out": 4, "awaited": 8, "waited": True, "also": 3,
-                    "compiled": [0, 0, 1, 1], "claimed": ["__main__.numba_also"]}
+                    "large": 1.0, "compiled": [0, 0, 1, 1, 1],
+                    "claimed": ["__main__.first", "__main__.numba_also"]}

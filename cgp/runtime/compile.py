@@ -38,6 +38,10 @@ MOST = 8
 # two processes cut a cold LeNet run from 26 - 28 s to 18 - 21 s (bench/README.md, the first
 # run's compile); where other jobs hold the cores, they gain little.
 FEWEST = 2
+# Python runs a kernel's loops some hundred times slower than its machine code: a kernel
+# runs as Python (Share.interpreting) only over arrays this small in all (conv's sizes,
+# LeNet's loss), where that is quicker than the compile.
+PYTHON_ELEMENTS = 1 << 16
 # A process that has claimed or finished nothing for this long is stopped.
 STALLED_SECONDS = 300
 
@@ -270,7 +274,8 @@ class Share:
         # ready runs as Python (with whatever it calls), neither claimed nor awaited: the
         # Trainer's set-up asks conv for its scratch sizes, whose compile would keep the
         # first process from its test pass for seconds; the others compile them. Where
-        # Python cannot run it, it is claimed (or awaited) as any other.
+        # Python cannot run it, or its arrays are large (small), it is claimed (or
+        # awaited) as any other.
         self.interpreting = False
         self.in_python = False   # a kernel is running as Python now
         self.not_in_python = set()
@@ -295,7 +300,7 @@ class Share:
                 share.deferred.setdefault((name, types), dispatcher)
                 return _skip
             if share.interpreting and name not in share.mine | share.not_in_python \
-                    and not (share.claims / f"{name}.ready").exists():
+                    and small(args) and not (share.claims / f"{name}.ready").exists():
                 return share.in_python_else_awaited(name, dispatcher)
             if share.claim(name):
                 return share.compiled(name, dispatcher,
@@ -406,6 +411,11 @@ class Share:
             return False
         self.mine.add(name)
         return True
+
+
+def small(args):
+    """Whether a kernel's array arguments hold at most PYTHON_ELEMENTS elements in all."""
+    return sum(getattr(a, "size", 0) for a in args if hasattr(a, "dtype")) <= PYTHON_ELEMENTS
 
 
 def _skip(*args, **kws):
