@@ -9,6 +9,7 @@ for another's claim, its skips, and its idle end, then the functions compiled in
 one process (the callees that kernels claimed in both share).
 
     python bench/first_run.py [mnist] [--threads 1] [--steps 2] [--top 25] [--processes 2]
+                              [--data-dir DIR]
 """
 import argparse
 import os
@@ -29,9 +30,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--processes", type=int, default=0)
+    p.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
     if args.processes:
-        return timeline(args.model, args.processes)
+        return timeline(args.model, args.processes, args.data_dir)
     marks = [("start", time.perf_counter())]   # (phase ended, when)
     phase = lambda name: marks.append((name, time.perf_counter()))   # noqa: E731
 
@@ -46,7 +48,8 @@ def main(argv=None):
     path = str(solver_path(args.model))
     sp = read_solver(path)
     trainer = Trainer(sp, path, RunConfig(threads=args.threads, workers="threads",
-                                          progress=False), log=lambda line: None)
+                                          data_dir=args.data_dir, progress=False),
+                      log=lambda line: None)
     phase("Trainer()")
     try:
         for i in range(len(trainer.test_nets)):
@@ -116,7 +119,7 @@ class Compiles(event.Listener):
             print(f"{seconds:7.2f} {len(self.sigs[name]):4d}  {name}")
 
 
-def timeline(model, n):
+def timeline(model, n, data_dir=None):
     """Runs precompile in n processes with its hooks wrapped to record, per process, what it
     did when (one line an event, appended to a file that the forked processes share), then
     prints each process's timeline and the duplicated compiles."""
@@ -176,7 +179,7 @@ def timeline(model, n):
 
     path = str(solver_path(model))
     sp = read_solver(path)
-    config = RunConfig(threads=1, progress=False)
+    config = RunConfig(threads=1, data_dir=data_dir, progress=False)
     started = time.perf_counter()
     cc.precompile(sp, path, config, print, processes=n)
     print(f"precompile: {time.perf_counter() - started:.1f} s wall")

@@ -13,6 +13,14 @@ writes its cache entries: Numba's index of a function is rewritten whole by whoe
 overload of it, and two processes saving overloads of one function at once could pair an
 index entry with the other's machine code.
 
+So that the processes' work is balanced and each callee compiles once, they also leave
+kernels unclaimed (Share): the second begins with an iteration that only notes the kernels
+returning nothing, then compiles them largest first while the first walks the net from its
+test pass; a process leaves a file's kernels to another that is compiling from that file
+(they share callees), and takes at its end what no one did; a kernel returning a value that
+is not a process's own may run as Python over small arrays instead of being compiled or
+awaited (conv's sizes at the set-up).
+
 Nothing here can make stale code run: what the run loads is decided by Numba's cache index,
 which keys each entry by the signature and the CPU (name and features) and is thrown away
 when the defining file's time stamp or size, Numba's version, or (cgp.runtime.SourceStamp)
