@@ -123,6 +123,19 @@ def test_call_size_times_every_layer_at_each_size(mnist_dir, tmp_path):
     assert "16 worker threads making such calls run at most" in text
 
 
+def test_first_run_gives_each_compile_process_s_timeline(mnist_dir, tmp_path):
+    """bench/first_run.py --processes 2 on an empty kernel cache: a timeline for each of
+    the two processes, with the kernels it compiled, and their CPU seconds."""
+    text = run("first_run.py", "mnist", "--processes", "2", "--data-dir", mnist_dir,
+               cwd=tmp_path, env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")})
+    assert "compiled " in text and text.count("\nprocess ") == 2, text
+    assert "compile cgp.kernels.conv.conv_backward_direct" in text
+    assert len(numbers(r"set-up \(fork to Trainer\) (\d+\.\d+) s", text)) == 2
+    [first, second, longest] = numbers(r"the processes' CPU: (\d+\.\d+), (\d+\.\d+) s; "
+                                       r"the longest (\d+\.\d+) s", text)
+    assert 0 < min(first, second) and longest == max(first, second)
+
+
 def test_layer_rates_gives_each_pass_of_each_layer(mnist_dir, tmp_path):
     text = run("layer_rates.py", "mnist", "--rounds", "1", "--steps", "1", "--data-dir",
                mnist_dir, cwd=tmp_path)

@@ -13,6 +13,14 @@ writes its cache entries: Numba's index of a function is rewritten whole by whoe
 overload of it, and two processes saving overloads of one function at once could pair an
 index entry with the other's machine code.
 
+So that the processes' work is balanced and each callee compiles once, they also leave
+kernels unclaimed (Share): the second begins with an iteration that only notes the kernels
+returning nothing, then compiles them largest first while the first walks the net from its
+test pass; a process leaves a file's kernels to another that is compiling from that file
+(they share callees), and takes at its end what no one did; a kernel returning a value that
+is not a process's own may run as Python over small arrays instead of being compiled or
+awaited (conv's sizes at the set-up).
+
 Nothing here can make stale code run: what the run loads is decided by Numba's cache index,
 which keys each entry by the signature and the CPU (name and features) and is thrown away
 when the defining file's time stamp or size, Numba's version, or (cgp.runtime.SourceStamp)
@@ -38,6 +46,10 @@ MOST = 8
 # two processes cut a cold LeNet run from 26 - 28 s to 18 - 21 s (bench/README.md, the first
 # run's compile); where other jobs hold the cores, they gain little.
 FEWEST = 2
+# Python runs a kernel's loops some hundred times slower than its machine code: a kernel
+# runs as Python (Share.interpreting) only over arrays this small in all (conv's sizes,
+# LeNet's loss), where that is quicker than the compile.
+PYTHON_ELEMENTS = 1 << 16
 # A process that has claimed or finished nothing for this long is stopped.
 STALLED_SECONDS = 300
 
@@ -175,7 +187,7 @@ def _share_out(sp, solver_path, config, claims, n, log):
         for _ in range(n):
             pid = os.fork()
             if pid == 0:   # the child: never returns
-                _compile_in_child(sp, solver_path, config, claims)
+                _compile_in_child(sp, solver_path, config, claims, len(children))
             children.append(pid)
         said, changed, done, finished = 0, time.perf_counter(), 0, True
         while children:
@@ -204,23 +216,37 @@ def _share_out(sp, solver_path, config, claims, n, log):
     return done, time.perf_counter() - started, finished
 
 
-def _compile_in_child(sp, solver_path, config, claims):
+def _compile_in_child(sp, solver_path, config, claims, index=0):
     """A forked process's life: train two iterations and test once with the kernels shared
-    out (Share), then exit without running the parent's exit handlers."""
+    out (Share), then exit without running the parent's exit handlers. The first process
+    runs its set-up's sizes as Python (Share.interpreting) and starts the test pass's
+    kernels at once; the others compile those sizes, then begin at the other end: one
+    iteration that calls no kernel returning nothing, only notes it (Share.deferring), then
+    those kernels compiled largest first, while the first compiles the forward ones. Each
+    compiles at the end what it left to another (Share.leaves) and no one has taken."""
     status = 1
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        Share(claims).install()
+        share = Share(claims)
+        share.install()
         from cgp.train import Trainer
+        share.interpreting = not index   # the set-up's sizes; see Share.__init__
         trainer = Trainer(one_test_batch(sp), solver_path,
                           replace(config, threads=1, download=False, progress=False),
                           log=lambda line: None)
+        share.interpreting = False
         try:
+            if index:
+                share.deferring = share.interpreting = True
+                _try(trainer.steps, 1)
+                share.deferring = share.interpreting = False
+                share.compile_deferred()
             for i in range(len(trainer.test_nets)):
                 _try(trainer.test, i)
             _try(trainer.steps, 2)
+            share.compile_deferred(wait=True)   # those left to another that it has not taken
         finally:
             trainer.close()
         status = 0
@@ -245,6 +271,22 @@ class Share:
     def __init__(self, claims, prefix="cgp."):
         self.claims, self.prefix = claims, prefix
         self.mine = set()
+        # While deferring, a kernel that returns nothing and is not this process's is not
+        # claimed but skipped, and noted with its argument types for compile_deferred; so
+        # is one of a file another process compiles from (leaves): a file's kernels share
+        # callees, which would compile in both.
+        self.deferring = False
+        self.deferred = {}   # (name, argument types) -> dispatcher, in the order met
+        self.left = set()    # modules whose kernels are left to another process (leaves)
+        # While interpreting, a kernel that returns a value and is not this process's nor
+        # ready runs as Python (with whatever it calls), neither claimed nor awaited: the
+        # Trainer's set-up asks conv for its scratch sizes, whose compile would keep the
+        # first process from its test pass for seconds; the others compile them. Where
+        # Python cannot run it, or its arrays are large (small), it is claimed (or
+        # awaited) as any other.
+        self.interpreting = False
+        self.in_python = False   # a kernel is running as Python now
+        self.not_in_python = set()
 
     def install(self):
         from numba.core import caching
@@ -256,17 +298,21 @@ class Share:
 
         def claiming_compile(dispatcher, *args, **kws):
             name = share.name(dispatcher.py_func)
-            if name is None or share.claim(name):
-                if name is None:
-                    return compile_for_args(dispatcher, *args, **kws)
-                misses = sum(dispatcher._cache_misses.values())
-                try:
-                    entry = compile_for_args(dispatcher, *args, **kws)
-                finally:
-                    (share.claims / f"{name}.ready").touch()   # compiled, loaded or failed
-                if sum(dispatcher._cache_misses.values()) > misses:
-                    (share.claims / f"{name}.done").touch()    # compiled, not loaded
-                return entry
+            if name is None:
+                return compile_for_args(dispatcher, *args, **kws)
+            if share.in_python:   # called by a kernel that runs as Python
+                return dispatcher.py_func
+            if name not in share.mine and not kws and returns_nothing(dispatcher.py_func) \
+                    and (share.deferring or share.leaves(dispatcher.py_func)):
+                types = tuple(dispatcher.typeof_pyval(a) for a in args)
+                share.deferred.setdefault((name, types), dispatcher)
+                return _skip
+            if share.interpreting and name not in share.mine | share.not_in_python \
+                    and small(args) and not (share.claims / f"{name}.ready").exists():
+                return share.in_python_else_awaited(name, dispatcher)
+            if share.claim(name):
+                return share.compiled(name, dispatcher,
+                                      lambda: compile_for_args(dispatcher, *args, **kws))
             if returns_nothing(dispatcher.py_func):
                 return _skip
             # Its claimer is compiling it now: loaded from the cache once it is there, it
@@ -280,6 +326,74 @@ class Share:
 
         Dispatcher._compile_for_args = claiming_compile
         caching.Cache.save_overload = saving_claimed
+
+    def compiled(self, name, dispatcher, compile):
+        """compile() of claimed kernel `name`, its outcome marked for the other processes
+        (ready: compiled, loaded or failed; done: compiled, not loaded)."""
+        misses = sum(dispatcher._cache_misses.values())
+        try:
+            return compile()
+        finally:
+            (self.claims / f"{name}.ready").touch()
+            if sum(dispatcher._cache_misses.values()) > misses:
+                (self.claims / f"{name}.done").touch()
+
+    def in_python_else_awaited(self, name, dispatcher):
+        """A call of kernel `name` that runs its Python function, or (where Python cannot
+        run it) the machine code, claimed and compiled, or awaited."""
+        def call(*args):
+            self.in_python = True
+            try:
+                return dispatcher.py_func(*args)
+            except Exception:   # noqa: BLE001  (numba's own functions, say)
+                self.not_in_python.add(name)
+            finally:
+                self.in_python = False
+            return dispatcher(*args)   # claimed, or awaited, now
+        return call
+
+    def leaves(self, py_func):
+        """Whether this process leaves the kernels of py_func's module to another: one that
+        was compiling a kernel of it when this process first met one it had not claimed."""
+        module = py_func.__module__
+        if module not in self.left and self.beside_another(module):
+            self.left.add(module)
+        return module in self.left
+
+    def beside_another(self, module):
+        """Whether another process is compiling a kernel of `module` now."""
+        names = {path.name for path in self.claims.iterdir()}
+        return any(name.startswith(f"{module}.") and name not in self.mine
+                   and not name.endswith((".ready", ".done")) and f"{name}.ready" not in names
+                   for name in names)
+
+    def compile_deferred(self, wait=False):
+        """Compiles the kernels noted while deferring that no other process has claimed,
+        the largest first (source_size). One of a file that another process is compiling
+        from now is kept for later, or where `wait`, compiled once that is done (at most a
+        minute on): the other may take it, its callees compiled. A failure leaves the
+        kernel to the run, which meets it again."""
+        noted = sorted(self.deferred.items(), key=lambda kv: -source_size(kv[1].py_func))
+        self.deferred = {}
+        deadline = time.perf_counter() + 60.0
+        while noted:
+            noted = [kv for kv in noted
+                     if kv[0][0] in self.mine or not (self.claims / kv[0][0]).exists()]
+            free = [kv for kv in noted if not self.beside_another(kv[1].py_func.__module__)]
+            if noted and not free:
+                if not wait:
+                    self.deferred = dict(noted)
+                    return
+                if time.perf_counter() < deadline:
+                    time.sleep(0.02)
+                    continue
+            for (name, types), dispatcher in (free or noted)[:1]:
+                noted.remove(((name, types), dispatcher))
+                if self.claim(name):
+                    try:
+                        self.compiled(name, dispatcher, lambda: dispatcher.compile(types))
+                    except Exception:   # noqa: BLE001
+                        pass
 
     def name(self, py_func):
         """The kernel's claim name (its module and qualified name), None if not cgp's."""
@@ -307,9 +421,33 @@ class Share:
         return True
 
 
+def small(args):
+    """Whether a kernel's array arguments hold at most PYTHON_ELEMENTS elements in all."""
+    return sum(getattr(a, "size", 0) for a in args if hasattr(a, "dtype")) <= PYTHON_ELEMENTS
+
+
 def _skip(*args, **kws):
     """A skipped kernel's call."""
     return None
+
+
+def source_size(py_func, seen=None):
+    """The characters of a kernel's source and of the jitted functions it calls, each
+    counted once: roughly how long it takes to compile. 0 where a source cannot be read."""
+    seen = set() if seen is None else seen
+    if py_func in seen:
+        return 0
+    seen.add(py_func)
+    try:
+        size = len(inspect.getsource(py_func))
+    except (OSError, TypeError):
+        return 0
+    space = getattr(py_func, "__globals__", {})
+    for name in getattr(getattr(py_func, "__code__", None), "co_names", ()):
+        callee = getattr(space.get(name), "py_func", None)
+        if callee is not None:
+            size += source_size(callee, seen)
+    return size
 
 
 def returns_nothing(py_func):
