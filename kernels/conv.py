@@ -573,7 +573,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     x[n, c, p + r*dil_h - pad_h, q + s*dil_w - pad_w]: each part's gradient is what a call
     with that part alone gives. overwrite: SET each part's gradients instead, bitwise as if
     added to zeros (the engine then skips zeroing them: Layer.can_overwrite_param_diff): each
-    chain's result x is stored as x + 0.0, which is 0.0 + x (-0.0 becomes +0.0, as it does
+    chain's result g is stored as g + 0.0, which is 0.0 + g (-0.0 becomes +0.0, as it does
     added to zeros), and an empty part's gradients are zeros. dx: see _dx_gather and
     _dx_columns."""
     N, C, H, W = x.shape
