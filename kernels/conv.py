@@ -476,7 +476,7 @@ def _lane_sums_size(CSg, K, R, PQ, V):
 
 @njit(cache=True, nogil=True)
 def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_w, dil_h,
-              dil_w, V):
+              dil_w, V, overwrite):
     """The weight and bias gradients of conv_backward_direct (one group) by lanes, for the
     layers _dw_by_lanes picks: dw[k, c, r, s] is the dot product of dy[n, k] with row (c, s)
     of the widened input at kernel row r, over the part's samples and positions, along the
@@ -485,7 +485,7 @@ def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_
     (_lanes_total). No padding of channels to whole vectors and no transposition of dy; the
     channels and rows (c, s) pad only to lane_tile's shape. db[k]: the same lanes over dy
     alone (times a row of ones: a plain loop adding into lanes ran as long as all the rest).
-    sums: _lane_sums_size elements, overwritten."""
+    sums: _lane_sums_size elements, overwritten. overwrite: as conv_backward_direct's."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
@@ -526,10 +526,12 @@ def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_
             for c in range(C):
                 for r in range(R):
                     for s in range(S):
-                        dw[((k * C + c) * R + r) * S + s] += _lanes_total(
-                            sums, ((k * R + r) * CSn + c * S + s) * V, V)
+                        i = ((k * C + c) * R + r) * S + s
+                        total = _lanes_total(sums, ((k * R + r) * CSn + c * S + s) * V, V)
+                        dw[i] = total + (0.0 if overwrite else dw[i])
             if bias:
-                dbs[part * db_step + k] += _lanes_total(sums, db_at + k * V, V)
+                i = part * db_step + k
+                dbs[i] = _lanes_total(sums, db_at + k * V, V) + (0.0 if overwrite else dbs[i])
 
 
 @njit(cache=True, nogil=True)
@@ -553,7 +555,8 @@ def _channels_last(dy, n, j0, jn, dycl, dbacc, add, Kg, Kgp, V):
 
 @njit(cache=True, nogil=True)
 def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc,
-                         eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, need_dx):
+                         eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, need_dx,
+                         overwrite=False):
     """Stride-1 backward. x: (N, C, H, W), the input forward saw; w: (K, C/G, R, S);
     dy: (N, K, P, Q); dx: like x,
     C-contiguous (any array when not need_dx), OVERWRITTEN. The samples fall into parts (the
@@ -568,7 +571,11 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     db[k] += sums of dy[n, k] over positions, one sample of the part at a time in sample order;
     dw[k, c, r, s] += one chain over the part's (n, p, q) of dy[n, k, p, q] *
     x[n, c, p + r*dil_h - pad_h, q + s*dil_w - pad_w]: each part's gradient is what a call
-    with that part alone gives. dx: see _dx_gather and _dx_columns."""
+    with that part alone gives. overwrite: SET each part's gradients instead, bitwise as if
+    added to zeros (the engine then skips zeroing them: Layer.can_overwrite_param_diff): each
+    chain's result g is stored as g + 0.0, which is 0.0 + g (-0.0 becomes +0.0, as it does
+    added to zeros), and an empty part's gradients are zeros. dx: see _dx_gather and
+    _dx_columns."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
@@ -577,6 +584,11 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     V = lanes(x.itemsize)
     _, _, _, T, KV, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
                                                               dil_h, dil_w, group, V)
+    if overwrite:   # an empty part has no chain to store
+        for part in range(starts.size - 1):
+            if starts[part + 1] == starts[part]:
+                dws[part * dw_step:part * dw_step + K * Cg * R * S] = 0
+                dbs[part * db_step:part * db_step + min(K, dbs.size)] = 0
     if N == 0:
         return
     KVV = KV * V
@@ -602,7 +614,7 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         if dwt.size < _lane_sums_size(CSg, K, R, PQ, V):
             raise ValueError("conv_backward_direct: scratch too small")
         _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dwt, pad_h, pad_w, dil_h,
-                  dil_w, V)
+                  dil_w, V, overwrite)
         if need_dx:
             _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x,
                             KV_x, pos_x, columns, V)
@@ -663,9 +675,11 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                                        dycl, (j0 - p0) * Kp + Km + t0, 0, Kp,
                                        et, (j0 + r * dil_h * Q) * CSv + v0, 0, CSv, 1, steps)
             if bias:
+                first = overwrite and n == n0
                 for gr in range(group):
                     for kk in range(Kg):
-                        dbs[part * db_step + gr * Kg + kk] += dbacc[gr * Kgp + kk]
+                        i = part * db_step + gr * Kg + kk
+                        dbs[i] = dbacc[gr * Kgp + kk] + (0.0 if first else dbs[i])
         if n1 == n0:
             continue  # no gradient to add: dwt holds the previous part's
         # Into dw: dwt turned into w's layout (dwk) a block of (s, channels) at a time, then
@@ -699,8 +713,12 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                         dwk[(Km + t) * CgRS + (c * R + r) * S + s] = \
                             lsum[(r * KrT + t) * CSv + c * S + s]
         dw = dws[part * dw_step:part * dw_step + K * CgRS]
-        for i in range(K * CgRS):
-            dw[i] += dwk[i]
+        if overwrite:
+            for i in range(K * CgRS):
+                dw[i] = dwk[i] + 0.0
+        else:
+            for i in range(K * CgRS):
+                dw[i] += dwk[i]
     if need_dx:
         _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
                         pos_x, columns, V)

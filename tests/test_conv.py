@@ -159,6 +159,47 @@ def test_parameter_gradients_add():
         np.testing.assert_allclose(got, want + 1, rtol=1e-12)
 
 
+@pytest.mark.parametrize("num_output, fields, shapes", [
+    (20, "kernel_size: 5", [(5, 1, 28, 28)]),                     # by lanes (LeNet's conv1)
+    (50, "kernel_size: 5", [(5, 20, 12, 12)]),                    # by kernel rows (conv2)
+    (40, "kernel_size: 3 pad: 1", [(5, 6, 14, 12)]),              # last channels along T
+    (96, "kernel_size: 5 pad: 1 group: 2", [(5, 8, 7, 9)]),       # tiles, two groups
+    (16, "kernel_size: 3 pad: 1 bias_term: false", [(5, 3, 9, 8)] * 2)])  # two bottoms
+def test_overwrite_sets_gradients_bitwise_as_adding_to_zeros(num_output, fields, shapes):
+    """With overwrite_param_diff the direct kernels set each part's weight and bias
+    gradients (the engine then skips zeroing them): bitwise what adding into zeros gives,
+    whatever the buffers held, an empty part's zeros included, and +0.0 where the chain's
+    products are -0.0 (0.0 + -0.0 is +0.0: the first part's samples have x > 0 and
+    dy = -0.0)."""
+    names = ("a", "b")[:len(shapes)]
+    layer = build(conv_text(fields, num_output, bottoms=names, tops=("y", "z")[:len(shapes)]),
+                  shapes)
+    assert layer.can_overwrite_param_diff
+    bottom = [np.abs(data(shape, i)).astype(np.float32) for i, shape in enumerate(shapes)]
+    params = [p.astype(np.float32) for p in random_params(layer)]
+    dy = [data(t, 5).astype(np.float32) for t in layer.top_shapes]
+    for d in dy:
+        d[:2] = -0.0
+    chunk = Chunk(n=5, batch=5, part_starts=(0, 2, 2, 5))
+    _, _, added = backward(layer, bottom, params, dy, chunk)
+    assert not any(np.signbit(g[0]).any() for g in added)
+    layer.overwrite_param_diff = True
+    tops, scratch = forward(layer, bottom, params, chunk)
+    garbage = [np.full((3,) + p.shape, np.nan, np.float32) for p in params]
+    bottom_diff = [np.zeros_like(b) for b in bottom]
+    layer.backward(tops, dy, bottom, bottom_diff, params, garbage, scratch, chunk)
+    for got, want in zip(garbage, added):
+        assert np.array_equal(got, want) and not np.signbit(got[:2]).any()
+
+
+def test_only_the_direct_kernels_overwrite():
+    """Strided, GEMM and depthwise convolutions and Deconvolution add to their gradients."""
+    for layer in (build(conv_text("kernel_size: 3 stride: 2"), [(2, 3, 9, 9)]),
+                  build(conv_text("kernel_size: 3 group: 3", 3), [(2, 3, 9, 9)]),
+                  build(deconv_text("kernel_size: 3"), [(2, 3, 5, 5)])):
+        assert not layer.can_overwrite_param_diff
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_parts_get_their_own_gradients(name, bias):

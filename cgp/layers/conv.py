@@ -160,6 +160,12 @@ class Convolution(Layer):
         db, db_step = part_span(param_diff[1]) if self.bias_term else (np.empty(0, dtype), 0)
         return dw, dw_step, db, db_step
 
+    @property
+    def can_overwrite_param_diff(self):
+        # The direct kernels can set each part's gradients (as if added to zeros), which
+        # spares the engine a pass zeroing them; the other paths add.
+        return self._direct()
+
     def _depthwise(self):
         # group > 1: a single channel in one group (LeNet's conv1) keeps the dense path.
         return self.C == self.group > 1
@@ -232,7 +238,8 @@ class Convolution(Layer):
                 yield K.conv_backward_direct, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
                                                scratch["e"][i], scratch["dycl"], scratch["dwt"],
                                                scratch["dbacc"], scratch["eb"], scratch["wft"],
-                                               scratch["dxp"], *self._geometry(), need_dx)
+                                               scratch["dxp"], *self._geometry(), need_dx,
+                                               self.overwrite_param_diff and i == 0)
             else:
                 yield K.conv_backward, (x, w, dy, dx, dw, dw_step, db, db_step, starts,
                                         scratch["col"], *self._geometry(), need_dx)
@@ -246,6 +253,7 @@ class Deconvolution(Convolution):
     gradient, the input gradient a convolution's forward pass, as in Caffe: per sample, the
     column matrix of the output (im2col's, cgp.kernels.conv) and one BLAS GEMM per group.
     Scratch "col": (K*R*S, H*W)."""
+    can_overwrite_param_diff = False   # its kernels add (not Convolution's direct ones)
 
     def setup(self, bottom_shapes):
         shape = self._read(bottom_shapes)
