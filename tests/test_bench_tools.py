@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "first_run.py", "gpu_check.sh",
          "gpu_memory.py", "kernel_ab.py", "large_batch.py", "layer_rates.py",
-         "machine_scaling.py", "many_cores.sh", "rank_stress.py", "rank_time.py",
+         "machine_scaling.py", "many_cores.sh", "net_hash.py", "rank_stress.py", "rank_time.py",
          "revision_ab.py", "scale_model.py", "staleness.py", "step_phases.py", "step_tail.py",
          "torch_baseline.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
@@ -42,6 +42,32 @@ def test_bench_holds_the_maintained_tools_each_in_its_readme():
     readme = (BENCH / "README.md").read_text()
     for tool in TOOLS:
         assert f"| `{tool}` |" in readme, f"bench/README.md has no line for {tool}"
+
+
+TINY_NET = """name: "tiny"
+input: "data"
+input_dim: 1
+input_dim: 2
+input_dim: 6
+input_dim: 6
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip"
+        inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }
+"""
+
+
+def test_net_hash_is_a_function_of_the_net_and_batch(tmp_path):
+    """bench/net_hash.py: the same line from two processes, another for another batch, and
+    a backward that reaches the parameters."""
+    net = tmp_path / "tiny.prototxt"
+    net.write_text(TINY_NET)
+    first, again, other = (run("net_hash.py", net, batch).splitlines()[-1]
+                           for batch in (4, 4, 8))
+    assert first == again != other
+    assert numbers(r"non-zero gradients (\d+)", first)[0] > 0
 
 
 def test_fake_cifar10_writes_the_official_format_without_pytest(tmp_path):
