@@ -898,11 +898,12 @@ def test_pool_threads_spin_between_runs_and_rest_on_request():
         if r % 50 == 0:
             pool.rest()
     assert sorted(done) == sorted(list(range(3)) * 300)
-    # Three tries: on a shared VM a thread's CPU time also counts moments the host took
-    # from it, so a small figure is its least and a large one its most (a pool that spun
-    # when it should sleep would spin in every try).
+    # Five tries: on a shared VM a thread's CPU time also counts moments the host took
+    # from it, and a busy neighbour can keep a spinning thread off its core for a whole
+    # try, so a small figure is its least and a large one its most (a pool that spun when
+    # it should sleep would spin in every try).
     tries = [[spent_while_caller_works(pool, rest) for rest in (False, True)]
-             for _ in range(3)]
+             for _ in range(5)]
     pool.close()
     assert not pool._workers
     assert min(rest for _, rest in tries) < 5e6, tries

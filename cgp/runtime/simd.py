@@ -164,6 +164,21 @@ def _lanes_below(builder, count, width):
     return builder.icmp_signed("<", lanes_, _splat32(builder, count, width))
 
 
+def _along(builder, n, width, masked_load, step):
+    """For codegen: step(c, load) for c = 0, width, 2*width, ... below n (an index), the
+    vectors past n's last whole one read by a masked load (lanes past n read as 0.0)."""
+    intp, i32 = n.type, ir.IntType(32)
+    whole = builder.udiv(n, ir.Constant(intp, width))
+    with cgutils.for_range(builder, whole) as loop:
+        step(builder.mul(loop.index, ir.Constant(intp, width)),
+             lambda p: builder.load(p, align=1))
+    tail = builder.mul(whole, ir.Constant(intp, width))
+    with builder.if_then(builder.icmp_signed("<", tail, n)):
+        mask = _lanes_below(builder, builder.sub(n, tail), width)
+        zero = ir.Constant(masked_load.function_type.return_type, None)
+        step(tail, lambda p: builder.call(masked_load, [p, ir.Constant(i32, 1), mask, zero]))
+
+
 @intrinsic(prefer_literal=True)   # constants arrive as such: a shape outside SHAPES
 def tile(typingctx, T, KV, out, out_off, out_ts, t_valid, v_valid, accumulate, a, a_off, a_ts,
          a_gstep, a_step, b, b_off, b_gstep, b_step, nseg, nstep):
@@ -367,14 +382,7 @@ def dot_tile(typingctx, out, out_off, out_ms, m_valid, k_valid, a, a_off, a_ms, 
                     builder.store(builder.call(fma, [av[i], wv, builder.load(acc[i][j])]),
                                   acc[i][j])
 
-        whole = builder.udiv(n_, ir.Constant(intp, width))
-        with cgutils.for_range(builder, whole) as loop:
-            step(builder.mul(loop.index, ir.Constant(intp, width)),
-                 lambda p: builder.load(p, align=1))
-        tail = builder.mul(whole, ir.Constant(intp, width))
-        with builder.if_then(builder.icmp_signed("<", tail, n_)):
-            mask = _lanes_below(builder, builder.sub(n_, tail), width)
-            step(tail, lambda p: builder.call(masked_load, [p, ir.Constant(i32, 1), mask, zero]))
+        _along(builder, n_, width, masked_load, step)
 
         def lane_sum(v):
             half = width // 2
@@ -719,14 +727,7 @@ def lane_tile(typingctx, M, N, out, out_off, out_ms, out_ns, a, a_off, a_ms, m_v
                     builder.store(builder.call(fma, [av[i], bv, builder.load(acc[i][j])]),
                                   acc[i][j])
 
-        whole = builder.udiv(n_, ir.Constant(intp, width))
-        with cgutils.for_range(builder, whole) as loop:
-            step(builder.mul(loop.index, ir.Constant(intp, width)),
-                 lambda p: builder.load(p, align=1))
-        tail = builder.mul(whole, ir.Constant(intp, width))
-        with builder.if_then(builder.icmp_signed("<", tail, n_)):
-            mask = _lanes_below(builder, builder.sub(n_, tail), width)
-            step(tail, lambda p: builder.call(masked_load, [p, ir.Constant(i32, 1), mask, zero]))
+        _along(builder, n_, width, masked_load, step)
         for i in range(n_m):
             for j in range(n_n):
                 builder.store(builder.load(acc[i][j]), targets[i][j], align=1)
