@@ -164,6 +164,22 @@ def _lanes_below(builder, count, width):
     return builder.icmp_signed("<", lanes_, _splat32(builder, count, width))
 
 
+def _fma(builder, vty, width, bits):
+    """For codegen: LLVM's fused multiply-add of vectors vty (width lanes of f<bits>)."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
+                                          f"llvm.fma.v{width}f{bits}")
+
+
+def _clamped_rows(builder, off, step, valid, count):
+    """For codegen: the starts off + r*step of rows r < count (indices), rows past `valid`
+    at the last valid one (read, never used)."""
+    intp = off.type
+    last = builder.sub(valid, ir.Constant(intp, 1))
+    return [builder.add(off, builder.mul(builder.select(
+        builder.icmp_signed("<", ir.Constant(intp, r), valid), ir.Constant(intp, r), last),
+        step)) for r in range(count)]
+
+
 def _along(builder, n, width, masked_load, step):
     """For codegen: step(c, load) for c = 0, width, 2*width, ... below n (an index), the
     vectors past n's last whole one read by a masked load (lanes past n read as 0.0)."""
@@ -234,8 +250,7 @@ def _tile_codegen(dtype, fold):
         if fold:
             s_p, = _pointers(context, builder, signature, args, 19)
             s_off_, s_ts_, s_step_, nfold_ = index(20), index(21), index(22), index(23)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
-                                             f"llvm.fma.v{width}f{bits}")
+        fma = _fma(builder, vty, width, bits)
         masked_load, masked_store = _masked_memory(builder, vty, width, bits)
 
         def vector_at(base, offset):
@@ -351,20 +366,11 @@ def dot_tile(typingctx, out, out_off, out_ms, m_valid, k_valid, a, a_off, a_ms, 
         out_p, a_p, w_p = _pointers(context, builder, signature, args, 0, 5, 8)
         out_off_, out_ms_, m_valid_, k_valid_, a_off_, a_ms_, w_off_, w_ks_, n_ = _casts(
             context, builder, signature, args, 1, 2, 3, 4, 6, 7, 9, 10, 11)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
-                                             f"llvm.fma.v{width}f{bits}")
+        fma = _fma(builder, vty, width, bits)
         zero = ir.Constant(vty, None)
-        one = ir.Constant(intp, 1)
 
-        def rows(off, step, valid, count):
-            # The start of each row, rows past `valid` at the last valid one.
-            last = builder.sub(valid, one)
-            return [builder.add(off, builder.mul(builder.select(
-                builder.icmp_signed("<", ir.Constant(intp, r), valid), ir.Constant(intp, r),
-                last), step)) for r in range(count)]
-
-        a_rows = rows(a_off_, a_ms_, m_valid_, DOT_M)
-        w_rows = rows(w_off_, w_ks_, k_valid_, DOT_K)
+        a_rows = _clamped_rows(builder, a_off_, a_ms_, m_valid_, DOT_M)
+        w_rows = _clamped_rows(builder, w_off_, w_ks_, k_valid_, DOT_K)
         acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(DOT_K)]
                for _ in range(DOT_M)]
         for i in range(DOT_M):
@@ -692,23 +698,14 @@ def lane_tile(typingctx, M, N, out, out_off, out_ms, out_ns, a, a_off, a_ms, m_v
         out_off_, out_ms_, out_ns_, a_off_, a_ms_, m_valid_, b_off_, b_ns_, n_valid_, n_ = \
             _casts(context, builder, signature, args, 3, 4, 5, 7, 8, 9, 11, 12, 13, 14)
         n_m, n_n = M.literal_value, N.literal_value
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3),
-                                             f"llvm.fma.v{width}f{bits}")
+        fma = _fma(builder, vty, width, bits)
         zero = ir.Constant(vty, None)
-        one = ir.Constant(intp, 1)
-
-        def rows(off, step, valid, count):
-            # The start of each row, rows past `valid` at the last valid one.
-            last = builder.sub(valid, one)
-            return [builder.add(off, builder.mul(builder.select(
-                builder.icmp_signed("<", ir.Constant(intp, r), valid), ir.Constant(intp, r),
-                last), step)) for r in range(count)]
 
         def at(base, offset):
             return builder.bitcast(builder.gep(base, [offset]), vty.as_pointer())
 
-        a_rows = rows(a_off_, a_ms_, m_valid_, n_m)
-        b_rows = rows(b_off_, b_ns_, n_valid_, n_n)
+        a_rows = _clamped_rows(builder, a_off_, a_ms_, m_valid_, n_m)
+        b_rows = _clamped_rows(builder, b_off_, b_ns_, n_valid_, n_n)
         targets = [[at(out_p, builder.add(out_off_, builder.add(
             builder.mul(ir.Constant(intp, i), out_ms_), builder.mul(ir.Constant(intp, j),
                                                                     out_ns_))))
