@@ -30,6 +30,7 @@ that Numba, so that later runs do not start the processes; where it is wrong (th
 deleted, say) the run compiles what it misses itself, as without this module.
 """
 import ast
+import functools
 import hashlib
 import inspect
 import os
@@ -450,6 +451,7 @@ def source_size(py_func, seen=None):
     return size
 
 
+@functools.cache   # a skipped kernel asks again at every call: its source parsed once
 def returns_nothing(py_func):
     """Whether a kernel's source has no `return value` (so a skipped call's None is what it
     returns); False where its source cannot be read."""
