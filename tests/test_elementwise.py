@@ -79,6 +79,24 @@ def test_eltwise(param, reference):
     check_split_invariance(layer, xs, cut=2)
 
 
+@pytest.mark.parametrize("param", ["", "eltwise_param { coeff: -0.5 coeff: 3 }"])
+def test_eltwise_two_bottoms_sum(param):
+    """Two bottoms (ResNet's shortcuts): both gradients from one kernel, c_i * dy in float32,
+    and one without a gradient."""
+    layer = build(f'type: "Eltwise" {blob_names("bottom", 2)} top: "y" {param}', [E, E])
+    c = [-0.5, 3] if param else [1, 1]
+    xs = [rand(E, 1), rand(E, 2)]
+    check_forward(layer, xs, lambda a, b: c[0] * a + c[1] * b)
+    check_gradients(layer, xs)
+    a, b, dy = (rand(E, i).astype(np.float32) for i in (1, 2, 3))
+    _, (da, db), _ = backward(layer, [a, b], [], [dy])
+    np.testing.assert_array_equal(da, np.float32(c[0]) * dy)
+    np.testing.assert_array_equal(db, np.float32(c[1]) * dy)
+    db = np.full_like(b, 7.0)
+    layer.backward([a + b], [dy], [a, b], [None, db], [], [], {}, None)
+    np.testing.assert_array_equal(db, np.float32(c[1]) * dy)
+
+
 def test_eltwise_two_bottoms_prod_gradient():
     layer = build(f'type: "Eltwise" {blob_names("bottom", 2)} top: "y" '
                   'eltwise_param { operation: PROD }', [E, E])
