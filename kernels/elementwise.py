@@ -63,6 +63,14 @@ def add(a, b, y):
 
 
 @njit(cache=True, nogil=True)
+def add3(a, b, c, y):
+    """a, b, c, y: (M,). y = (a + b) + c, in that order: the bits of add(a, b, y) then
+    add(y, c, y), in one pass; y may be a (a running sum)."""
+    for i in range(y.size):
+        y[i] = (a[i] + b[i]) + c[i]
+
+
+@njit(cache=True, nogil=True)
 def multiply(a, b, y):
     """a, b, y: (M,). y = a * b; y may be a or b (a running product)."""
     for i in range(y.size):

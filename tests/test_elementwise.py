@@ -190,6 +190,23 @@ def test_split():
     np.testing.assert_array_equal(dx, (d[0] + d[1]) + d[2])     # top order, in float32
 
 
+@pytest.mark.parametrize("tops", [4, 5, 6])
+def test_split_sums_gradients_in_top_order(tops):
+    """Three or more gradients go two more a pass: the bits of adding them one at a time."""
+    shape = (2, 3, 4)
+    names = " ".join(f'top: "t{j}"' for j in range(tops))
+    layer = build(f'type: "Split" bottom: "x" {names}', [shape])
+    x = rand(shape).astype(np.float32)
+    d = [rand(shape, j).astype(np.float32) for j in range(tops)]
+    _, (dx,), _ = backward(layer, [x], [], d)
+    want = d[0] + d[1]
+    for g in d[2:]:
+        want = want + g
+    np.testing.assert_array_equal(dx, want)
+    (*ys,), _ = forward(layer, [x], [])
+    assert all(np.array_equal(y, x) for y in ys)
+
+
 def test_split_one_top_and_missing_diffs():
     shape = (2, 3)
     one = build('type: "Split" bottom: "x" top: "a"', [shape])

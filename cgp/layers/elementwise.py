@@ -267,10 +267,15 @@ class Split(Layer):
             yield assign, (dx, 0)
         elif len(diffs) == 1:
             yield K.copy, (diffs[0], dx)
-        else:
+        elif len(diffs) == 2:
             yield K.add, (diffs[0], diffs[1], dx)
-            for d in diffs[2:]:
-                yield K.add, (dx, d, dx)
+        else:
+            # In top order, two more gradients a pass (GoogLeNet's four-way splits).
+            yield K.add3, (diffs[0], diffs[1], diffs[2], dx)
+            for j in range(3, len(diffs) - 1, 2):
+                yield K.add3, (dx, diffs[j], diffs[j + 1], dx)
+            if len(diffs) % 2 == 0:
+                yield K.add, (dx, diffs[-1], dx)
 
 
 # -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------
