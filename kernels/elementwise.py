@@ -29,6 +29,26 @@ def scaled_copy(x, c, y):
 
 
 @njit(cache=True, nogil=True)
+def scaled_copies(x, c0, y0, c1, y1):
+    """x, y0, y1: (M,), c0, c1 scalars of their dtype. y0 = c0 * x and y1 = c1 * x: the bits
+    of two scaled_copy calls, reading x once (Eltwise SUM's gradient for two bottoms)."""
+    for i in range(x.size):
+        v = x[i]
+        y0[i] = c0 * v
+        y1[i] = c1 * v
+
+
+@njit(cache=True, nogil=True)
+def copies(x, y0, y1):
+    """x, y0, y1: (M,). y0 = x and y1 = x, reading x once (Split's forward, two tops at a
+    time)."""
+    for i in range(x.size):
+        v = x[i]
+        y0[i] = v
+        y1[i] = v
+
+
+@njit(cache=True, nogil=True)
 def axpy(x, c, y):
     """x, y: (M,), c a scalar of their dtype. y += c * x (one step of a sum over bottoms)."""
     for i in range(x.size):
@@ -40,6 +60,14 @@ def add(a, b, y):
     """a, b, y: (M,). y = a + b; y may be a (a running sum)."""
     for i in range(y.size):
         y[i] = a[i] + b[i]
+
+
+@njit(cache=True, nogil=True)
+def add3(a, b, c, y):
+    """a, b, c, y: (M,). y = (a + b) + c, in that order: the bits of add(a, b, y) then
+    add(y, c, y), in one pass; y may be a (a running sum)."""
+    for i in range(y.size):
+        y[i] = (a[i] + b[i]) + c[i]
 
 
 @njit(cache=True, nogil=True)

@@ -9,6 +9,7 @@ which the compiler turns into vectors wherever no power is taken.
 Dimension letters: N samples in the chunk, C channels, H W height and width. L is local_size
 (odd), and the window around a position reaches R = (L - 1) / 2 either side, cut at the borders.
 """
+import numpy as np
 from numba import njit
 
 
@@ -56,11 +57,33 @@ def lrn_across_forward(x, y, scale, power, L, alpha_over_L, beta, k):
 def _power_plane(x, y, scale, power, beta):
     """One plane (H, W): power = scale^-beta, y = x * power. (The helpers here take a plane,
     not a row: a call costs tens of nanoseconds, as much as a row of 16 elements.)"""
+    if beta == 0.75:
+        _three_quarters_plane(x, y, scale, power)
+        return
     H, W = x.shape
     for h in range(H):
         xr, yr, sr, pr = x[h], y[h], scale[h], power[h]
         for w in range(W):
             p = sr[w] ** -beta
+            pr[w] = p
+            yr[w] = p * xr[w]
+
+
+# Square roots vectorise where a power (a call into libm, no vector maths library here) does
+# not: AlexNet's and GoogLeNet's beta, 0.75, runs ~3x as fast this way. error_model "numpy":
+# a scale of 0 gives inf, as the power does, and keeps the loop free of checks.
+@njit(cache=True, nogil=True, error_model="numpy")
+def _three_quarters_plane(x, y, scale, power):
+    """_power_plane for beta = 0.75: scale^-0.75 = 1 / (sqrt(scale) * sqrt(sqrt(scale))) in
+    float64, rounded once to the arrays' dtype. In float32 that is the correctly rounded
+    power but for near-ties (it matched NumPy's float64 power on 4 million values, where libm's
+    float32 power was one step off for 0.01 – 0.09 % of them, by the range of the scales)."""
+    H, W = x.shape
+    for h in range(H):
+        xr, yr, sr, pr = x[h], y[h], scale[h], power[h]
+        for w in range(W):
+            r = np.sqrt(np.float64(sr[w]))
+            p = pr.dtype.type(1.0 / (r * np.sqrt(r)))
             pr[w] = p
             yr[w] = p * xr[w]
 

@@ -89,6 +89,28 @@ def product_and_row_sums(dy, x, ds, db, off, o_step, starts, ds_step, db_step):
 
 
 @njit(cache=True, nogil=True)
+def product_and_row_sums_then_scale(dy, x, s, ds, db, off, o_step, starts, ds_step, db_step,
+                                    dx):
+    """product_and_row_sums(dy, x, ds, db, off, o_step, starts, ds_step, db_step), then
+    scale_forward(dy, s, off, o_step, dx), row by row, the same bits; dx: (O, D, I). A row's
+    input gradient is written right after its sums, while dy's row is still in cache: dy is
+    read from memory once, not twice (a learnt Scale with bias, ResNet-50's)."""
+    O, D, I = dy.shape
+    for p in range(starts.size - 1):
+        for o in range(starts[p], starts[p + 1]):
+            for d in range(D):
+                dr, xr = dy[o, d], x[o, d]
+                product, plain = product_and_plain_sums(dr, xr)
+                k = off + o * o_step + d
+                ds[p * ds_step + k] += product
+                db[p * db_step + k] += plain
+                f = s[k]
+                gr = dx[o, d]
+                for i in range(I):
+                    gr[i] = f * dr[i]
+
+
+@njit(cache=True, nogil=True)
 def row_sums(dy, out, off, o_step, starts, step, accumulate):
     """dy: (O, D, I); out, starts as in product_sums. out[p*step + off + o*o_step + d] (+)=
     the float64 sum in lanes (cgp.kernels.batchnorm) over i of dy[o, d, i]: the addends'

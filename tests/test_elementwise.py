@@ -79,6 +79,24 @@ def test_eltwise(param, reference):
     check_split_invariance(layer, xs, cut=2)
 
 
+@pytest.mark.parametrize("param", ["", "eltwise_param { coeff: -0.5 coeff: 3 }"])
+def test_eltwise_two_bottoms_sum(param):
+    """Two bottoms (ResNet's shortcuts): both gradients from one kernel, c_i * dy in float32,
+    and one without a gradient."""
+    layer = build(f'type: "Eltwise" {blob_names("bottom", 2)} top: "y" {param}', [E, E])
+    c = [-0.5, 3] if param else [1, 1]
+    xs = [rand(E, 1), rand(E, 2)]
+    check_forward(layer, xs, lambda a, b: c[0] * a + c[1] * b)
+    check_gradients(layer, xs)
+    a, b, dy = (rand(E, i).astype(np.float32) for i in (1, 2, 3))
+    _, (da, db), _ = backward(layer, [a, b], [], [dy])
+    np.testing.assert_array_equal(da, np.float32(c[0]) * dy)
+    np.testing.assert_array_equal(db, np.float32(c[1]) * dy)
+    db = np.full_like(b, 7.0)
+    layer.backward([a + b], [dy], [a, b], [None, db], [], [], {}, None)
+    np.testing.assert_array_equal(db, np.float32(c[1]) * dy)
+
+
 def test_eltwise_two_bottoms_prod_gradient():
     layer = build(f'type: "Eltwise" {blob_names("bottom", 2)} top: "y" '
                   'eltwise_param { operation: PROD }', [E, E])
@@ -170,6 +188,23 @@ def test_split():
     d = [rand(shape, i).astype(np.float32) for i in range(3)]
     _, (dx,), _ = backward(layer, [x.astype(np.float32)], [], d)
     np.testing.assert_array_equal(dx, (d[0] + d[1]) + d[2])     # top order, in float32
+
+
+@pytest.mark.parametrize("tops", [4, 5, 6])
+def test_split_sums_gradients_in_top_order(tops):
+    """Three or more gradients go two more a pass: the bits of adding them one at a time."""
+    shape = (2, 3, 4)
+    names = " ".join(f'top: "t{j}"' for j in range(tops))
+    layer = build(f'type: "Split" bottom: "x" {names}', [shape])
+    x = rand(shape).astype(np.float32)
+    d = [rand(shape, j).astype(np.float32) for j in range(tops)]
+    _, (dx,), _ = backward(layer, [x], [], d)
+    want = d[0] + d[1]
+    for g in d[2:]:
+        want = want + g
+    np.testing.assert_array_equal(dx, want)
+    (*ys,), _ = forward(layer, [x], [])
+    assert all(np.array_equal(y, x) for y in ys)
 
 
 def test_split_one_top_and_missing_diffs():

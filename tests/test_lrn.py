@@ -89,6 +89,29 @@ def test_within_sums_each_window_in_row_order(size):
     np.testing.assert_allclose(scratch["power"], want, rtol=2 ** -23)   # within an ulp
 
 
+@pytest.mark.parametrize("beta", [0.75, 0.6])
+def test_power_is_rounded_once(beta):
+    """beta 0.75 (AlexNet's, GoogLeNet's) takes square roots in float64: the power rounded
+    once to float32, here on 200,000 scales from AlexNet's range to 1e4; other betas take
+    float32's power, within a step of it."""
+    from cgp.kernels import lrn as K
+    rng = np.random.default_rng(3)
+    shape = (4, 50, 1000)
+    scale = np.concatenate([rng.uniform(1, 1.01, shape[0] * 25000),
+                            rng.uniform(0.5, 1e4, shape[0] * 25000)]).astype(np.float32)
+    scale = scale.reshape(shape)
+    x = rng.standard_normal(shape).astype(np.float32)
+    y, power = np.empty_like(x), np.empty_like(x)
+    for c in range(shape[0]):
+        K._power_plane(x[c], y[c], scale[c], power[c], np.float32(beta))
+    exact = (scale.astype(np.float64) ** -float(np.float32(beta))).astype(np.float32)
+    if beta == 0.75:
+        assert np.array_equal(power, exact)
+    else:
+        np.testing.assert_allclose(power, exact, rtol=2 ** -23)
+    assert np.array_equal(y, power * x)
+
+
 @pytest.mark.parametrize("size", [1, 3, 5])
 def test_across_gradients(size):
     layer = build(lrn_text(size, extra="alpha: 0.9 beta: 0.7 k: 1.5"), [SHAPE])

@@ -131,6 +131,12 @@ class Eltwise(Layer):
         P = caffe_pb2.EltwiseParameter
         dy = flat(top_diff[0])
         xs = [flat(b) for b in bottom]
+        if self.op == P.SUM and len(bottom_diff) == 2 and all(d is not None for d in bottom_diff):
+            # ResNet's shortcuts: both gradients from one read of dy.
+            f = dy.dtype.type
+            yield K.scaled_copies, (dy, f(self.coeffs[0]), flat(bottom_diff[0]),
+                                    f(self.coeffs[1]), flat(bottom_diff[1]))
+            return
         for i, dx in enumerate(bottom_diff):
             if dx is None:
                 continue
@@ -244,8 +250,11 @@ class Split(Layer):
 
     def forward_calls(self, bottom, top, params, scratch, chunk):
         x = flat(bottom[0])
-        for y in top:
-            yield K.copy, (x, flat(y))
+        # Two tops a time from one read of x; an odd one out alone.
+        for j in range(0, len(top) - 1, 2):
+            yield K.copies, (x, flat(top[j]), flat(top[j + 1]))
+        if len(top) % 2:
+            yield K.copy, (x, flat(top[-1]))
 
     def backward_calls(self, top, top_diff, bottom, bottom_diff, params, param_diff, scratch,
                        chunk):
@@ -258,10 +267,15 @@ class Split(Layer):
             yield assign, (dx, 0)
         elif len(diffs) == 1:
             yield K.copy, (diffs[0], dx)
-        else:
+        elif len(diffs) == 2:
             yield K.add, (diffs[0], diffs[1], dx)
-            for d in diffs[2:]:
-                yield K.add, (dx, d, dx)
+        else:
+            # In top order, two more gradients a pass (GoogLeNet's four-way splits).
+            yield K.add3, (diffs[0], diffs[1], diffs[2], dx)
+            for j in range(3, len(diffs) - 1, 2):
+                yield K.add3, (dx, diffs[j], diffs[j + 1], dx)
+            if len(diffs) % 2 == 0:
+                yield K.add, (dx, diffs[-1], dx)
 
 
 # -- on the device (cgp.device.ops) and in ONNX (cgp.commands.onnx_export) -------------------------

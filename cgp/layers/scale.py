@@ -128,6 +128,13 @@ class Scale(_Broadcast):
             db, db_step = part_span(param_diff[-1].reshape(param_diff[-1].shape[0], -1))
         if self.learnt:
             ds, ds_step = part_span(param_diff[0].reshape(param_diff[0].shape[0], -1))
+        if self.bias_term and self.learnt and bottom_diff[0] is not None:
+            # The usual case (BatchNorm's learnt scale and shift): dx in the sums' pass.
+            s = view(params[0], -1)
+            dx = self._rows(bottom_diff[0], n, g)
+            yield K.product_and_row_sums_then_scale, (dy, x, s, ds, db, g[3], g[4], starts,
+                                                      ds_step, db_step, dx)
+            return
         if self.bias_term and self.learnt:
             yield K.product_and_row_sums, (dy, x, ds, db, g[3], g[4], starts, ds_step, db_step)
         elif self.bias_term:
