@@ -52,6 +52,8 @@ width, R S kernel height and width. CRS = C*R*S is the column matrix's height, a
 CgRS = (C/G)*R*S the length of one filter. V is the number of lanes of a SIMD vector (16 for
 float32, 8 for float64), T and KV a tile's shape (see cgp.runtime.simd).
 """
+import functools
+
 import numpy as np
 from numba import njit
 
@@ -256,13 +258,15 @@ def _channel_pad(Ko, T, KV, positions, V):
     return _round_up(Ko, KV * V) if positions else _round_up(Ko, T)
 
 
-@njit(cache=True, nogil=True)
 def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """Scratch sizes (elements) of the direct path for vectors of V lanes, as the tuple
     (e, e extra, wpt, dycl, dycl extra, dwt, dbacc, eb, wft, dxp): see
     conv_forward_direct and conv_backward_direct. Every buffer that feeds vectors has V
     elements to spare, for _aligned. With position tiles, wpt and wft also hold one sample's
-    and group's output, channels innermost, after the weights."""
+    and group's output, channels innermost, after the weights.
+    Plain Python, run at a layer's set-up, over the kernels' own shape functions (the
+    kernels compile them anyway): as one @njit function of its own it compiled them all
+    again into itself, a second or more of a cold first run's compile."""
     Cg, Kg = C // group, K // group
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
@@ -475,8 +479,8 @@ def _lane_sums_size(CSg, K, R, PQ, V):
 
 
 @njit(cache=True, nogil=True)
-def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_w, dil_h,
-              dil_w, V, overwrite):
+def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h, pad_w,
+              dil_h, dil_w, T, overwrite):
     """The weight and bias gradients of conv_backward_direct (one group) by lanes, for the
     layers _dw_by_lanes picks: dw[k, c, r, s] is the dot product of dy[n, k] with row (c, s)
     of the widened input at kernel row r, over the part's samples and positions, along the
@@ -485,7 +489,15 @@ def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_
     (_lanes_total). No padding of channels to whole vectors and no transposition of dy; the
     channels and rows (c, s) pad only to lane_tile's shape. db[k]: the same lanes over dy
     alone (times a row of ones: a plain loop adding into lanes ran as long as all the rest).
-    sums: _lane_sums_size elements, overwritten. overwrite: as conv_backward_direct's."""
+    The lane sums (_lane_sums_size elements, overwritten) live in dwt. Arguments as
+    conv_backward_direct's; T: the tiles' T of its weight gradient (direct_shapes), which
+    sizes the scratch that _dw_start checks."""
+    V = lanes(x.itemsize)
+    e, dycl = _aligned(e, V), _aligned(dycl, V)
+    if not _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                     x.shape[1] // w.shape[1], T, V, overwrite):   # one group
+        return
+    sums = dwt
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
@@ -493,6 +505,8 @@ def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_
     Hp = H + 2 * pad_h
     HpQ = Hp * Q
     CSg = C * S
+    if sums.size < _lane_sums_size(CSg, K, R, PQ, V):
+        raise ValueError("conv_backward_direct: scratch too small")
     CSn = _round_up(CSg, LANE_N)
     db_at = _round_up(K, LANE_M) * R * CSn * V
     ones = db_at + _round_up(K, LANE_M) * V
@@ -553,7 +567,6 @@ def _channels_last(dy, n, j0, jn, dycl, dbacc, add, Kg, Kgp, V):
                                 min(V, Kg - k0), min(V, j0 + jn - j), dbacc, gr * Kgp + k0, add)
 
 
-@njit(cache=True, nogil=True)
 def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc,
                          eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, need_dx,
                          overwrite=False):
@@ -575,21 +588,92 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     added to zeros (the engine then skips zeroing them: Layer.can_overwrite_param_diff): each
     chain's result g is stored as g + 0.0, which is 0.0 + g (-0.0 becomes +0.0, as it does
     added to zeros), and an empty part's gradients are zeros. dx: see _dx_gather and
-    _dx_columns."""
+    _dx_columns.
+    Plain Python: it picks, once per layer shape (_backward_plan), the kernels that the
+    layer's shape runs, the weight gradient's (_dw_lanes or _dw_by_tiles) and the input
+    gradient's (_dx_columns or _dx_gather). As one @njit kernel it compiled all four ways
+    into one function on a cold first run, where LeNet runs three of them; as kernels of
+    their own each compiles where it is first run, and the compile processes
+    (cgp.runtime.compile) can share them out."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    by_lanes, T, KV, T_x, KV_x, pos_x, columns, V = _backward_plan(
+        C, H, W, K, R, S, dy.shape[2], dy.shape[3], pad_h, pad_w, dil_h, dil_w, group,
+        x.itemsize)
+    if by_lanes:
+        _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                  pad_w, dil_h, dil_w, T, overwrite)
+    else:
+        _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                     pad_w, dil_h, dil_w, group, T, KV, overwrite)
+    if need_dx and N > 0:
+        if columns:
+            _dx_columns(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
+                        V)
+        else:
+            _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, pos_x,
+                       V)
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_plan(C, H, W, K, R, S, P, Q, pad_h, pad_w, dil_h, dil_w, group, itemsize):
+    """How conv_backward_direct runs a layer's shape: (by lanes (_dw_by_lanes), the weight
+    gradient's tiles T and KV, the input gradient's T, KV and positions, through columns,
+    V), from direct_shapes, as the one kernel chose them in itself."""
+    V = lanes(itemsize)
+    _, _, _, T, KV, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
+                                                              dil_h, dil_w, group, V)
+    return (_dw_by_lanes(C // group * S, K // group, group, P * Q, V), T, KV, T_x, KV_x,
+            pos_x, columns, V)
+
+
+@njit(cache=True, nogil=True)
+def _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h, group,
+              T, V, overwrite):
+    """The start of either weight gradient (_dw_lanes, _dw_by_tiles): where overwriting, an
+    empty part's gradients set to zeros (it has no chain to store); then, unless there are no
+    samples (False: nothing more to do), the scratch (e and dycl aligned) and the parts
+    checked."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    P, Q = dy.shape[2], dy.shape[3]
+    PQ = P * Q
+    Kg = K // group
+    if overwrite:
+        for part in range(starts.size - 1):
+            if starts[part + 1] == starts[part]:
+                dws[part * dw_step:part * dw_step + K * Cg * R * S] = 0
+                dbs[part * db_step:part * db_step + min(K, dbs.size)] = 0
+    if N == 0:
+        return False
+    HpQ = (H + 2 * pad_h) * Q
+    CSg = Cg * S
+    Kgp, CSv, left, trans = _dw_layout(CSg, Kg, group, R, PQ, HpQ, V)
+    Kp = group * Kgp
+    _, o2 = _dw_extra(Kp * R * _round_up(CSg, T), K * Cg * R * S, left, V)
+    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < o2 + trans
+            or dbacc.size < Kp or e.size < C * S * HpQ + _e_slack(HpQ, V)):
+        raise ValueError("conv_backward_direct: scratch too small")
+    if starts[0] != 0 or starts[-1] != N:
+        raise ValueError("conv_backward_direct: the parts must cover the samples")
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                 pad_w, dil_h, dil_w, group, T, KV, overwrite):
+    """The weight and bias gradients of conv_backward_direct in tiles of T rows (c, s) by KV
+    vectors of output channels (direct_shapes'), for the layers that _dw_by_lanes leaves;
+    arguments as conv_backward_direct's."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
     PQ = P * Q
     Kg = K // group
     V = lanes(x.itemsize)
-    _, _, _, T, KV, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
-                                                              dil_h, dil_w, group, V)
-    if overwrite:   # an empty part has no chain to store
-        for part in range(starts.size - 1):
-            if starts[part + 1] == starts[part]:
-                dws[part * dw_step:part * dw_step + K * Cg * R * S] = 0
-                dbs[part * db_step:part * db_step + min(K, dbs.size)] = 0
-    if N == 0:
+    e, dycl = _aligned(e, V), _aligned(dycl, V)
+    if not _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                     group, T, V, overwrite):
         return
     KVV = KV * V
     Hp = H + 2 * pad_h
@@ -600,25 +684,9 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     Kp = group * Kgp
     nkb = _round_up(Km, KVV) // KVV
     CSp = _round_up(CSg, T)
-    esz = C * S * HpQ
-    e, dycl = _aligned(e, V), _aligned(dycl, V)
     CgRS = Cg * R * S
     dwt_size = Kp * R * CSp
     o1, o2 = _dw_extra(dwt_size, K * CgRS, left, V)
-    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < o2 + trans
-            or dbacc.size < Kp or e.size < esz + _e_slack(HpQ, V)):
-        raise ValueError("conv_backward_direct: scratch too small")
-    if starts[0] != 0 or starts[-1] != N:
-        raise ValueError("conv_backward_direct: the parts must cover the samples")
-    if _dw_by_lanes(CSg, Kg, group, PQ, V):
-        if dwt.size < _lane_sums_size(CSg, K, R, PQ, V):
-            raise ValueError("conv_backward_direct: scratch too small")
-        _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dwt, pad_h, pad_w, dil_h,
-                  dil_w, V, overwrite)
-        if need_dx:
-            _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x,
-                            KV_x, pos_x, columns, V)
-        return
     bias = dbs.size > 0
     by_rows = S == DW_S and KV == DW_KV
     # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
@@ -719,22 +787,6 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
         else:
             for i in range(K * CgRS):
                 dw[i] += dwk[i]
-    if need_dx:
-        _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
-                        pos_x, columns, V)
-
-
-@njit(cache=True, nogil=True)
-def _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
-                    pos_x, columns, V):
-    """conv_backward_direct's dx, through columns or by gathering, as direct_shapes says
-    (its shapes passed in: working them out again here compiled them again)."""
-    eb, wft = _aligned(eb, V), _aligned(wft, V)
-    if columns:
-        _dx_columns(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
-                    T_x, KV_x, V)
-    else:
-        _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, pos_x, V)
 
 
 @njit(cache=True, nogil=True)
@@ -743,7 +795,9 @@ def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, pos
     h + r'*dil_h - shift_h, w + s'*dil_w - shift_w] (0 outside dy), one chain per element:
     the forward pattern on dy widened with these shifts (eb), the weights flipped (wft,
     followed by one sample's and group's dx, channels innermost, for position tiles). It
-    multiplies the zeros around dy too, but for the kernel rows a tile leaves out."""
+    multiplies the zeros around dy too, but for the kernel rows a tile leaves out. Scratch
+    as conv_backward_direct's (T, KV, positions: direct_shapes')."""
+    eb, wft = _aligned(eb, V), _aligned(wft, V)
     N, C, H, W = dx.shape
     K, Cg, R, S = w.shape
     Kg = K // group
@@ -789,7 +843,8 @@ def _dx_columns(w, dy, dx, dyc, wt, cols, pad_h, pad_w, dil_h, dil_w, group, T, 
     of a kernel row at once, several rows of dx at a time). It multiplies no zeros; the adding
     pass touches each column element once. dyc: one sample's dy (with room for a tile's last
     vectors); wt: the weights with (c, r, s) innermost, rows padded to whole tiles (with
-    zeros)."""
+    zeros); cols: one group's column matrix (dxp). Each aligned here; T, KV: direct_shapes'."""
+    dyc, wt, cols = _aligned(dyc, V), _aligned(wt, V), _aligned(cols, V)
     N, C, H, W = dx.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
