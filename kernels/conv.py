@@ -590,10 +590,10 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     added to zeros), and an empty part's gradients are zeros. dx: see _dx_gather and
     _dx_columns.
     Plain Python: it picks, once per layer shape (_backward_plan), the kernels that the
-    layer's shape runs, the weight gradient's (_dw_lanes or _dw_by_tiles) and the input
-    gradient's (_dx_columns or _dx_gather). As one @njit kernel it compiled all four ways
-    into one function on a cold first run, where LeNet runs three of them; as kernels of
-    their own each compiles where it is first run, and the compile processes
+    shape runs, the weight gradient's (_dw_lanes, _dw_by_rows or _dw_by_tiles) and the input
+    gradient's (_dx_columns or _dx_gather). As one @njit kernel it compiled every way into
+    one function on a cold first run (LeNet runs three of the five); as kernels of their
+    own, each compiles where it is first run, and the compile processes
     (cgp.runtime.compile) can share them out."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
@@ -603,6 +603,9 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     if by_lanes:
         _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
                   pad_w, dil_h, dil_w, T, overwrite)
+    elif S == DW_S and KV == DW_KV:
+        _dw_by_rows(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                    pad_w, dil_h, dil_w, group, T, overwrite)
     else:
         _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
                      pad_w, dil_h, dil_w, group, T, KV, overwrite)
@@ -662,9 +665,14 @@ def _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc,
 @njit(cache=True, nogil=True)
 def _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
                  pad_w, dil_h, dil_w, group, T, KV, overwrite):
-    """The weight and bias gradients of conv_backward_direct in tiles of T rows (c, s) by KV
-    vectors of output channels (direct_shapes'), for the layers that _dw_by_lanes leaves;
-    arguments as conv_backward_direct's."""
+    """The weight and bias gradients of conv_backward_direct in tiles, for the layers that
+    _dw_by_lanes and _dw_by_rows leave; arguments as conv_backward_direct's, T and KV
+    direct_shapes'. dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each
+    element one chain over the part's samples, then positions. Each block of positions is
+    turned channels-last just before its tiles, which find it in the L1 cache (and continue
+    their chains across blocks): a whole chunk turned at once went through L3, which slowed
+    the weight gradient of large outputs (cifar10_quick's first layer) measurably. The last
+    Kg - Km channels: _dw_last_channels."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
@@ -687,33 +695,14 @@ def _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dba
     CgRS = Cg * R * S
     dwt_size = Kp * R * CSp
     o1, o2 = _dw_extra(dwt_size, K * CgRS, left, V)
-    bias = dbs.size > 0
-    by_rows = S == DW_S and KV == DW_KV
-    # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
-    # chain over the part's samples, then positions (by_rows: the S rows of one input channel
-    # and kernel row per tile, stored in w's order; DW_S, DW_KV). Each block of positions is turned
-    # channels-last just before its tiles, which find it in the L1 cache (and continue their
-    # chains across blocks): a whole chunk turned at once went through L3, which slowed the
-    # weight gradient of large outputs (cifar10_quick's first layer) measurably.
-    # The last Kg - Km channels (Tl > 0, one group): tiles of Tl channels, broadcast from
-    # dycl, by KVl vectors of rows (c, s) of the widened input transposed (et: positions by
-    # CSv), summed into lsum (rows (r, channel) of CSv); the same chains.
     lsum, et = dwt[o1:o1 + left], dwt[o2:o2 + trans]
-    Kr = Kg - Km
-    KrT = _round_up(Kr, Tl) if Tl > 0 else 0
     for part in range(starts.size - 1):
         n0, n1 = starts[part], starts[part + 1]
         for n in range(n0, n1):
-            widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
-            if Tl > 0:
-                for j in range(0, HpQ, V):
-                    for cs0 in range(0, CSg, V):
-                        transpose_block(et, j * CSv + cs0, CSv, e, cs0 * HpQ + j, HpQ,
-                                        min(V, CSg - cs0), min(V, HpQ - j), et, 0, False)
-            dbacc[:Kp] = 0
+            _dw_sample(x, n, e, et, dbacc, Kp, S, dil_w, pad_h, pad_w, Hp, Q, Tl, CSg, CSv, V)
             for p0 in range(0, PQ, POSITION_BLOCK):
-                _channels_last(dy, n, p0, min(POSITION_BLOCK, PQ - p0), dycl, dbacc, bias, Kg,
-                               Kgp, V)
+                _channels_last(dy, n, p0, min(POSITION_BLOCK, PQ - p0), dycl, dbacc,
+                               dbs.size > 0, Kg, Kgp, V)
                 for r in range(R):
                     # Only the positions whose kernel row r reads no padding row (see
                     # Determinism above).
@@ -724,30 +713,14 @@ def _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dba
                         for kb in range(nkb):
                             blk = gr * nkb + kb
                             d_off = (j0 - p0) * Kp + gr * Kgp + kb * KVV
-                            if by_rows:
-                                for c in range(Cg):
-                                    tile(DW_S, DW_KV, dwt, ((blk * Cg + c) * R + r) * S * KVV,
-                                         KVV, S, KVV, n > n0 or p0 > 0,
-                                         e, (gr * CSg + c * S) * HpQ + r * dil_h * Q + j0,
-                                         HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
-                                continue
                             for cs0 in range(0, CSg, T):
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
                                      CSg - cs0, KVV, n > n0 or p0 > 0,
                                      e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + j0,
                                      HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
-                    for t0 in range(0, KrT, max(Tl, 1)):
-                        for v0 in range(0, CSg, KVl * V):
-                            _tile_unit(Tl, KVl, lsum, (r * KrT + t0) * CSv + v0, CSv, Kr - t0,
-                                       CSg - v0, n > n0 or p0 > 0,
-                                       dycl, (j0 - p0) * Kp + Km + t0, 0, Kp,
-                                       et, (j0 + r * dil_h * Q) * CSv + v0, 0, CSv, 1, steps)
-            if bias:
-                first = overwrite and n == n0
-                for gr in range(group):
-                    for kk in range(Kg):
-                        i = part * db_step + gr * Kg + kk
-                        dbs[i] = dbacc[gr * Kgp + kk] + (0.0 if first else dbs[i])
+                    _dw_last_channels(lsum, et, dycl, r, j0 - p0, j0, steps, n > n0 or p0 > 0,
+                                      Kp, Km, Kg - Km, Tl, KVl, CSg, CSv, dil_h * Q, V)
+            _db_store(dbs, dbacc, part * db_step, group, Kg, Kgp, overwrite and n == n0)
         if n1 == n0:
             continue  # no gradient to add: dwt holds the previous part's
         # Into dw: dwt turned into w's layout (dwk) a block of (s, channels) at a time, then
@@ -759,13 +732,6 @@ def _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dba
                 blk = gr * nkb + kb
                 k0 = gr * Kg + kb * KVV
                 kn = min(KVV, Km - kb * KVV)
-                if by_rows:   # rows (c, r, s) already: one transposition
-                    for i0 in range(0, CgRS, V):
-                        for kk0 in range(0, kn, V):
-                            transpose_block(dwk, (k0 + kk0) * CgRS + i0, CgRS,
-                                            dwt, (blk * CgRS + i0) * KVV + kk0, KVV,
-                                            min(V, CgRS - i0), min(V, kn - kk0), dwk, 0, False)
-                    continue
                 for c in range(Cg):
                     for r in range(R):
                         base = (blk * R + r) * CSp + c * S
@@ -774,19 +740,145 @@ def _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dba
                                 transpose_block(dwk, (k0 + kk0) * CgRS + (c * R + r) * S + s0,
                                                 CgRS, dwt, (base + s0) * KVV + kk0, KVV,
                                                 min(V, S - s0), min(V, kn - kk0), dwk, 0, False)
-        for t in range(Kr):
-            for r in range(R):
-                for c in range(Cg):
-                    for s in range(S):
-                        dwk[(Km + t) * CgRS + (c * R + r) * S + s] = \
-                            lsum[(r * KrT + t) * CSv + c * S + s]
-        dw = dws[part * dw_step:part * dw_step + K * CgRS]
-        if overwrite:
-            for i in range(K * CgRS):
-                dw[i] = dwk[i] + 0.0
-        else:
-            for i in range(K * CgRS):
-                dw[i] += dwk[i]
+        _dw_store(dws[part * dw_step:part * dw_step + K * CgRS], dwk, lsum, Km, Kg - Km, Tl,
+                  R, Cg, S, CSv, overwrite)
+
+
+@njit(cache=True, nogil=True)
+def _dw_by_rows(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                pad_w, dil_h, dil_w, group, T, overwrite):
+    """_dw_by_tiles for kernels DW_S wide whose tiles are DW_KV vectors of channels wide
+    (T: direct_shapes', which sizes dwt): each tile takes the S rows (c, s) of one input
+    channel and kernel row and stores them in w's order, so one transposition per part
+    turns the sums into w's layout. A kernel of its own, so that a cold first run compiles
+    only the tiles its layers run: LeNet none of _dw_by_tiles' six shapes, cifar10_quick
+    none of these."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    P, Q = dy.shape[2], dy.shape[3]
+    PQ = P * Q
+    Kg = K // group
+    V = lanes(x.itemsize)
+    e, dycl = _aligned(e, V), _aligned(dycl, V)
+    if not _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                     group, T, V, overwrite):
+        return
+    KVV = DW_KV * V
+    Hp = H + 2 * pad_h
+    HpQ = Hp * Q
+    CSg = Cg * S
+    _, _, Km, Tl, KVl = _dw_tiles(CSg, Kg, group, R, PQ, HpQ, V)
+    Kgp, CSv, left, trans = _dw_layout(CSg, Kg, group, R, PQ, HpQ, V)
+    Kp = group * Kgp
+    nkb = _round_up(Km, KVV) // KVV
+    CgRS = Cg * R * S
+    dwt_size = Kp * R * _round_up(CSg, T)
+    o1, o2 = _dw_extra(dwt_size, K * CgRS, left, V)
+    lsum, et = dwt[o1:o1 + left], dwt[o2:o2 + trans]
+    for part in range(starts.size - 1):
+        n0, n1 = starts[part], starts[part + 1]
+        for n in range(n0, n1):
+            _dw_sample(x, n, e, et, dbacc, Kp, S, dil_w, pad_h, pad_w, Hp, Q, Tl, CSg, CSv, V)
+            for p0 in range(0, PQ, POSITION_BLOCK):
+                _channels_last(dy, n, p0, min(POSITION_BLOCK, PQ - p0), dycl, dbacc,
+                               dbs.size > 0, Kg, Kgp, V)
+                for r in range(R):
+                    p_lo, p_hi = _valid_range(r * dil_h - pad_h, 1, H, P)
+                    j0 = min(max(p_lo * Q, p0), p0 + POSITION_BLOCK)
+                    steps = max(min(p_hi * Q, PQ, p0 + POSITION_BLOCK) - j0, 0)
+                    for gr in range(group):
+                        for kb in range(nkb):
+                            blk = gr * nkb + kb
+                            d_off = (j0 - p0) * Kp + gr * Kgp + kb * KVV
+                            for c in range(Cg):
+                                tile(DW_S, DW_KV, dwt, ((blk * Cg + c) * R + r) * S * KVV,
+                                     KVV, S, KVV, n > n0 or p0 > 0,
+                                     e, (gr * CSg + c * S) * HpQ + r * dil_h * Q + j0,
+                                     HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
+                    _dw_last_channels(lsum, et, dycl, r, j0 - p0, j0, steps, n > n0 or p0 > 0,
+                                      Kp, Km, Kg - Km, Tl, KVl, CSg, CSv, dil_h * Q, V)
+            _db_store(dbs, dbacc, part * db_step, group, Kg, Kgp, overwrite and n == n0)
+        if n1 == n0:
+            continue  # no gradient to add: dwt holds the previous part's
+        # Into dw: the sums are in rows (c, r, s) already, one transposition into w's layout
+        # (dwk), then added in one pass.
+        dwk = dwt[dwt_size:dwt_size + K * CgRS]
+        for gr in range(group):
+            for kb in range(nkb):
+                blk = gr * nkb + kb
+                k0 = gr * Kg + kb * KVV
+                kn = min(KVV, Km - kb * KVV)
+                for i0 in range(0, CgRS, V):
+                    for kk0 in range(0, kn, V):
+                        transpose_block(dwk, (k0 + kk0) * CgRS + i0, CgRS,
+                                        dwt, (blk * CgRS + i0) * KVV + kk0, KVV,
+                                        min(V, CgRS - i0), min(V, kn - kk0), dwk, 0, False)
+        _dw_store(dws[part * dw_step:part * dw_step + K * CgRS], dwk, lsum, Km, Kg - Km, Tl,
+                  R, Cg, S, CSv, overwrite)
+
+
+@njit(cache=True, nogil=True)
+def _dw_sample(x, n, e, et, dbacc, Kp, S, dil_w, pad_h, pad_w, Hp, Q, Tl, CSg, CSv, V):
+    """The start of sample n in the tiled weight gradients: its input widened into e (as
+    in conv_forward_direct) and, where the last channels run along T (Tl > 0), transposed
+    into et (positions by CSv rows (c, s)); its bias sums dbacc[:Kp] cleared."""
+    widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
+    if Tl > 0:
+        HpQ = Hp * Q
+        for j in range(0, HpQ, V):
+            for cs0 in range(0, CSg, V):
+                transpose_block(et, j * CSv + cs0, CSv, e, cs0 * HpQ + j, HpQ,
+                                min(V, CSg - cs0), min(V, HpQ - j), et, 0, False)
+    dbacc[:Kp] = 0
+
+
+@njit(cache=True, nogil=True)
+def _dw_last_channels(lsum, et, dycl, r, d_row, j0, steps, accumulate, Kp, Km, Kr, Tl, KVl,
+                      CSg, CSv, row_step, V):
+    """The last Kr channels of the tiled weight gradients (one group; nothing where Tl is 0)
+    at kernel row r, for `steps` positions from j0 (row d_row of the dycl block): tiles of Tl
+    channels, broadcast from dycl, by KVl vectors of rows (c, s) of the widened input
+    transposed (et, rows of row_step positions a kernel row apart), summed into lsum (rows
+    (r, channel) of CSv); the same chains as the other channels'."""
+    KrT = _round_up(Kr, Tl) if Tl > 0 else 0
+    for t0 in range(0, KrT, max(Tl, 1)):
+        for v0 in range(0, CSg, KVl * V):
+            _tile_unit(Tl, KVl, lsum, (r * KrT + t0) * CSv + v0, CSv, Kr - t0, CSg - v0,
+                       accumulate, dycl, d_row * Kp + Km + t0, 0, Kp,
+                       et, (j0 + r * row_step) * CSv + v0, 0, CSv, 1, steps)
+
+
+@njit(cache=True, nogil=True)
+def _db_store(dbs, dbacc, at, group, Kg, Kgp, first):
+    """A sample's bias sums (dbacc, channels padded to Kgp per group) added into the part's
+    bias gradient at dbs[at:] (none where dbs is empty), or, for the part's first sample
+    where overwriting (first), added to zeros."""
+    if dbs.size > 0:
+        for gr in range(group):
+            for kk in range(Kg):
+                i = at + gr * Kg + kk
+                dbs[i] = dbacc[gr * Kgp + kk] + (0.0 if first else dbs[i])
+
+
+@njit(cache=True, nogil=True)
+def _dw_store(dw, dwk, lsum, Km, Kr, Tl, R, Cg, S, CSv, overwrite):
+    """The end of a part in the tiled weight gradients: the last Kr channels' sums (lsum,
+    _dw_last_channels) copied into dwk after the first Km channels', then dwk (w's layout)
+    added into the part's gradient dw, or stored (overwrite, as conv_backward_direct's)."""
+    KrT = _round_up(Kr, Tl) if Tl > 0 else 0
+    CgRS = Cg * R * S
+    for t in range(Kr):
+        for r in range(R):
+            for c in range(Cg):
+                for s in range(S):
+                    dwk[(Km + t) * CgRS + (c * R + r) * S + s] = \
+                        lsum[(r * KrT + t) * CSv + c * S + s]
+    if overwrite:
+        for i in range(dwk.size):
+            dw[i] = dwk[i] + 0.0
+    else:
+        for i in range(dwk.size):
+            dw[i] += dwk[i]
 
 
 @njit(cache=True, nogil=True)
