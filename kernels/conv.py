@@ -595,21 +595,18 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     one function on a cold first run (LeNet runs three of the five); as kernels of their
     own, each compiles where it is first run, and the compile processes
     (cgp.runtime.compile) can share them out."""
-    N, C, H, W = x.shape
-    K, Cg, R, S = w.shape
-    by_lanes, T, KV, T_x, KV_x, pos_x, columns, V = _backward_plan(
-        C, H, W, K, R, S, dy.shape[2], dy.shape[3], pad_h, pad_w, dil_h, dil_w, group,
-        x.itemsize)
+    by_rows, by_lanes, T, KV, T_x, KV_x, pos_x, columns, V = _backward_plan(
+        x.shape, w.shape, dy.shape, pad_h, pad_w, dil_h, dil_w, group, x.itemsize)
     if by_lanes:
         _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
                   pad_w, dil_h, dil_w, T, overwrite)
-    elif S == DW_S and KV == DW_KV:
+    elif by_rows:
         _dw_by_rows(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
                     pad_w, dil_h, dil_w, group, T, overwrite)
     else:
         _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
                      pad_w, dil_h, dil_w, group, T, KV, overwrite)
-    if need_dx and N > 0:
+    if need_dx and x.shape[0] > 0:
         if columns:
             _dx_columns(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
                         V)
@@ -619,15 +616,20 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_plan(C, H, W, K, R, S, P, Q, pad_h, pad_w, dil_h, dil_w, group, itemsize):
-    """How conv_backward_direct runs a layer's shape: (by lanes (_dw_by_lanes), the weight
-    gradient's tiles T and KV, the input gradient's T, KV and positions, through columns,
-    V), from direct_shapes, as the one kernel chose them in itself."""
+def _backward_plan(x_shape, w_shape, dy_shape, pad_h, pad_w, dil_h, dil_w, group, itemsize):
+    """How conv_backward_direct runs a layer's shapes, as the one kernel chose it in itself:
+    (by rows (DW_S wide, DW_KV vectors of channels: _dw_by_rows), by lanes (_dw_by_lanes),
+    the weight gradient's T and KV, the input gradient's T, KV and positions, through
+    columns, V), from direct_shapes. (Cached: a call looks it up in a fraction of a
+    microsecond.)"""
+    _, C, H, W = x_shape
+    K, Cg, R, S = w_shape
     V = lanes(itemsize)
     _, _, _, T, KV, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
                                                               dil_h, dil_w, group, V)
-    return (_dw_by_lanes(C // group * S, K // group, group, P * Q, V), T, KV, T_x, KV_x,
-            pos_x, columns, V)
+    return (S == DW_S and KV == DW_KV,
+            _dw_by_lanes(Cg * S, K // group, group, dy_shape[2] * dy_shape[3], V), T, KV,
+            T_x, KV_x, pos_x, columns, V)
 
 
 @njit(cache=True, nogil=True)
