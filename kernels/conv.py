@@ -819,7 +819,7 @@ def _dw_by_rows(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbac
                   R, Cg, S, CSv, overwrite)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dw_sample(x, n, e, et, dbacc, Kp, S, dil_w, pad_h, pad_w, Hp, Q, Tl, CSg, CSv, V):
     """The start of sample n in the tiled weight gradients: its input widened into e (as
     in conv_forward_direct) and, where the last channels run along T (Tl > 0), transposed
@@ -834,7 +834,7 @@ def _dw_sample(x, n, e, et, dbacc, Kp, S, dil_w, pad_h, pad_w, Hp, Q, Tl, CSg, C
     dbacc[:Kp] = 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dw_last_channels(lsum, et, dycl, r, d_row, j0, steps, accumulate, Kp, Km, Kr, Tl, KVl,
                       CSg, CSv, row_step, V):
     """The last Kr channels of the tiled weight gradients (one group; nothing where Tl is 0)
@@ -850,7 +850,7 @@ def _dw_last_channels(lsum, et, dycl, r, d_row, j0, steps, accumulate, Kp, Km, K
                        et, (j0 + r * row_step) * CSv + v0, 0, CSv, 1, steps)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _db_store(dbs, dbacc, at, group, Kg, Kgp, first):
     """A sample's bias sums (dbacc, channels padded to Kgp per group) added into the part's
     bias gradient at dbs[at:] (none where dbs is empty), or, for the part's first sample
@@ -862,7 +862,7 @@ def _db_store(dbs, dbacc, at, group, Kg, Kgp, first):
                 dbs[i] = dbacc[gr * Kgp + kk] + (0.0 if first else dbs[i])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dw_store(dw, dwk, lsum, Km, Kr, Tl, R, Cg, S, CSv, overwrite):
     """The end of a part in the tiled weight gradients: the last Kr channels' sums (lsum,
     _dw_last_channels) copied into dwk after the first Km channels', then dwk (w's layout)
