@@ -52,6 +52,8 @@ width, R S kernel height and width. CRS = C*R*S is the column matrix's height, a
 CgRS = (C/G)*R*S the length of one filter. V is the number of lanes of a SIMD vector (16 for
 float32, 8 for float64), T and KV a tile's shape (see cgp.runtime.simd).
 """
+import functools
+
 import numpy as np
 from numba import njit
 
@@ -256,13 +258,15 @@ def _channel_pad(Ko, T, KV, positions, V):
     return _round_up(Ko, KV * V) if positions else _round_up(Ko, T)
 
 
-@njit(cache=True, nogil=True)
 def direct_sizes(C, H, W, K, R, S, pad_h, pad_w, dil_h, dil_w, group, V):
     """Scratch sizes (elements) of the direct path for vectors of V lanes, as the tuple
     (e, e extra, wpt, dycl, dycl extra, dwt, dbacc, eb, wft, dxp): see
     conv_forward_direct and conv_backward_direct. Every buffer that feeds vectors has V
     elements to spare, for _aligned. With position tiles, wpt and wft also hold one sample's
-    and group's output, channels innermost, after the weights."""
+    and group's output, channels innermost, after the weights.
+    Plain Python, run at a layer's set-up, over the kernels' own shape functions (the
+    kernels compile them anyway): as one @njit function of its own it compiled them all
+    again into itself, a second or more of a cold first run's compile."""
     Cg, Kg = C // group, K // group
     P = H + 2 * pad_h - dil_h * (R - 1)
     Q = W + 2 * pad_w - dil_w * (S - 1)
@@ -475,8 +479,8 @@ def _lane_sums_size(CSg, K, R, PQ, V):
 
 
 @njit(cache=True, nogil=True)
-def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_w, dil_h,
-              dil_w, V, overwrite):
+def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h, pad_w,
+              dil_h, dil_w, T, overwrite):
     """The weight and bias gradients of conv_backward_direct (one group) by lanes, for the
     layers _dw_by_lanes picks: dw[k, c, r, s] is the dot product of dy[n, k] with row (c, s)
     of the widened input at kernel row r, over the part's samples and positions, along the
@@ -485,7 +489,15 @@ def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_
     (_lanes_total). No padding of channels to whole vectors and no transposition of dy; the
     channels and rows (c, s) pad only to lane_tile's shape. db[k]: the same lanes over dy
     alone (times a row of ones: a plain loop adding into lanes ran as long as all the rest).
-    sums: _lane_sums_size elements, overwritten. overwrite: as conv_backward_direct's."""
+    The lane sums (_lane_sums_size elements, overwritten) live in dwt. Arguments as
+    conv_backward_direct's; T: the tiles' T of its weight gradient (direct_shapes), which
+    sizes the scratch that _dw_start checks."""
+    V = lanes(x.itemsize)
+    e, dycl = _aligned(e, V), _aligned(dycl, V)
+    if not _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                     x.shape[1] // w.shape[1], T, V, overwrite):   # one group
+        return
+    sums = dwt
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
@@ -493,6 +505,8 @@ def _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, sums, pad_h, pad_
     Hp = H + 2 * pad_h
     HpQ = Hp * Q
     CSg = C * S
+    if sums.size < _lane_sums_size(CSg, K, R, PQ, V):
+        raise ValueError("conv_backward_direct: scratch too small")
     CSn = _round_up(CSg, LANE_N)
     db_at = _round_up(K, LANE_M) * R * CSn * V
     ones = db_at + _round_up(K, LANE_M) * V
@@ -553,7 +567,6 @@ def _channels_last(dy, n, j0, jn, dycl, dbacc, add, Kg, Kgp, V):
                                 min(V, Kg - k0), min(V, j0 + jn - j), dbacc, gr * Kgp + k0, add)
 
 
-@njit(cache=True, nogil=True)
 def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc,
                          eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, need_dx,
                          overwrite=False):
@@ -575,21 +588,102 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     added to zeros (the engine then skips zeroing them: Layer.can_overwrite_param_diff): each
     chain's result g is stored as g + 0.0, which is 0.0 + g (-0.0 becomes +0.0, as it does
     added to zeros), and an empty part's gradients are zeros. dx: see _dx_gather and
-    _dx_columns."""
+    _dx_columns.
+    Plain Python: it picks, once per layer shape (_backward_plan), the kernels that the
+    shape runs, the weight gradient's (_dw_lanes, _dw_by_rows or _dw_by_tiles) and the input
+    gradient's (_dx_columns or _dx_gather). As one @njit kernel it compiled every way into
+    one function on a cold first run (LeNet runs three of the five); as kernels of their
+    own, each compiles where it is first run, and the compile processes
+    (cgp.runtime.compile) can share them out."""
+    by_rows, by_lanes, T, KV, T_x, KV_x, pos_x, columns, V = _backward_plan(
+        x.shape, w.shape, dy.shape, pad_h, pad_w, dil_h, dil_w, group, x.itemsize)
+    if by_lanes:
+        _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                  pad_w, dil_h, dil_w, T, overwrite)
+    elif by_rows:
+        _dw_by_rows(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                    pad_w, dil_h, dil_w, group, T, overwrite)
+    else:
+        _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                     pad_w, dil_h, dil_w, group, T, KV, overwrite)
+    if need_dx and x.shape[0] > 0:
+        if columns:
+            _dx_columns(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
+                        V)
+        else:
+            _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, pos_x,
+                       V)
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_plan(x_shape, w_shape, dy_shape, pad_h, pad_w, dil_h, dil_w, group, itemsize):
+    """How conv_backward_direct runs a layer's shapes, as the one kernel chose it in itself:
+    (by rows (DW_S wide, DW_KV vectors of channels: _dw_by_rows), by lanes (_dw_by_lanes),
+    the weight gradient's T and KV, the input gradient's T, KV and positions, through
+    columns, V), from direct_shapes. (Cached: a call looks it up in a fraction of a
+    microsecond.)"""
+    _, C, H, W = x_shape
+    K, Cg, R, S = w_shape
+    V = lanes(itemsize)
+    _, _, _, T, KV, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
+                                                              dil_h, dil_w, group, V)
+    return (S == DW_S and KV == DW_KV,
+            _dw_by_lanes(Cg * S, K // group, group, dy_shape[2] * dy_shape[3], V), T, KV,
+            T_x, KV_x, pos_x, columns, V)
+
+
+@njit(cache=True, nogil=True)
+def _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h, group,
+              T, V, overwrite):
+    """The start of either weight gradient (_dw_lanes, _dw_by_tiles): where overwriting, an
+    empty part's gradients set to zeros (it has no chain to store); then, unless there are no
+    samples (False: nothing more to do), the scratch (e and dycl aligned) and the parts
+    checked."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    P, Q = dy.shape[2], dy.shape[3]
+    PQ = P * Q
+    Kg = K // group
+    if overwrite:
+        for part in range(starts.size - 1):
+            if starts[part + 1] == starts[part]:
+                dws[part * dw_step:part * dw_step + K * Cg * R * S] = 0
+                dbs[part * db_step:part * db_step + min(K, dbs.size)] = 0
+    if N == 0:
+        return False
+    HpQ = (H + 2 * pad_h) * Q
+    CSg = Cg * S
+    Kgp, CSv, left, trans = _dw_layout(CSg, Kg, group, R, PQ, HpQ, V)
+    Kp = group * Kgp
+    _, o2 = _dw_extra(Kp * R * _round_up(CSg, T), K * Cg * R * S, left, V)
+    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < o2 + trans
+            or dbacc.size < Kp or e.size < C * S * HpQ + _e_slack(HpQ, V)):
+        raise ValueError("conv_backward_direct: scratch too small")
+    if starts[0] != 0 or starts[-1] != N:
+        raise ValueError("conv_backward_direct: the parts must cover the samples")
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _dw_by_tiles(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                 pad_w, dil_h, dil_w, group, T, KV, overwrite):
+    """The weight and bias gradients of conv_backward_direct in tiles, for the layers that
+    _dw_by_lanes and _dw_by_rows leave; arguments as conv_backward_direct's, T and KV
+    direct_shapes'. dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each
+    element one chain over the part's samples, then positions. Each block of positions is
+    turned channels-last just before its tiles, which find it in the L1 cache (and continue
+    their chains across blocks): a whole chunk turned at once went through L3, which slowed
+    the weight gradient of large outputs (cifar10_quick's first layer) measurably. The last
+    Kg - Km channels: _dw_last_channels."""
     N, C, H, W = x.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]
     PQ = P * Q
     Kg = K // group
     V = lanes(x.itemsize)
-    _, _, _, T, KV, T_x, KV_x, pos_x, columns = direct_shapes(C, H, W, K, R, S, pad_h, pad_w,
-                                                              dil_h, dil_w, group, V)
-    if overwrite:   # an empty part has no chain to store
-        for part in range(starts.size - 1):
-            if starts[part + 1] == starts[part]:
-                dws[part * dw_step:part * dw_step + K * Cg * R * S] = 0
-                dbs[part * db_step:part * db_step + min(K, dbs.size)] = 0
-    if N == 0:
+    e, dycl = _aligned(e, V), _aligned(dycl, V)
+    if not _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                     group, T, V, overwrite):
         return
     KVV = KV * V
     Hp = H + 2 * pad_h
@@ -600,52 +694,17 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
     Kp = group * Kgp
     nkb = _round_up(Km, KVV) // KVV
     CSp = _round_up(CSg, T)
-    esz = C * S * HpQ
-    e, dycl = _aligned(e, V), _aligned(dycl, V)
     CgRS = Cg * R * S
     dwt_size = Kp * R * CSp
     o1, o2 = _dw_extra(dwt_size, K * CgRS, left, V)
-    if (dycl.size < min(PQ, POSITION_BLOCK) * Kp or dwt.size < o2 + trans
-            or dbacc.size < Kp or e.size < esz + _e_slack(HpQ, V)):
-        raise ValueError("conv_backward_direct: scratch too small")
-    if starts[0] != 0 or starts[-1] != N:
-        raise ValueError("conv_backward_direct: the parts must cover the samples")
-    if _dw_by_lanes(CSg, Kg, group, PQ, V):
-        if dwt.size < _lane_sums_size(CSg, K, R, PQ, V):
-            raise ValueError("conv_backward_direct: scratch too small")
-        _dw_lanes(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dwt, pad_h, pad_w, dil_h,
-                  dil_w, V, overwrite)
-        if need_dx:
-            _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x,
-                            KV_x, pos_x, columns, V)
-        return
-    bias = dbs.size > 0
-    by_rows = S == DW_S and KV == DW_KV
-    # dw: T rows (c, s) of e (broadcast) by KV vectors of output channels, each element one
-    # chain over the part's samples, then positions (by_rows: the S rows of one input channel
-    # and kernel row per tile, stored in w's order; DW_S, DW_KV). Each block of positions is turned
-    # channels-last just before its tiles, which find it in the L1 cache (and continue their
-    # chains across blocks): a whole chunk turned at once went through L3, which slowed the
-    # weight gradient of large outputs (cifar10_quick's first layer) measurably.
-    # The last Kg - Km channels (Tl > 0, one group): tiles of Tl channels, broadcast from
-    # dycl, by KVl vectors of rows (c, s) of the widened input transposed (et: positions by
-    # CSv), summed into lsum (rows (r, channel) of CSv); the same chains.
     lsum, et = dwt[o1:o1 + left], dwt[o2:o2 + trans]
-    Kr = Kg - Km
-    KrT = _round_up(Kr, Tl) if Tl > 0 else 0
     for part in range(starts.size - 1):
         n0, n1 = starts[part], starts[part + 1]
         for n in range(n0, n1):
-            widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
-            if Tl > 0:
-                for j in range(0, HpQ, V):
-                    for cs0 in range(0, CSg, V):
-                        transpose_block(et, j * CSv + cs0, CSv, e, cs0 * HpQ + j, HpQ,
-                                        min(V, CSg - cs0), min(V, HpQ - j), et, 0, False)
-            dbacc[:Kp] = 0
+            _dw_sample(x, n, e, et, dbacc, Kp, S, dil_w, pad_h, pad_w, Hp, Q, Tl, CSg, CSv, V)
             for p0 in range(0, PQ, POSITION_BLOCK):
-                _channels_last(dy, n, p0, min(POSITION_BLOCK, PQ - p0), dycl, dbacc, bias, Kg,
-                               Kgp, V)
+                _channels_last(dy, n, p0, min(POSITION_BLOCK, PQ - p0), dycl, dbacc,
+                               dbs.size > 0, Kg, Kgp, V)
                 for r in range(R):
                     # Only the positions whose kernel row r reads no padding row (see
                     # Determinism above).
@@ -656,30 +715,14 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                         for kb in range(nkb):
                             blk = gr * nkb + kb
                             d_off = (j0 - p0) * Kp + gr * Kgp + kb * KVV
-                            if by_rows:
-                                for c in range(Cg):
-                                    tile(DW_S, DW_KV, dwt, ((blk * Cg + c) * R + r) * S * KVV,
-                                         KVV, S, KVV, n > n0 or p0 > 0,
-                                         e, (gr * CSg + c * S) * HpQ + r * dil_h * Q + j0,
-                                         HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
-                                continue
                             for cs0 in range(0, CSg, T):
                                 tile(T, KV, dwt, ((blk * R + r) * CSp + cs0) * KVV, KVV,
                                      CSg - cs0, KVV, n > n0 or p0 > 0,
                                      e, (gr * CSg + cs0) * HpQ + r * dil_h * Q + j0,
                                      HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
-                    for t0 in range(0, KrT, max(Tl, 1)):
-                        for v0 in range(0, CSg, KVl * V):
-                            _tile_unit(Tl, KVl, lsum, (r * KrT + t0) * CSv + v0, CSv, Kr - t0,
-                                       CSg - v0, n > n0 or p0 > 0,
-                                       dycl, (j0 - p0) * Kp + Km + t0, 0, Kp,
-                                       et, (j0 + r * dil_h * Q) * CSv + v0, 0, CSv, 1, steps)
-            if bias:
-                first = overwrite and n == n0
-                for gr in range(group):
-                    for kk in range(Kg):
-                        i = part * db_step + gr * Kg + kk
-                        dbs[i] = dbacc[gr * Kgp + kk] + (0.0 if first else dbs[i])
+                    _dw_last_channels(lsum, et, dycl, r, j0 - p0, j0, steps, n > n0 or p0 > 0,
+                                      Kp, Km, Kg - Km, Tl, KVl, CSg, CSv, dil_h * Q, V)
+            _db_store(dbs, dbacc, part * db_step, group, Kg, Kgp, overwrite and n == n0)
         if n1 == n0:
             continue  # no gradient to add: dwt holds the previous part's
         # Into dw: dwt turned into w's layout (dwk) a block of (s, channels) at a time, then
@@ -691,13 +734,6 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                 blk = gr * nkb + kb
                 k0 = gr * Kg + kb * KVV
                 kn = min(KVV, Km - kb * KVV)
-                if by_rows:   # rows (c, r, s) already: one transposition
-                    for i0 in range(0, CgRS, V):
-                        for kk0 in range(0, kn, V):
-                            transpose_block(dwk, (k0 + kk0) * CgRS + i0, CgRS,
-                                            dwt, (blk * CgRS + i0) * KVV + kk0, KVV,
-                                            min(V, CgRS - i0), min(V, kn - kk0), dwk, 0, False)
-                    continue
                 for c in range(Cg):
                     for r in range(R):
                         base = (blk * R + r) * CSp + c * S
@@ -706,35 +742,145 @@ def conv_backward_direct(x, w, dy, dx, dws, dw_step, dbs, db_step, starts, e, dy
                                 transpose_block(dwk, (k0 + kk0) * CgRS + (c * R + r) * S + s0,
                                                 CgRS, dwt, (base + s0) * KVV + kk0, KVV,
                                                 min(V, S - s0), min(V, kn - kk0), dwk, 0, False)
-        for t in range(Kr):
-            for r in range(R):
-                for c in range(Cg):
-                    for s in range(S):
-                        dwk[(Km + t) * CgRS + (c * R + r) * S + s] = \
-                            lsum[(r * KrT + t) * CSv + c * S + s]
-        dw = dws[part * dw_step:part * dw_step + K * CgRS]
-        if overwrite:
-            for i in range(K * CgRS):
-                dw[i] = dwk[i] + 0.0
-        else:
-            for i in range(K * CgRS):
-                dw[i] += dwk[i]
-    if need_dx:
-        _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
-                        pos_x, columns, V)
+        _dw_store(dws[part * dw_step:part * dw_step + K * CgRS], dwk, lsum, Km, Kg - Km, Tl,
+                  R, Cg, S, CSv, overwrite)
 
 
 @njit(cache=True, nogil=True)
-def _input_gradient(w, dy, dx, eb, wft, dxp, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x,
-                    pos_x, columns, V):
-    """conv_backward_direct's dx, through columns or by gathering, as direct_shapes says
-    (its shapes passed in: working them out again here compiled them again)."""
-    eb, wft = _aligned(eb, V), _aligned(wft, V)
-    if columns:
-        _dx_columns(w, dy, dx, eb, wft, _aligned(dxp, V), pad_h, pad_w, dil_h, dil_w, group,
-                    T_x, KV_x, V)
+def _dw_by_rows(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                pad_w, dil_h, dil_w, group, T, overwrite):
+    """_dw_by_tiles for kernels DW_S wide whose tiles are DW_KV vectors of channels wide
+    (T: direct_shapes', which sizes dwt): each tile takes the S rows (c, s) of one input
+    channel and kernel row and stores them in w's order, so one transposition per part
+    turns the sums into w's layout. A kernel of its own, so that a cold first run compiles
+    only the tiles its layers run: LeNet none of _dw_by_tiles' six shapes, cifar10_quick
+    none of these."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    P, Q = dy.shape[2], dy.shape[3]
+    PQ = P * Q
+    Kg = K // group
+    V = lanes(x.itemsize)
+    e, dycl = _aligned(e, V), _aligned(dycl, V)
+    if not _dw_start(x, w, dy, dws, dw_step, dbs, db_step, starts, e, dycl, dwt, dbacc, pad_h,
+                     group, T, V, overwrite):
+        return
+    KVV = DW_KV * V
+    Hp = H + 2 * pad_h
+    HpQ = Hp * Q
+    CSg = Cg * S
+    _, _, Km, Tl, KVl = _dw_tiles(CSg, Kg, group, R, PQ, HpQ, V)
+    Kgp, CSv, left, trans = _dw_layout(CSg, Kg, group, R, PQ, HpQ, V)
+    Kp = group * Kgp
+    nkb = _round_up(Km, KVV) // KVV
+    CgRS = Cg * R * S
+    dwt_size = Kp * R * _round_up(CSg, T)
+    o1, o2 = _dw_extra(dwt_size, K * CgRS, left, V)
+    lsum, et = dwt[o1:o1 + left], dwt[o2:o2 + trans]
+    for part in range(starts.size - 1):
+        n0, n1 = starts[part], starts[part + 1]
+        for n in range(n0, n1):
+            _dw_sample(x, n, e, et, dbacc, Kp, S, dil_w, pad_h, pad_w, Hp, Q, Tl, CSg, CSv, V)
+            for p0 in range(0, PQ, POSITION_BLOCK):
+                _channels_last(dy, n, p0, min(POSITION_BLOCK, PQ - p0), dycl, dbacc,
+                               dbs.size > 0, Kg, Kgp, V)
+                for r in range(R):
+                    p_lo, p_hi = _valid_range(r * dil_h - pad_h, 1, H, P)
+                    j0 = min(max(p_lo * Q, p0), p0 + POSITION_BLOCK)
+                    steps = max(min(p_hi * Q, PQ, p0 + POSITION_BLOCK) - j0, 0)
+                    for gr in range(group):
+                        for kb in range(nkb):
+                            blk = gr * nkb + kb
+                            d_off = (j0 - p0) * Kp + gr * Kgp + kb * KVV
+                            for c in range(Cg):
+                                tile(DW_S, DW_KV, dwt, ((blk * Cg + c) * R + r) * S * KVV,
+                                     KVV, S, KVV, n > n0 or p0 > 0,
+                                     e, (gr * CSg + c * S) * HpQ + r * dil_h * Q + j0,
+                                     HpQ, 0, 1, dycl, d_off, 0, Kp, 1, steps)
+                    _dw_last_channels(lsum, et, dycl, r, j0 - p0, j0, steps, n > n0 or p0 > 0,
+                                      Kp, Km, Kg - Km, Tl, KVl, CSg, CSv, dil_h * Q, V)
+            _db_store(dbs, dbacc, part * db_step, group, Kg, Kgp, overwrite and n == n0)
+        if n1 == n0:
+            continue  # no gradient to add: dwt holds the previous part's
+        # Into dw: the sums are in rows (c, r, s) already, one transposition into w's layout
+        # (dwk), then added in one pass.
+        dwk = dwt[dwt_size:dwt_size + K * CgRS]
+        for gr in range(group):
+            for kb in range(nkb):
+                blk = gr * nkb + kb
+                k0 = gr * Kg + kb * KVV
+                kn = min(KVV, Km - kb * KVV)
+                for i0 in range(0, CgRS, V):
+                    for kk0 in range(0, kn, V):
+                        transpose_block(dwk, (k0 + kk0) * CgRS + i0, CgRS,
+                                        dwt, (blk * CgRS + i0) * KVV + kk0, KVV,
+                                        min(V, CgRS - i0), min(V, kn - kk0), dwk, 0, False)
+        _dw_store(dws[part * dw_step:part * dw_step + K * CgRS], dwk, lsum, Km, Kg - Km, Tl,
+                  R, Cg, S, CSv, overwrite)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dw_sample(x, n, e, et, dbacc, Kp, S, dil_w, pad_h, pad_w, Hp, Q, Tl, CSg, CSv, V):
+    """The start of sample n in the tiled weight gradients: its input widened into e (as
+    in conv_forward_direct) and, where the last channels run along T (Tl > 0), transposed
+    into et (positions by CSv rows (c, s)); its bias sums dbacc[:Kp] cleared."""
+    widen(x[n], e, 0, S, dil_w, pad_h, pad_w, Hp, Q)
+    if Tl > 0:
+        HpQ = Hp * Q
+        for j in range(0, HpQ, V):
+            for cs0 in range(0, CSg, V):
+                transpose_block(et, j * CSv + cs0, CSv, e, cs0 * HpQ + j, HpQ,
+                                min(V, CSg - cs0), min(V, HpQ - j), et, 0, False)
+    dbacc[:Kp] = 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dw_last_channels(lsum, et, dycl, r, d_row, j0, steps, accumulate, Kp, Km, Kr, Tl, KVl,
+                      CSg, CSv, row_step, V):
+    """The last Kr channels of the tiled weight gradients (one group; nothing where Tl is 0)
+    at kernel row r, for `steps` positions from j0 (row d_row of the dycl block): tiles of Tl
+    channels, broadcast from dycl, by KVl vectors of rows (c, s) of the widened input
+    transposed (et, rows of row_step positions a kernel row apart), summed into lsum (rows
+    (r, channel) of CSv); the same chains as the other channels'."""
+    KrT = _round_up(Kr, Tl) if Tl > 0 else 0
+    for t0 in range(0, KrT, max(Tl, 1)):
+        for v0 in range(0, CSg, KVl * V):
+            _tile_unit(Tl, KVl, lsum, (r * KrT + t0) * CSv + v0, CSv, Kr - t0, CSg - v0,
+                       accumulate, dycl, d_row * Kp + Km + t0, 0, Kp,
+                       et, (j0 + r * row_step) * CSv + v0, 0, CSv, 1, steps)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _db_store(dbs, dbacc, at, group, Kg, Kgp, first):
+    """A sample's bias sums (dbacc, channels padded to Kgp per group) added into the part's
+    bias gradient at dbs[at:] (none where dbs is empty), or, for the part's first sample
+    where overwriting (first), added to zeros."""
+    if dbs.size > 0:
+        for gr in range(group):
+            for kk in range(Kg):
+                i = at + gr * Kg + kk
+                dbs[i] = dbacc[gr * Kgp + kk] + (0.0 if first else dbs[i])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dw_store(dw, dwk, lsum, Km, Kr, Tl, R, Cg, S, CSv, overwrite):
+    """The end of a part in the tiled weight gradients: the last Kr channels' sums (lsum,
+    _dw_last_channels) copied into dwk after the first Km channels', then dwk (w's layout)
+    added into the part's gradient dw, or stored (overwrite, as conv_backward_direct's)."""
+    KrT = _round_up(Kr, Tl) if Tl > 0 else 0
+    CgRS = Cg * R * S
+    for t in range(Kr):
+        for r in range(R):
+            for c in range(Cg):
+                for s in range(S):
+                    dwk[(Km + t) * CgRS + (c * R + r) * S + s] = \
+                        lsum[(r * KrT + t) * CSv + c * S + s]
+    if overwrite:
+        for i in range(dwk.size):
+            dw[i] = dwk[i] + 0.0
     else:
-        _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T_x, KV_x, pos_x, V)
+        for i in range(dwk.size):
+            dw[i] += dwk[i]
 
 
 @njit(cache=True, nogil=True)
@@ -743,7 +889,9 @@ def _dx_gather(w, dy, dx, eb, wft, pad_h, pad_w, dil_h, dil_w, group, T, KV, pos
     h + r'*dil_h - shift_h, w + s'*dil_w - shift_w] (0 outside dy), one chain per element:
     the forward pattern on dy widened with these shifts (eb), the weights flipped (wft,
     followed by one sample's and group's dx, channels innermost, for position tiles). It
-    multiplies the zeros around dy too, but for the kernel rows a tile leaves out."""
+    multiplies the zeros around dy too, but for the kernel rows a tile leaves out. Scratch
+    as conv_backward_direct's (T, KV, positions: direct_shapes')."""
+    eb, wft = _aligned(eb, V), _aligned(wft, V)
     N, C, H, W = dx.shape
     K, Cg, R, S = w.shape
     Kg = K // group
@@ -789,7 +937,8 @@ def _dx_columns(w, dy, dx, dyc, wt, cols, pad_h, pad_w, dil_h, dil_w, group, T, 
     of a kernel row at once, several rows of dx at a time). It multiplies no zeros; the adding
     pass touches each column element once. dyc: one sample's dy (with room for a tile's last
     vectors); wt: the weights with (c, r, s) innermost, rows padded to whole tiles (with
-    zeros)."""
+    zeros); cols: one group's column matrix (dxp). Each aligned here; T, KV: direct_shapes'."""
+    dyc, wt, cols = _aligned(dyc, V), _aligned(wt, V), _aligned(cols, V)
     N, C, H, W = dx.shape
     K, Cg, R, S = w.shape
     P, Q = dy.shape[2], dy.shape[3]

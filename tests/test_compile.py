@@ -43,6 +43,11 @@ def helper(x):
 @njit(cache=True, nogil=True)
 def large(x):
     x[0] = helper(x)
+
+
+@njit(cache=True, nogil=True)
+def doubled(x):
+    x[-1] = 2.0 * helper(x)
 '''
 
 SCRIPT = '''
@@ -110,27 +115,31 @@ LEAVES = '''
 import json, sys, threading, time
 from pathlib import Path
 import numpy as np
-from cgp.runtime.compile import Share
+from cgp.runtime import compile as cc
 import kmod
 
+cc.SHARED_SOURCE = 1               # any callee in common: kmod's are small
 claims = Path(sys.argv[1])
-(claims / "kmod.helper").touch()   # another process compiles a kernel of kmod now
-share = Share(claims, prefix="kmod")
+(claims / "kmod.large").touch()    # another process compiles a kernel of kmod now
+share = cc.Share(claims, prefix="kmod")
 share.install()
+order = []
+compiled = share.compiled
+share.compiled = lambda name, d, c: order.append(name) or compiled(name, d, c)
 x = np.zeros(4)
-kmod.fill(x, 1.0)
-share.compile_deferred()           # kmod is busy: kept
-seen = {"kept": sorted(name for name, _ in share.deferred), "claimed": sorted(share.mine)}
-(claims / "kmod.helper.ready").touch()
-kmod.taken(x)
-(claims / "kmod.large").touch()    # and another now
+kmod.fill(x, 1.0)                  # shares no callee with large: compiled here, now
+kmod.doubled(x)                    # shares helper: left to the other process
+share.compile_deferred()           # large is still compiling: kept
+seen = {"kept": sorted(name for name, _ in share.deferred), "claimed": sorted(share.mine),
+        "x": x.tolist()}
+kmod.taken(x)                      # kmod is left: noted too
 threading.Timer(0.3, (claims / "kmod.large.ready").touch).start()
 started = time.perf_counter()
-seen.update(x=x.tolist(), left=sorted(share.left),
-            noted=sorted(name for name, _ in share.deferred))
+seen.update(left=sorted(share.left), noted=sorted(name for name, _ in share.deferred))
 share.compile_deferred(wait=True)
-seen.update(waited=time.perf_counter() - started >= 0.3)
+seen.update(waited=time.perf_counter() - started >= 0.3, order=order)
 kmod.fill(x, 5.0)
+kmod.doubled(x)
 seen.update(after=x.tolist(), compiled=sorted(share.mine))
 print(json.dumps(seen))
 '''
@@ -138,9 +147,10 @@ print(json.dumps(seen))
 
 def test_a_file_another_compiles_from_is_left_to_it(tmp_path):
     """A kernel returning nothing, of a file that another process is compiling a kernel of
-    (they share callees), is skipped and noted, not claimed, and so are the file's other
-    kernels afterwards; compile_deferred keeps them while the file is busy, or with `wait`,
-    compiles them once it is free."""
+    that shares callees with it, is skipped and noted, not claimed, and so are the file's
+    other kernels afterwards; one that shares none is compiled at once; compile_deferred
+    keeps the noted ones while that kernel compiles, or with `wait`, compiles first those
+    sharing nothing with it, then the others once it is done."""
     (tmp_path / "kmod.py").write_text(KERNELS)
     claims = tmp_path / "claims"
     claims.mkdir()
@@ -150,29 +160,36 @@ def test_a_file_another_compiles_from_is_left_to_it(tmp_path):
                               "NUMBA_CACHE_DIR": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stdout + out.stderr
     seen = json.loads(out.stdout.splitlines()[-1])
-    assert seen == {"kept": ["kmod.fill"], "claimed": [], "x": [0.0] * 4, "left": ["kmod"],
-                    "noted": ["kmod.fill", "kmod.taken"], "waited": True,
-                    "after": [5.0] * 4, "compiled": ["kmod.fill", "kmod.taken"]}
+    assert seen == {"kept": ["kmod.doubled"], "claimed": ["kmod.fill"], "x": [1.0] * 4,
+                    "left": ["kmod"], "noted": ["kmod.doubled", "kmod.taken"],
+                    "waited": True, "order": ["kmod.fill", "kmod.taken", "kmod.doubled"],
+                    "after": [5.0, 5.0, 5.0, 20.0],
+                    "compiled": ["kmod.doubled", "kmod.fill", "kmod.taken"]}
 
 
 def test_source_size_counts_callees_once(tmp_path):
     """A kernel's size is its source's and its jitted callees', each once, however often
-    they are called."""
+    they are called; what two kernels share, the functions that both compile (callees, or
+    one of them called by the other), or all of the first's where the second is unknown."""
     (tmp_path / "kmod.py").write_text(KERNELS + '''
 
 @njit(cache=True, nogil=True)
 def twice(x):
     x[0] = helper(x) + helper(x)
 ''')
-    code = ("import inspect, kmod\nfrom cgp.runtime.compile import source_size\n"
+    code = ("import inspect, kmod\nfrom cgp.runtime.compile import shared_source, source_size\n"
             "s = lambda f: len(inspect.getsource(f.py_func))\n"
             "print(source_size(kmod.twice.py_func) == s(kmod.twice) + s(kmod.helper),"
-            " source_size(kmod.fill.py_func) == s(kmod.fill))")
+            " source_size(kmod.fill.py_func) == s(kmod.fill),"
+            " shared_source(kmod.twice.py_func, kmod.large.py_func) == s(kmod.helper),"
+            " shared_source(kmod.large.py_func, kmod.helper.py_func) == s(kmod.helper),"
+            " shared_source(kmod.fill.py_func, kmod.large.py_func) == 0,"
+            " shared_source(kmod.fill.py_func, None) == s(kmod.fill))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(tmp_path),
                               "NUMBA_CACHE_DIR": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "True"]
+    assert out.stdout.split() == ["True"] * 6
 
 
 IN_PYTHON = '''

@@ -16,10 +16,10 @@ index entry with the other's machine code.
 So that the processes' work is balanced and each callee compiles once, they also leave
 kernels unclaimed (Share): the second begins with an iteration that only notes the kernels
 returning nothing, then compiles them largest first while the first walks the net from its
-test pass; a process leaves a file's kernels to another that is compiling from that file
-(they share callees), and takes at its end what no one did; a kernel returning a value that
-is not a process's own may run as Python over small arrays instead of being compiled or
-awaited (conv's sizes at the set-up).
+test pass; a process leaves a file's kernels to another that is compiling a kernel of that
+file that shares callees with the one met (SHARED_SOURCE), and takes at its end what no one
+did; a kernel returning a value that is not a process's own may run as Python over small
+arrays instead of being compiled or awaited (conv's shape functions at the set-up).
 
 Nothing here can make stale code run: what the run loads is decided by Numba's cache index,
 which keys each entry by the signature and the CPU (name and features) and is thrown away
@@ -53,6 +53,12 @@ FEWEST = 2
 PYTHON_ELEMENTS = 1 << 16
 # A process that has claimed or finished nothing for this long is stopped.
 STALLED_SECONDS = 300
+# Two kernels of one file compile side by side in two processes where they share callees of
+# fewer characters of source than this (shared_source), which then compile in both: conv's
+# _dx_columns beside its other backward kernels (1,321: _tile_unit, _valid_range, ...), fc's
+# bias_parts and pooling's backward beside their forward kernels (0). Conv's forward and
+# backward kernels (5,600 - 12,700: widen, the tile choice) stay with one process.
+SHARED_SOURCE = 2000
 
 
 def precompile(sp, solver_path, config, log, processes=None):
@@ -355,17 +361,23 @@ class Share:
 
     def leaves(self, py_func):
         """Whether this process leaves the kernels of py_func's module to another: one that
-        was compiling a kernel of it when this process first met one it had not claimed."""
+        was compiling a kernel of it that shares callees with py_func (beside_another) when
+        this process first met one it had not claimed."""
         module = py_func.__module__
-        if module not in self.left and self.beside_another(module):
+        if module not in self.left and self.beside_another(py_func):
             self.left.add(module)
         return module in self.left
 
-    def beside_another(self, module):
-        """Whether another process is compiling a kernel of `module` now."""
+    def beside_another(self, py_func):
+        """Whether another process is compiling now a kernel of py_func's module that
+        shares SHARED_SOURCE or more characters of callees with it (shared_source; one that
+        cannot be found counts as sharing them all): both would compile those."""
+        module = py_func.__module__
         names = {path.name for path in self.claims.iterdir()}
         return any(name.startswith(f"{module}.") and name not in self.mine
                    and not name.endswith((".ready", ".done")) and f"{name}.ready" not in names
+                   and shared_source(py_func, kernel(name[len(module) + 1:], module))
+                   >= SHARED_SOURCE
                    for name in names)
 
     def compile_deferred(self, wait=False):
@@ -380,7 +392,7 @@ class Share:
         while noted:
             noted = [kv for kv in noted
                      if kv[0][0] in self.mine or not (self.claims / kv[0][0]).exists()]
-            free = [kv for kv in noted if not self.beside_another(kv[1].py_func.__module__)]
+            free = [kv for kv in noted if not self.beside_another(kv[1].py_func)]
             if noted and not free:
                 if not wait:
                     self.deferred = dict(noted)
@@ -432,23 +444,47 @@ def _skip(*args, **kws):
     return None
 
 
-def source_size(py_func, seen=None):
+def source_size(py_func):
     """The characters of a kernel's source and of the jitted functions it calls, each
     counted once: roughly how long it takes to compile. 0 where a source cannot be read."""
-    seen = set() if seen is None else seen
-    if py_func in seen:
-        return 0
-    seen.add(py_func)
-    try:
-        size = len(inspect.getsource(py_func))
-    except (OSError, TypeError):
-        return 0
-    space = getattr(py_func, "__globals__", {})
-    for name in getattr(getattr(py_func, "__code__", None), "co_names", ()):
-        callee = getattr(space.get(name), "py_func", None)
-        if callee is not None:
-            size += source_size(callee, seen)
-    return size
+    return sum(compiled_with(py_func).values())
+
+
+def shared_source(a, b):
+    """The characters of source that kernels a and b (Python functions) both compile (their
+    callees in common, or one of them where the other calls it); a's all where b is None."""
+    if b is None:
+        return source_size(a)
+    theirs = compiled_with(b)
+    return sum(size for f, size in compiled_with(a).items() if f in theirs)
+
+
+@functools.cache
+def compiled_with(py_func):
+    """What compiling kernel py_func compiles, {function: characters of its source}: itself
+    and the jitted functions it calls, through its module's globals, each once; only those
+    whose source can be read (nothing where py_func's cannot)."""
+    found, todo = {}, [py_func]
+    while todo:
+        f = todo.pop()
+        if f in found:
+            continue
+        try:
+            found[f] = len(inspect.getsource(f))
+        except (OSError, TypeError):
+            continue
+        space = getattr(f, "__globals__", {})
+        for name in getattr(getattr(f, "__code__", None), "co_names", ()):
+            callee = getattr(space.get(name), "py_func", None)
+            if callee is not None:
+                todo.append(callee)
+    return found
+
+
+def kernel(qualname, module):
+    """The Python function of kernel `qualname` of `module` (a claim's name), or None where
+    it is not a module-level kernel of an imported module."""
+    return getattr(getattr(sys.modules.get(module), qualname, None), "py_func", None)
 
 
 @functools.cache   # a skipped kernel asks again at every call: its source parsed once
