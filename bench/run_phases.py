@@ -4,6 +4,7 @@ display lines and the snapshots, each in wall time and in CPU time of the main p
 of the worker processes together, and the first test accuracy >= --target.
 
     python bench/run_phases.py [mnist] [--threads 2] [--iters N] [--target 0.99]
+                               [--data-dir DIR]
 
 The trainer is cgp train's (RunConfig, Trainer.solve), with its log lines dropped and no
 log files; the run's own clock starts where the interpreter starts this script. Worker
@@ -76,12 +77,14 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=None, help="max_iter (the solver's)")
     parser.add_argument("--target", type=float, default=0.99)
+    parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
     path = models.solver_path(args.model)
     sp = read_solver(path)
     folder = tempfile.mkdtemp()
     trainer = Trainer(sp, path, RunConfig(threads=args.threads, max_iter=args.iters,
-                                          progress=False, snapshot_prefix=f"{folder}/s"),
+                                          progress=False, snapshot_prefix=f"{folder}/s",
+                                          data_dir=args.data_dir),
                       log=lambda line: None)
     built = time.perf_counter(), time.process_time()
     pids = [p.pid for p in getattr(trainer.pool, "procs", [])]
