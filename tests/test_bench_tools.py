@@ -18,8 +18,8 @@ BENCH = ROOT / "bench"
 TOOLS = {"call_size.py", "depthwise.py", "fake_cifar10.py", "first_run.py", "gpu_check.sh",
          "gpu_memory.py", "kernel_ab.py", "large_batch.py", "layer_rates.py",
          "machine_scaling.py", "many_cores.sh", "net_hash.py", "rank_stress.py", "rank_time.py",
-         "revision_ab.py", "scale_model.py", "staleness.py", "step_phases.py", "step_tail.py",
-         "torch_baseline.py"}
+         "revision_ab.py", "run_phases.py", "scale_model.py", "staleness.py", "step_phases.py",
+         "step_tail.py", "step_waits.py", "torch_baseline.py"}
 LENET_LAYERS = ("conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "loss")
 
 
@@ -215,6 +215,30 @@ def test_step_tail_times_every_step(mnist_dir, tmp_path):
     assert set(rows) == {1, 2}
     for median, mean, p90, p99, longest, *_ in rows.values():
         assert 0 < median <= p90 <= p99 <= longest and mean <= longest
+
+
+def test_run_phases_splits_a_whole_run(mnist_dir, tmp_path):
+    """A run of 2 workers to iteration 4: the start, the steps, the two test passes (0 and
+    4), the display after every step and the snapshot at the end each have a line."""
+    text = run("run_phases.py", "mnist", "--threads", "2", "--iters", "4", "--data-dir",
+               mnist_dir, cwd=tmp_path)
+    assert re.search(r"mnist, 2 worker\(s\), to iteration 4: \d+\.\d s wall", text)
+    rows = {line[:24].strip(): line[24:].split() for line in text.splitlines()
+            if line.startswith("  ") and not line.split()[0] == "phase"}
+    assert float(rows["start (to Trainer)"][0]) > 0
+    assert rows["test passes"][-1] == "2" and rows["display, per step"][-1] == "4"
+    assert rows["snapshots"][-1] == "1" and float(rows["training steps"][0]) > 0
+
+
+def test_step_waits_splits_each_workers_cpu(mnist_dir, tmp_path):
+    """Each worker process has a line; the calls and the sums took CPU in both."""
+    text = run("step_waits.py", "mnist", "--threads", "2", "--steps", "3", "--rounds", "1",
+               "--data-dir", mnist_dir, cwd=tmp_path)
+    lines = [line for line in text.splitlines() if line.startswith("  worker")]
+    assert len(lines) == 2
+    for line in lines:
+        assert numbers(r"calls (\d+\.\d+)", line)[0] > 0
+        assert numbers(r"factored sums (\d+\.\d+)", line)[0] >= 0
 
 
 def test_large_batch_writes_variants_that_train(mnist_dir, tmp_path):

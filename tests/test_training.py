@@ -19,6 +19,7 @@ from google.protobuf import text_format
 
 from cgp.comm import make_schedule
 from cgp.comm.local import LocalCommunicator
+from cgp.errors import DataError
 from cgp.proto import caffe_pb2
 from cgp.runtime.procs import make_pool
 from cgp.training.config import RunConfig
@@ -157,6 +158,56 @@ def test_a_request_heard_in_a_step_is_acted_on_after_it(mnist_dir, tmp_path):
         assert t.iter == 4 and not t.stopped and t.signals.request is None
         assert sorted(p.name for p in tmp_path.glob("s_iter_*.caffemodel")) == \
             ["s_iter_1.caffemodel", "s_iter_4.caffemodel"]
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_test_pass_reads_each_next_batch_during_the_run_before(mnist_dir, threads):
+    """Each test batch after the first is read and staged (Engine.stage) during the run of
+    the batch before: the outputs are those of the batches read and run one by one."""
+    sp = solver(test_iter=[5], test_interval=2)
+    t = trainer(sp, mnist_dir, threads=threads, workers="processes")
+    try:
+        t.steps(2)
+        engine, staged = t.test_engines[0], []
+        stage = engine.stage
+        engine.stage = lambda batch: (staged.append(batch), stage(batch))
+        outputs, loss = t.test()
+        assert len(staged) == 4   # batches 1 to 4, each during the run before
+        del engine.stage
+        # The same pass batch by batch: the passes before at iteration 2 are the one at 0.
+        first, n = t.tests.before(t.iter, 0) * 5, t.test_nets[0].batch_size
+        runs = [engine.run(t._batch(engine, (first + k) * n, first + k), first + k, t.seed)
+                for k in range(5)]
+        assert loss == sum(r[1] for r in runs) / 5
+        assert outputs == {name: sum(r[0][name] for r in runs) / 5 for name in outputs}
+    finally:
+        t.close()
+
+
+def test_a_bad_test_record_is_raised_at_its_own_batch(mnist_dir):
+    """A data error in a batch read ahead is raised where that batch's turn comes, after
+    the batches before it ran, as without the read-ahead."""
+    sp = solver(test_iter=[4], test_interval=2)
+    t = trainer(sp, mnist_dir, threads=2, workers="processes")
+    try:
+        layer, ran = t.test_nets[0].sources[0].layer, []
+        load, run = layer.load, t.test_engines[0].run
+
+        def load_failing_at_batch_2(start, *args, **kwargs):
+            if start == 20:
+                raise DataError("record 20: bad")
+            return load(start, *args, **kwargs)
+        layer.load = load_failing_at_batch_2
+
+        def run_noted(batch, iteration, *args, **kwargs):
+            ran.append(iteration)
+            return run(batch, iteration, *args, **kwargs)
+        t.test_engines[0].run = run_noted
+        with pytest.raises(DataError, match="record 20: bad"):
+            t.test()
+        assert ran == [0, 1]
     finally:
         t.close()
 

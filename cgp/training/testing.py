@@ -57,12 +57,31 @@ class PeriodicTests:
         iters = self.sp.test_iter[index]
         first = self.before(trainer.iter, trainer.data_origin) * iters
         sums, loss = {}, 0.0
+        ahead = []   # the next batch, read and staged during the run before
+
+        def read(k):
+            return trainer._batch(engine, (first + k) * net.batch_size, first + k)
+
+        def read_ahead(k):
+            """The caller's work during batch k - 1's run (Pool.run's `first`), where it would
+            otherwise keep every worker waiting: batch k, read and copied where the workers
+            will read it (Engine.stage). A data error is left to the loop, which reads that
+            batch again, after the requests are acted on, and raises it there."""
+            if k < iters:
+                try:
+                    batch = read(k)
+                except Exception:   # noqa: BLE001  (raised again where the batch is needed)
+                    return
+                engine.stage(batch)
+                ahead.append(batch)
+
         for k in range(iters):
             trainer.act_on_request()
             if trainer.stopped:
                 return None
-            batch = trainer._batch(engine, (first + k) * net.batch_size, first + k)
-            outputs, batch_loss, _ = engine.run(batch, first + k, trainer.seed)
+            batch = ahead.pop() if ahead else read(k)
+            outputs, batch_loss, _ = engine.run(batch, first + k, trainer.seed,
+                                                first=lambda k=k: read_ahead(k + 1))
             if trainer.heartbeat is not None:   # a long test is progress too (cgp launch)
                 trainer.heartbeat.beat(trainer.iter)
             loss += batch_loss
