@@ -112,24 +112,24 @@ class Trainer:
         return batch
 
     def _work_ahead(self, it):
-        """The caller's work for iteration `it`, done during the last run of the one before
-        (Pool.run's `first`), where it would otherwise be a serial part of the next step:
-        its first batch, copied where the workers will read it (Engine.stage), and its Step
-        (Solver.prepare_ahead). A batch is a function of its position, iteration and seed
-        alone, so reading it early changes nothing; _batch uses it only if the next request
-        is for that very batch (not after a restore or a jump back). A data error is left to
-        the step that needs the batch, which then reads it again and raises it."""
+        """Iteration `it`'s first batch (read_ahead) and Step (Solver.prepare_ahead), made
+        during the last run of the one before (Pool.run's `first`), not serially after it."""
         self._ahead = None
-        if it is None:   # no iteration left to claim (cgp.comm.sharing)
-            return
-        self.solver.prepare_ahead(it)
-        position, iteration = self._pass(it, 0)
+        if it is not None:   # None: no iteration left to claim (cgp.comm.sharing)
+            self.solver.prepare_ahead(it)
+            self.read_ahead(self.engine, *self._pass(it, 0))
+
+    def read_ahead(self, engine, position, iteration):
+        """A batch read early and staged (Engine.stage), for steps and test passes alike;
+        _batch returns it only when asked for that very batch (a function of its position,
+        iteration and seed). A data error is left to that request, which raises it."""
+        self._ahead = None
         try:
-            batch = self._batch(self.engine, position, iteration)
+            batch = self._batch(engine, position, iteration)
         except Exception:   # noqa: BLE001  (raised again where the batch is needed)
             return
-        self._ahead = ((self.engine, position, iteration, self.seed), batch)   # as _batch asks
-        self.engine.stage(batch)
+        self._ahead = ((engine, position, iteration, self.seed), batch)   # as _batch asks
+        engine.stage(batch)
 
     # -- one iteration -------------------------------------------------------------
     def step(self):

@@ -2,6 +2,8 @@
 test_iter batches every test_interval iterations (at iteration 0 too with
 test_initialization), its outputs averaged and logged as Caffe logs them. Signals are
 acted on between test batches, as in Caffe; a stop ends the test."""
+import functools
+
 from cgp.errors import CgpError
 from cgp.training.progress import fmt, loss_note
 from cgp.training.triggers import until
@@ -57,31 +59,17 @@ class PeriodicTests:
         iters = self.sp.test_iter[index]
         first = self.before(trainer.iter, trainer.data_origin) * iters
         sums, loss = {}, 0.0
-        ahead = []   # the next batch, read and staged during the run before
-
-        def read(k):
-            return trainer._batch(engine, (first + k) * net.batch_size, first + k)
-
-        def read_ahead(k):
-            """The caller's work during batch k - 1's run (Pool.run's `first`), where it would
-            otherwise keep every worker waiting: batch k, read and copied where the workers
-            will read it (Engine.stage). A data error is left to the loop, which reads that
-            batch again, after the requests are acted on, and raises it there."""
-            if k < iters:
-                try:
-                    batch = read(k)
-                except Exception:   # noqa: BLE001  (raised again where the batch is needed)
-                    return
-                engine.stage(batch)
-                ahead.append(batch)
-
         for k in range(iters):
             trainer.act_on_request()
             if trainer.stopped:
                 return None
-            batch = ahead.pop() if ahead else read(k)
-            outputs, batch_loss, _ = engine.run(batch, first + k, trainer.seed,
-                                                first=lambda k=k: read_ahead(k + 1))
+            batch = trainer._batch(engine, (first + k) * net.batch_size, first + k)
+            # The next batch is read during this one's run (Trainer.read_ahead), where the
+            # caller's read would otherwise keep every worker waiting.
+            after = first + k + 1
+            ahead = (None if k + 1 == iters else
+                     functools.partial(trainer.read_ahead, engine, after * net.batch_size, after))
+            outputs, batch_loss, _ = engine.run(batch, first + k, trainer.seed, first=ahead)
             if trainer.heartbeat is not None:   # a long test is progress too (cgp launch)
                 trainer.heartbeat.beat(trainer.iter)
             loss += batch_loss
